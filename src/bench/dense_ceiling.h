@@ -1,0 +1,25 @@
+// The chip's practical ceilings, measured in the same run as every kernel they are compared with:
+// cuBLAS dense GEMMs (BF16 and FP8) and a device-to-device copy for HBM bandwidth.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "bench/timing.h"
+
+namespace pounce::bench {
+
+struct Measured {
+  Timing timing;
+  double rate = 0;  // TFLOP/s for GEMMs, GB/s (bytes read + written) for copies
+};
+
+// C[n,n] = A[n,n] . B[n,n]^T in BF16 with fp32 accumulation (cublasGemmEx), random inputs.
+Measured dense_bf16_gemm(int64_t n, int warmup, int reps, cudaStream_t stream);
+// E4M3 x E4M3 -> BF16 (cublasLt, TN, per-tensor scale 1). fast_accum: CUBLASLT_MATMUL_DESC_FAST_ACCUM.
+Measured dense_fp8_gemm(int64_t n, bool fast_accum, int warmup, int reps, cudaStream_t stream);
+// cudaMemcpyAsync device to device of `bytes`.
+Measured hbm_copy(int64_t bytes, int warmup, int reps, cudaStream_t stream);
+
+}  // namespace pounce::bench

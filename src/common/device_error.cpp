@@ -1,0 +1,71 @@
+#include "common/device_error.h"
+
+#include <cstring>
+#include <sstream>
+
+#include "common/cuda_check.h"
+
+namespace pounce {
+
+DeviceErrorSlot::DeviceErrorSlot() {
+  CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(DeviceErrorRecord), cudaHostAllocMapped));
+  std::memset(host_, 0, sizeof(DeviceErrorRecord));
+  CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_), host_, 0));
+}
+
+DeviceErrorSlot::~DeviceErrorSlot() {
+  if (host_) cudaFreeHost(host_);
+}
+
+bool DeviceErrorSlot::has_error() const {
+  return *reinterpret_cast<volatile uint32_t*>(&host_->code) != 0;
+}
+
+static const char* role_name(uint32_t role) {
+  switch (DeviceRole(role)) {
+    case DeviceRole::kGemmProducer: return "gemm producer";
+    case DeviceRole::kGemmConsumer: return "gemm consumer";
+  }
+  return "unknown role";
+}
+
+std::string DeviceErrorSlot::describe() const {
+  if (!has_error()) return "";
+  const DeviceErrorRecord r = *host_;
+  std::ostringstream out;
+  out << "rank " << r.rank << ", " << role_name(r.role) << ", CTA " << r.block << ": ";
+  switch (WaitTarget(r.target)) {
+    case WaitTarget::kMBlockReady:
+      out << "m-block " << r.index << " readiness counter stayed at " << r.observed << ", expected >= " << r.expected;
+      break;
+    case WaitTarget::kStageFull:
+      out << "pipeline stage " << r.index << " never filled (TMA load did not complete), phase " << r.expected;
+      break;
+    case WaitTarget::kStageEmpty:
+      out << "pipeline stage " << r.index << " never released by the consumers, phase " << r.expected;
+      break;
+    case WaitTarget::kTileInfo:
+      out << "tile slot " << r.index << " never published by the producer, phase " << r.expected;
+      break;
+    case WaitTarget::kTileInfoFree:
+      out << "tile slot " << r.index << " never released by the consumers, phase " << r.expected;
+      break;
+    case WaitTarget::kRowsInBounds:
+      out << "expert_offsets[experts] = " << r.observed << " exceeds the " << r.expected << " rows of the A buffer";
+      break;
+  }
+  if (DeviceErrorCode(r.code) == DeviceErrorCode::kWaitTimeout)
+    out << " (gave up after " << r.waited_ns / 1000000.0 << " ms)";
+  return out.str();
+}
+
+void DeviceErrorSlot::check() {
+  if (!has_error()) return;
+  const std::string what = describe();
+  reset();
+  POUNCE_FAIL("kernel stopped: ", what);
+}
+
+void DeviceErrorSlot::reset() { std::memset(host_, 0, sizeof(DeviceErrorRecord)); }
+
+}  // namespace pounce

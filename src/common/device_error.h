@@ -1,0 +1,85 @@
+// Errors raised inside kernels. A kernel that gives up (a wait ran past its deadline, a schedule that
+// breaks an invariant) writes one record here and stops; the host turns it into a pounce::Error that
+// says who waited for what: "rank 0, gemm producer, CTA 17: m-block 42 readiness counter stayed at 3,
+// expected >= 4 after 20 ms".
+//
+// The record lives in mapped pinned host memory, so the host can read it even after a kernel trapped
+// (a trapped context can no longer copy device memory).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace pounce {
+
+enum class DeviceErrorCode : uint32_t {
+  kNone = 0,
+  kWaitTimeout = 1,   // a bounded wait expired
+  kBadSchedule = 2,   // device-side inputs break an invariant (e.g. rows beyond the buffer)
+};
+
+enum class DeviceRole : uint32_t { kGemmProducer = 0, kGemmConsumer = 1 };
+
+// What a waiter was waiting for.
+enum class WaitTarget : uint32_t {
+  kMBlockReady = 0,  // readiness counter of an m-block (index = m-block)
+  kStageFull = 1,    // TMA data of a pipeline stage (index = stage)
+  kStageEmpty = 2,   // consumers releasing a pipeline stage (index = stage)
+  kTileInfo = 3,     // producer publishing the next tile (index = slot)
+  kTileInfoFree = 4, // consumers releasing a tile slot (index = slot)
+  kRowsInBounds = 5, // not a wait: expert_offsets[E] (observed) > buffer rows (expected)
+};
+
+struct DeviceErrorRecord {
+  uint32_t claimed;  // first reporter wins; later ones leave the record alone
+  uint32_t code;     // DeviceErrorCode, written last
+  int32_t rank;
+  uint32_t role;     // DeviceRole
+  int32_t block;     // blockIdx.x of the reporter
+  uint32_t target;   // WaitTarget
+  int64_t index;
+  uint64_t expected;
+  uint64_t observed;
+  uint64_t waited_ns;
+};
+
+// Owns one mapped record. check() throws pounce::Error describing a reported error and clears it.
+class DeviceErrorSlot {
+ public:
+  DeviceErrorSlot();
+  ~DeviceErrorSlot();
+  DeviceErrorSlot(const DeviceErrorSlot&) = delete;
+  DeviceErrorSlot& operator=(const DeviceErrorSlot&) = delete;
+
+  DeviceErrorRecord* device_record() const { return device_; }
+  bool has_error() const;
+  std::string describe() const;  // empty when no error
+  void check();                  // throws after a reported error (and resets the record)
+  void reset();
+
+ private:
+  DeviceErrorRecord* host_ = nullptr;
+  DeviceErrorRecord* device_ = nullptr;
+};
+
+#ifdef __CUDACC__
+// Claims the record (first caller wins) and fills it. Visible to the host after the kernel ends or traps.
+__device__ inline void report_device_error(DeviceErrorRecord* rec, DeviceErrorCode code, DeviceRole role,
+                                           WaitTarget target, int64_t index, uint64_t expected, uint64_t observed,
+                                           uint64_t waited_ns, int32_t rank = 0) {
+  if (rec == nullptr || atomicCAS(&rec->claimed, 0u, 1u) != 0u) return;
+  rec->rank = rank;
+  rec->role = uint32_t(role);
+  rec->block = int32_t(blockIdx.x);
+  rec->target = uint32_t(target);
+  rec->index = index;
+  rec->expected = expected;
+  rec->observed = observed;
+  rec->waited_ns = waited_ns;
+  __threadfence_system();  // the fields before the code that announces them
+  *reinterpret_cast<volatile uint32_t*>(&rec->code) = uint32_t(code);
+  __threadfence_system();
+}
+#endif
+
+}  // namespace pounce

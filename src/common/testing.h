@@ -1,0 +1,66 @@
+// Helpers shared by the test suites: fresh random inputs every run (the seed is printed so a failure
+// can be replayed with POUNCE_SEED=<seed>), relative errors, and the GPU skip guard.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "formats/numerics.h"
+
+namespace pounce::testing {
+
+// A generator seeded from std::random_device, or from $POUNCE_SEED when set. Records the seed in
+// the test's output so every failure names the inputs that caused it.
+inline std::mt19937_64 fresh_rng() {
+  uint64_t seed;
+  if (const char* env = std::getenv("POUNCE_SEED")) {
+    seed = std::strtoull(env, nullptr, 10);
+  } else {
+    std::random_device device;
+    seed = (uint64_t(device()) << 32) ^ device();
+  }
+  ::testing::Test::RecordProperty("seed", std::to_string(seed));
+  std::printf("[ seed     ] POUNCE_SEED=%llu\n", static_cast<unsigned long long>(seed));
+  return std::mt19937_64(seed);
+}
+
+// n values uniform in [lo, hi), each rounded to bf16 so device bf16 copies hold exactly these values.
+inline std::vector<float> random_bf16_values(std::mt19937_64& rng, size_t n, float lo = -1.0f, float hi = 1.0f) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = formats::round_to_bf16(dist(rng));
+  return v;
+}
+
+inline std::vector<uint16_t> to_bf16_bits(std::span<const float> v) {
+  std::vector<uint16_t> bits(v.size());
+  for (size_t i = 0; i < v.size(); ++i) bits[i] = formats::bf16_from_float(v[i]);
+  return bits;
+}
+
+// ||got - want|| / ||want|| in double. NaN anywhere in got gives NaN (which fails every "< tol" check).
+template <typename A, typename B>
+double relative_l2_error(std::span<const A> got, std::span<const B> want) {
+  EXPECT_EQ(got.size(), want.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
+    double d = double(got[i]) - double(want[i]);
+    num += d * d;
+    den += double(want[i]) * double(want[i]);
+  }
+  if (den == 0) return num == 0 ? 0.0 : INFINITY;
+  return std::sqrt(num / den);
+}
+template <typename A, typename B>
+double relative_l2_error(const std::vector<A>& got, const std::vector<B>& want) {
+  return relative_l2_error(std::span<const A>(got), std::span<const B>(want));
+}
+
+}  // namespace pounce::testing

@@ -1,0 +1,25 @@
+// Device quantizers: bf16 [rows, cols] -> E4M3 with power-of-two block scales. Bit-exact with the host
+// references quantize_1x128 and quantize_mxfp8 (formats/blockwise.h): same scale rules, NaN elements
+// become 0x7F, +-Inf saturate to +-448, amax ignores NaN and Inf.
+//
+// All pointers are device pointers to row-major arrays. x_bf16 must be 16-byte aligned and out 8-byte
+// aligned (cudaMalloc'd buffers and row offsets that are multiples of 8 elements qualify). Both calls
+// are asynchronous on `stream`; bad arguments throw pounce::Error before anything is launched. An empty
+// matrix (rows == 0 or cols == 0) launches nothing, and its pointers may then be null.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace pounce::formats {
+
+// out: [rows, cols] E4M3; scales: [rows, cols / 128] fp32 powers of two ("ceil" rule). cols % 128 == 0.
+void quantize_1x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,
+                           cudaStream_t stream);
+
+// out: [rows, cols] E4M3; scales: [rows, cols / 32] E8M0 (OCP MX rule). cols % 32 == 0.
+void quantize_mxfp8_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, uint8_t* scales,
+                           cudaStream_t stream);
+
+}  // namespace pounce::formats

@@ -1,0 +1,192 @@
+// GPU tests of the device quantizers: every byte of data and scales must equal the host reference
+// (formats/blockwise.h). Outputs are poisoned before each launch, and a guard zone past the end of every
+// output buffer must stay poisoned (no out-of-bounds writes).
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "common/cuda_check.h"
+#include "common/gpu.h"
+#include "common/testing.h"
+#include "formats/blockwise.h"
+#include "formats/numerics.h"
+#include "formats/quantize_kernel.h"
+
+namespace pounce::formats {
+namespace {
+
+constexpr uint8_t kPoison = 0xAB;
+constexpr size_t kGuardBytes = 256;
+
+// A device allocation with kGuardBytes of slack past `bytes`.
+class GuardedBuffer {
+ public:
+  explicit GuardedBuffer(size_t bytes) : bytes_(bytes) { CUDA_CHECK(cudaMalloc(&ptr_, bytes + kGuardBytes)); }
+  ~GuardedBuffer() {
+    if (cudaError_t status = cudaFree(ptr_); status != cudaSuccess) ADD_FAILURE() << "cudaFree: " << cudaGetErrorString(status);
+  }
+  GuardedBuffer(const GuardedBuffer&) = delete;
+  GuardedBuffer& operator=(const GuardedBuffer&) = delete;
+
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  void poison() const { CUDA_CHECK(cudaMemset(ptr_, kPoison, bytes_ + kGuardBytes)); }
+  // The bytes_ payload; the guard zone is checked here too.
+  std::vector<uint8_t> download() const {
+    std::vector<uint8_t> all(bytes_ + kGuardBytes);
+    CUDA_CHECK(cudaMemcpy(all.data(), ptr_, all.size(), cudaMemcpyDeviceToHost));
+    for (size_t i = bytes_; i < all.size(); ++i)
+      EXPECT_EQ(all[i], kPoison) << "write past the end, at byte " << i - bytes_ << " after it";
+    all.resize(bytes_);
+    return all;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_;
+};
+
+void expect_bytes_equal(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want, const char* what,
+                        int64_t row_bytes) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int64_t mismatches = 0, first = -1;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (got[i] != want[i] && mismatches++ == 0) first = int64_t(i);
+  EXPECT_EQ(mismatches, 0) << what << ": first mismatch at byte " << first << " (row " << first / row_bytes
+                           << ", column " << first % row_bytes << "): device 0x" << std::hex
+                           << int(got[std::max<int64_t>(first, 0)]) << ", host 0x" << int(want[std::max<int64_t>(first, 0)]);
+}
+
+template <typename T>
+std::vector<uint8_t> as_bytes(const std::vector<T>& v) {
+  std::vector<uint8_t> bytes(v.size() * sizeof(T));
+  std::memcpy(bytes.data(), v.data(), bytes.size());
+  return bytes;
+}
+
+// Runs both device quantizers on x (bf16 bits, [rows, cols]) and compares them to the host reference.
+// The 1x128 quantizer runs only when cols is a multiple of 128.
+void check_against_host(const std::vector<uint16_t>& x, int64_t rows, int64_t cols) {
+  SCOPED_TRACE(::testing::Message() << "shape [" << rows << ", " << cols << "]");
+  std::vector<float> xf(x.size());
+  for (size_t i = 0; i < x.size(); ++i) xf[i] = bf16_to_float(x[i]);
+
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreate(&stream));
+  GuardedBuffer d_x(x.size() * sizeof(uint16_t)), d_out(x.size());
+  CUDA_CHECK(cudaMemcpy(d_x.as<void>(), x.data(), x.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+
+  if (cols % kActivationBlock == 0) {
+    const Fp8Rows1x128 want = quantize_1x128(xf, rows, cols);
+    GuardedBuffer d_scales(want.scales.size() * sizeof(float));
+    d_out.poison();
+    d_scales.poison();
+    quantize_1x128_device(d_x.as<uint16_t>(), rows, cols, d_out.as<uint8_t>(), d_scales.as<float>(), stream);
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    expect_bytes_equal(d_out.download(), want.data, "1x128 data", cols);
+    expect_bytes_equal(d_scales.download(), as_bytes(want.scales), "1x128 scales", cols / kActivationBlock * 4);
+  }
+
+  const Mxfp8 want = quantize_mxfp8(xf, rows, cols);
+  GuardedBuffer d_scales(want.scales.size());
+  d_out.poison();
+  d_scales.poison();
+  quantize_mxfp8_device(d_x.as<uint16_t>(), rows, cols, d_out.as<uint8_t>(), d_scales.as<uint8_t>(), stream);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  expect_bytes_equal(d_out.download(), want.data, "MXFP8 data", cols);
+  expect_bytes_equal(d_scales.download(), want.scales, "MXFP8 scales", cols / kMxBlock);
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// bf16 bits whose magnitude ranges over the whole format: each 32-element block draws a top exponent
+// field in [0, 254] and its elements fall up to `spread` binades below it (field 0: subnormals). Tops near
+// 0 make the scale exponent clamp at -127; tops near 254 reach the largest bf16.
+std::vector<uint16_t> wide_range_bf16(std::mt19937_64& rng, size_t n, int spread) {
+  std::vector<uint16_t> x(n);
+  std::uniform_int_distribution<int> top(0, 254), below(0, spread);
+  for (size_t b = 0; b < n; b += kMxBlock) {
+    const int t = top(rng);
+    for (size_t i = b; i < b + kMxBlock; ++i) {
+      const uint32_t exponent = uint32_t(std::max(0, t - below(rng)));
+      x[i] = uint16_t((rng() & 0x807Fu) | exponent << 7);  // random sign and fraction
+    }
+  }
+  return x;
+}
+
+TEST(QuantizeKernel, RandomUniformMatchesHost) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 128}, {1, 7168}, {3, 384}, {333, 128}, {2048, 7168}, {1000, 2048}};
+  for (auto [rows, cols] : shapes) {
+    const std::vector<float> v = testing::random_bf16_values(rng, size_t(rows * cols), -4.0f, 4.0f);
+    check_against_host(testing::to_bf16_bits(v), rows, cols);
+  }
+}
+
+TEST(QuantizeKernel, WideMagnitudesMatchHost) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 128}, {17, 7168}, {4096, 256}, {5, 32}, {7, 96}};
+  for (auto [rows, cols] : shapes)
+    for (int spread : {3, 12, 40}) check_against_host(wide_range_bf16(rng, size_t(rows * cols), spread), rows, cols);
+}
+
+TEST(QuantizeKernel, EdgeCasesMatchHost) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const int64_t rows = 3, cols = 512;
+  std::vector<uint16_t> x = testing::to_bf16_bits(testing::random_bf16_values(rng, size_t(rows * cols)));
+  auto block = [&](int64_t index) { return x.begin() + index * kMxBlock; };  // 32-element blocks
+  std::fill(block(0), block(4), uint16_t(0x0000));                  // a whole 128-block of zeros...
+  for (int i = 0; i < 128; i += 3) x[i] = 0x8000;                   // ...some of them -0
+  for (int i = 128; i < 256; ++i) x[i] = uint16_t((i & 1) << 15 | (i % 0x7F + 1));  // only subnormals
+  std::fill(block(8), block(9), uint16_t(0x3F80));                  // largest bf16 among ones
+  x[8 * 32 + 3] = 0x7F7F;
+  x[8 * 32 + 4] = 0xFF7F;
+  x[9 * 32 + 0] = 0x7FC0;                                           // NaN, -NaN, a NaN payload, +-Inf
+  x[9 * 32 + 1] = 0xFFC0;
+  x[9 * 32 + 2] = 0x7F81;
+  x[9 * 32 + 3] = 0x7F80;
+  x[9 * 32 + 4] = 0xFF80;
+  std::fill(block(10), block(11), uint16_t(0x7FC0));                // only NaN and Inf
+  x[10 * 32 + 7] = 0xFF80;
+  std::fill(block(12), block(13), uint16_t(0x0001));                // smallest subnormal and big values
+  x[12 * 32 + 9] = 0x4480;                                          // 1024: tiny ones flush
+  x[13 * 32] = 0x43E0;                                              // amax exactly 448
+  x[14 * 32] = 0x43E1;                                              // just above 448
+  x[15 * 32] = 0xC3E0;                                              // -448
+  for (int i = 0; i < 32; ++i) x[16 * 32 + i] = uint16_t(0x3F80 + i * 4);  // 1.0 .. 1.97 (ties in E4M3)
+  x[17 * 32] = 0x3FE0;                                              // 1.75 * 2^0: the ceil threshold
+  x[18 * 32] = 0x3FE1;                                              // just above it
+  x[19 * 32] = 0x0070;                                              // subnormal amax, 1.75 * 2^-127
+  std::fill(block(20), block(21), uint16_t(0x0071));                // subnormal, just above 1.75 * 2^-127
+  std::fill(block(24), block(28), uint16_t(0x7F80));                // a 128-block of +Inf
+  check_against_host(x, rows, cols);
+}
+
+TEST(QuantizeKernel, RejectsBadArguments) {
+  POUNCE_REQUIRE_HOPPER();
+  GuardedBuffer d_x(1024 * 2), d_out(1024), d_scales(64);
+  const auto* x = d_x.as<uint16_t>();
+  auto* out = d_out.as<uint8_t>();
+  EXPECT_THROW(quantize_1x128_device(x, 1, 100, out, d_scales.as<float>(), nullptr), Error);
+  EXPECT_THROW(quantize_mxfp8_device(x, 1, 48, out, d_scales.as<uint8_t>(), nullptr), Error);
+  EXPECT_THROW(quantize_1x128_device(x, -1, 128, out, d_scales.as<float>(), nullptr), Error);
+  EXPECT_THROW(quantize_1x128_device(nullptr, 1, 128, out, d_scales.as<float>(), nullptr), Error);
+  EXPECT_THROW(quantize_mxfp8_device(x, 1, 128, nullptr, d_scales.as<uint8_t>(), nullptr), Error);
+  EXPECT_THROW(quantize_mxfp8_device(x, 1, 128, out, nullptr, nullptr), Error);
+  EXPECT_THROW(quantize_1x128_device(x + 1, 1, 128, out, d_scales.as<float>(), nullptr), Error);  // misaligned
+  EXPECT_THROW(quantize_1x128_device(x, 1, 128, out + 4, d_scales.as<float>(), nullptr), Error);
+  // Empty matrices launch nothing, even with null pointers.
+  EXPECT_NO_THROW(quantize_1x128_device(nullptr, 0, 128, nullptr, nullptr, nullptr));
+  EXPECT_NO_THROW(quantize_mxfp8_device(nullptr, 4, 0, nullptr, nullptr, nullptr));
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+}  // namespace
+}  // namespace pounce::formats

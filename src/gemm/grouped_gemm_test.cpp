@@ -1,0 +1,263 @@
+// Grouped GEMM engine against a host computation in double, on fresh random data each run.
+// Padding rows and the unused tail of the A buffer hold NaN: a kernel that lets them leak into valid
+// rows, or that reads past an expert's rows, fails the comparison.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "common/gpu.h"
+#include "common/testing.h"
+#include "gemm/grouped_gemm.h"
+#include "reference/moe_layer.h"
+
+namespace pounce::gemm {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint16_t kBf16NaNBits = 0x7FC0;
+constexpr uint16_t kPoisonBits = 0xFFFF;  // what fill_bytes(0xFF) leaves: a NaN
+
+struct Problem {
+  int experts = 0;
+  int64_t n = 0, k = 0;
+  std::vector<int32_t> counts;  // rows per expert
+  Epilogue epilogue = Epilogue::kStore;
+  bool row_scale = false;
+
+  std::vector<int32_t> offsets;  // padded, [experts + 1]
+  int64_t a_rows = 0;            // offsets.back() plus one unused m-block
+  std::vector<float> a, b, scale;
+  int64_t out_cols() const { return epilogue == Epilogue::kSwiGLU ? n / 2 : n; }
+};
+
+Problem make_problem(std::mt19937_64& rng, int experts, int64_t n, int64_t k, std::vector<int32_t> counts,
+                     Epilogue epilogue, bool row_scale) {
+  Problem p{experts, n, k, std::move(counts), epilogue, row_scale};
+  p.offsets.assign(experts + 1, 0);
+  for (int e = 0; e < experts; ++e) p.offsets[e + 1] = p.offsets[e] + (p.counts[e] + kBlockM - 1) / kBlockM * kBlockM;
+  p.a_rows = p.offsets.back() + kBlockM;
+  p.a.assign(p.a_rows * k, std::nanf(""));
+  const auto values = testing::random_bf16_values(rng, p.a_rows * k);
+  for (int e = 0; e < experts; ++e)
+    for (int64_t r = p.offsets[e]; r < p.offsets[e] + p.counts[e]; ++r)
+      std::copy(values.begin() + r * k, values.begin() + (r + 1) * k, p.a.begin() + r * k);
+  const float b_scale = 2.0f / std::sqrt(float(k));
+  p.b = testing::random_bf16_values(rng, int64_t(experts) * n * k, -b_scale, b_scale);
+  if (row_scale) p.scale = testing::random_bf16_values(rng, p.a_rows, 0.1f, 1.0f);
+  return p;
+}
+
+// Valid rows of C in double; NaN elsewhere (not compared).
+std::vector<double> host_result(const Problem& p) {
+  const int64_t cols = p.out_cols();
+  std::vector<double> c(p.a_rows * cols, std::nan(""));
+  std::vector<double> acc(p.n);
+  for (int e = 0; e < p.experts; ++e)
+    for (int64_t r = p.offsets[e]; r < p.offsets[e] + p.counts[e]; ++r) {
+      for (int64_t j = 0; j < p.n; ++j) {
+        double sum = 0;
+        const float* a = &p.a[r * p.k];
+        const float* b = &p.b[(int64_t(e) * p.n + j) * p.k];
+        for (int64_t i = 0; i < p.k; ++i) sum += double(a[i]) * b[i];
+        acc[j] = sum;
+      }
+      const double s = p.row_scale ? p.scale[r] : 1.0;
+      for (int64_t j = 0; j < cols; ++j) {
+        if (p.epilogue == Epilogue::kSwiGLU) {
+          const double g = acc[reference::w13_row(j, false)], u = acc[reference::w13_row(j, true)];
+          c[r * cols + j] = s * g / (1.0 + std::exp(-g)) * u;
+        } else {
+          c[r * cols + j] = s * acc[j];
+        }
+      }
+    }
+  return c;
+}
+
+struct DeviceProblem {
+  DeviceBuffer<uint16_t> a, b, c;
+  DeviceBuffer<int32_t> offsets;
+  DeviceBuffer<float> scale;
+
+  explicit DeviceProblem(const Problem& p)
+      : a(testing::to_bf16_bits(p.a)), b(testing::to_bf16_bits(p.b)), c(p.a_rows * p.out_cols()),
+        offsets(p.offsets), scale(p.scale) {}
+
+  GroupedGemmArgs args(const Problem& p) const {
+    GroupedGemmArgs g;
+    g.a = reinterpret_cast<const __nv_bfloat16*>(a.data());
+    g.a_rows = p.a_rows;
+    g.b = reinterpret_cast<const __nv_bfloat16*>(b.data());
+    g.experts = p.experts;
+    g.n = p.n;
+    g.k = p.k;
+    g.c = reinterpret_cast<__nv_bfloat16*>(c.data());
+    g.epilogue = p.epilogue;
+    g.expert_offsets = offsets.data();
+    g.row_scale = p.row_scale ? scale.data() : nullptr;
+    return g;
+  }
+};
+
+std::vector<uint16_t> run(GroupedGemm& gemm, DeviceProblem& d, const GroupedGemmArgs& args) {
+  d.c.fill_bytes(0xFF);
+  gemm.run(args, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  gemm.check_device_errors();
+  return d.c.download();
+}
+
+void expect_matches(const Problem& p, const std::vector<uint16_t>& got_bits) {
+  const auto want = host_result(p);
+  const int64_t cols = p.out_cols();
+  std::vector<double> got_valid, want_valid;
+  int64_t non_finite = 0, tail_written = 0;
+  for (int e = 0; e < p.experts; ++e)
+    for (int64_t r = p.offsets[e]; r < p.offsets[e] + p.counts[e]; ++r)
+      for (int64_t j = 0; j < cols; ++j) {
+        const float v = formats::bf16_to_float(got_bits[r * cols + j]);
+        non_finite += !std::isfinite(v);
+        got_valid.push_back(v);
+        want_valid.push_back(want[r * cols + j]);
+      }
+  // Rows past expert_offsets[experts] belong to no tile: they must still hold the poison.
+  for (int64_t i = int64_t(p.offsets.back()) * cols; i < p.a_rows * cols; ++i) tail_written += got_bits[i] != kPoisonBits;
+  EXPECT_EQ(non_finite, 0) << "valid output rows must be finite (padding NaN leaked, or rows left unwritten)";
+  EXPECT_EQ(tail_written, 0) << "rows beyond the experts' m-blocks were written";
+  // bf16 output rounding (2^-9 relative) dominates: ~3e-3.
+  EXPECT_LT(testing::relative_l2_error(got_valid, want_valid), 1e-2);
+}
+
+struct Case {
+  const char* name;
+  int experts;
+  int64_t n, k;
+  std::vector<int32_t> counts;  // empty: random in [0, max_count]
+  int32_t max_count;
+  Epilogue epilogue;
+  bool row_scale;
+};
+
+void PrintTo(const Case& c, std::ostream* out) { *out << c.name; }
+
+class GroupedGemmTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GroupedGemmTest, MatchesHost) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const Case c = GetParam();
+  std::vector<int32_t> counts = c.counts;
+  if (counts.empty()) {
+    std::uniform_int_distribution<int32_t> count(0, c.max_count);
+    for (int e = 0; e < c.experts; ++e) counts.push_back(count(rng));
+  }
+  const Problem p = make_problem(rng, c.experts, c.n, c.k, counts, c.epilogue, c.row_scale);
+  DeviceProblem d(p);
+  GroupedGemm gemm;
+  const auto first = run(gemm, d, d.args(p));
+  expect_matches(p, first);
+  // Same inputs, same bits: tiles never split K, so no reduction order can change between runs.
+  const auto second = run(gemm, d, d.args(p));
+  EXPECT_EQ(std::memcmp(first.data(), second.data(), first.size() * sizeof(uint16_t)), 0) << "not deterministic";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GroupedGemmTest,
+    ::testing::Values(
+        Case{"one_row_smallest", 1, 64, 64, {1}, 0, Epilogue::kStore, false},
+        Case{"one_row_swiglu_narrowest", 1, 64, 64, {1}, 0, Epilogue::kSwiGLU, false},
+        Case{"edges_swiglu_scaled", 7, 192, 192, {0, 1, 127, 128, 129, 0, 300}, 0, Epilogue::kSwiGLU, true},
+        Case{"many_small_experts", 64, 320, 128, {}, 40, Epilogue::kStore, false},
+        Case{"odd_multiples", 3, 448, 576, {500, 260, 0}, 0, Epilogue::kSwiGLU, false},
+        Case{"wide_n_scaled", 4, 1024, 512, {700, 300, 900, 129}, 0, Epilogue::kStore, true},
+        Case{"deep_k", 2, 256, 2048, {200, 90}, 0, Epilogue::kSwiGLU, true},
+        Case{"max_experts", 512, 64, 64, {}, 3, Epilogue::kStore, false}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+TEST(GroupedGemm, WaitsForReadinessCounters) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const Problem p = make_problem(rng, 3, 256, 128, {300, 0, 200}, Epilogue::kStore, false);
+  DeviceProblem d(p);
+  const int64_t m_blocks = p.a_rows / kBlockM;
+  std::vector<uint32_t> ready(m_blocks, 7);  // counters are epochs: 7 satisfies target 7, 8 would too
+  ready[1] = 8;
+  DeviceBuffer<uint32_t> d_ready(ready);
+  GroupedGemmArgs args = d.args(p);
+  args.m_block_ready = d_ready.data();
+  args.ready_target = 7;
+  GroupedGemm gemm;
+  expect_matches(p, run(gemm, d, args));
+}
+
+TEST(GroupedGemm, StalledMBlockTimesOutWithANamedError) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const Problem p = make_problem(rng, 2, 256, 128, {400, 300}, Epilogue::kSwiGLU, false);
+  DeviceProblem d(p);
+  std::vector<uint32_t> ready(p.a_rows / kBlockM, 4);
+  ready[5] = 3;  // m-block 5 (expert 1) never becomes ready
+  DeviceBuffer<uint32_t> d_ready(ready);
+  GroupedGemmArgs args = d.args(p);
+  args.m_block_ready = d_ready.data();
+  args.ready_target = 4;
+  args.wait_timeout_ns = 20'000'000;  // 20 ms
+  GroupedGemm gemm;
+  d.c.fill_bytes(0xFF);
+  gemm.run(args, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());  // the kernel must end on its own
+  try {
+    gemm.check_device_errors();
+    FAIL() << "expected a readiness timeout";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("gemm producer"));
+    EXPECT_THAT(e.what(), HasSubstr("m-block 5 readiness counter stayed at 3, expected >= 4"));
+  }
+  // The error was consumed; the next run with every m-block ready succeeds.
+  ready[5] = 4;
+  d_ready.upload(ready);
+  expect_matches(p, run(gemm, d, args));
+}
+
+TEST(GroupedGemm, RejectsOffsetsBeyondTheBuffer) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, 2, 128, 64, {100, 100}, Epilogue::kStore, false);
+  DeviceProblem d(p);
+  GroupedGemmArgs args = d.args(p);
+  args.a_rows = kBlockM;  // offsets say 256 rows
+  GroupedGemm gemm;
+  gemm.run(args, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_THROW(
+      {
+        try {
+          gemm.check_device_errors();
+        } catch (const Error& e) {
+          EXPECT_THAT(e.what(), HasSubstr("expert_offsets[experts] = 256 exceeds the 128 rows"));
+          throw;
+        }
+      },
+      Error);
+}
+
+TEST(GroupedGemm, RejectsUnsupportedShapesByName) {
+  POUNCE_REQUIRE_HOPPER();
+  GroupedGemmArgs args;
+  args.experts = 2;
+  args.n = 100;
+  args.k = 64;
+  GroupedGemm gemm;
+  try {
+    gemm.run(args, nullptr);
+    FAIL() << "n = 100 was accepted";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("n = 100 is not supported"));
+  }
+}
+
+}  // namespace
+}  // namespace pounce::gemm
