@@ -12,11 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "baseline/cublas_moe.h"
+#include "bench/bench.h"
 #include "bench/dense_ceiling.h"
-#include "bench/device_fill.h"
-#include "bench/json.h"
-#include "bench/shapes.h"
 #include "common/error.h"
 #include "common/gpu.h"
 #include "reference/moe_layer.h"
@@ -26,20 +23,10 @@
 namespace pounce::bench {
 namespace {
 
-struct Options {
-  std::string shapes = default_shape().name;
-  std::string routing = "uniform";
-  std::string json_path;
-  std::string commit;
-  int warmup = 5;
-  int reps = 20;
-  bool ceilings = true;
-};
-
 void usage() {
   std::printf(
       "usage: pounce_bench [--shapes NAMES|all] [--routing uniform|zipf|one_expert|half_empty]\n"
-      "                    [--warmup N] [--reps N] [--json PATH] [--commit HASH] [--no-ceilings]\n"
+      "                    [--warmup N] [--reps N] [--json PATH] [--commit HASH] [--no-gemms]\n"
       "shapes:");
   for (const auto& s : shape_catalogue()) std::printf(" %s", s.name.c_str());
   std::printf("\n");
@@ -47,6 +34,7 @@ void usage() {
 
 Options parse(int argc, char** argv) {
   Options o;
+  o.shapes = default_shape().name;
   if (const char* c = std::getenv("POUNCE_COMMIT")) o.commit = c;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -60,7 +48,7 @@ Options parse(int argc, char** argv) {
     else if (arg == "--commit") o.commit = value();
     else if (arg == "--warmup") o.warmup = std::stoi(value());
     else if (arg == "--reps") o.reps = std::stoi(value());
-    else if (arg == "--no-ceilings") o.ceilings = false;
+    else if (arg == "--no-gemms") o.gemms = false;
     else if (arg == "--help" || arg == "-h") { usage(); std::exit(0); }
     else POUNCE_FAIL("unknown option '", arg, "' (see --help)");
   }
@@ -154,123 +142,30 @@ Json environment(const Options& o) {
   return env;
 }
 
-Json timing_json(const Timing& t) {
-  Json j = Json::object();
-  j["median_ms"] = t.median_ms;
-  j["p10_ms"] = t.p10_ms;
-  j["p90_ms"] = t.p90_ms;
-  j["min_ms"] = t.min_ms;
-  j["reps"] = t.reps;
-  return j;
-}
-
-struct Row {
-  std::string shape, impl;
-  double ms, tflops, fraction_of_dense, speedup;
-};
-
-void print_table(const std::vector<Row>& rows) {
-  std::printf("\n%-18s %-24s %10s %9s %9s %9s\n", "shape", "implementation", "ms", "TFLOP/s", "of dense", "speedup");
-  for (const Row& r : rows)
-    std::printf("%-18s %-24s %10.3f %9.1f %8.1f%% %8.2fx\n", r.shape.c_str(), r.impl.c_str(), r.ms, r.tflops,
-                100 * r.fraction_of_dense, r.speedup);
-  std::printf("(speedup: against the slowest implementation of the same shape; of dense: cuBLAS 8192^3 BF16 rate of this run)\n");
-}
-
-Json run_moe_shape(const MoeModelShape& s, const Options& o, double dense_tflops, std::vector<Row>& table,
-                   cudaStream_t stream) {
-  const int64_t T = s.slice_tokens, H = s.hidden, I = s.intermediate, E = s.slice_experts, k = s.topk;
-  std::printf("\n%s: H %ld, I %ld, %ld local experts, %ld tokens, top-%ld, %s routing\n", s.name.c_str(), long(H),
-              long(I), long(E), long(T), long(k), o.routing.c_str());
-  std::mt19937_64 rng(42);  // benchmarks are reproducible; tests draw fresh inputs
-  const auto pattern = reference::parse_routing_pattern(o.routing);
-  const auto ids = reference::synthetic_topk_ids(pattern, T, int(E), int(k), rng);
-  const auto weights = reference::synthetic_topk_weights(T, int(k), rng);
-
-  // Two input sets, rotated between repetitions. Weights (>= 100 MB per shape) dwarf the L2 already.
-  constexpr int kSets = 2;
-  DeviceBuffer<__nv_bfloat16> w13(E * 2 * I * H), w2(E * H * I), y(T * H);
-  std::vector<DeviceBuffer<__nv_bfloat16>> x;
-  const float w_scale = 1.0f / std::sqrt(float(H));
-  fill_random_bf16(w13.data(), w13.size(), 11, w_scale, stream);
-  fill_random_bf16(w2.data(), w2.size(), 12, w_scale, stream);
-  for (int i = 0; i < kSets; ++i) {
-    x.emplace_back(T * H);
-    fill_random_bf16(x.back().data(), T * H, 100 + i, 1.0f, stream);
-  }
-  DeviceBuffer<float> d_weights(weights);
-
-  baseline::CublasMoe moe({.max_tokens = T, .hidden = H, .intermediate = I, .experts = E, .topk = k});
-  moe.set_weights(w13.data(), w2.data());
-  moe.set_routing(ids, T);
-
-  Json result = Json::object();
-  result["shape"] = s.name;
-  result["hidden"] = H;
-  result["intermediate"] = I;
-  result["model_experts"] = s.model_experts;
-  result["local_experts"] = E;
-  result["tokens"] = T;
-  result["topk"] = k;
-  result["routing"] = o.routing;
-  result["routes"] = moe.routes();
-  result["padded_rows"] = moe.padded_rows();
-  result["forward_flops"] = s.forward_flops();
-  Json impls = Json::array();
-
-  std::vector<Row> rows;
-  for (auto calls : {baseline::GemmCalls::kLoop, baseline::GemmCalls::kGroupedBatched}) {
-    const Timing t = time_on_stream(
-        [&](int rep) { moe.forward(x[rep % kSets].data(), d_weights.data(), y.data(), calls, stream); }, stream,
-        o.warmup, o.reps);
-    const double tflops = s.forward_flops() / (t.median_ms * 1e-3) / 1e12;
-    rows.push_back({s.name, std::string("forward ") + baseline::gemm_calls_name(calls), t.median_ms, tflops,
-                    tflops / dense_tflops, 0});
-    Json j = Json::object();
-    j["impl"] = rows.back().impl;
-    j["timing"] = timing_json(t);
-    j["tflops"] = tflops;
-    j["fraction_of_dense_bf16"] = tflops / dense_tflops;
-    impls.push_back(j);
-  }
-  double slowest = 0;
-  for (const Row& r : rows) slowest = std::max(slowest, r.ms);
-  for (Row& r : rows) {
-    r.speedup = slowest / r.ms;
-    table.push_back(r);
-  }
-  result["implementations"] = impls;
-  return result;
-}
-
 int run_gpu(const Options& o) {
   Json doc = Json::object();
   doc["environment"] = environment(o);
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreate(&stream));
 
-  double dense_bf16 = 0;
-  if (o.ceilings) {
-    const Measured bf16 = dense_bf16_gemm(8192, o.warmup, o.reps, stream);
-    const Measured fp8 = dense_fp8_gemm(8192, false, o.warmup, o.reps, stream);
-    const Measured fp8_fast = dense_fp8_gemm(8192, true, o.warmup, o.reps, stream);
-    const Measured copy = hbm_copy(int64_t(4) << 30, o.warmup, o.reps, stream);
-    dense_bf16 = bf16.rate;
-    std::printf("\nceilings: cuBLAS 8192^3 BF16 %.1f TFLOP/s (%.3f ms), FP8 %.1f (fast accumulation %.1f), "
-                "HBM copy %.0f GB/s\n", bf16.rate, bf16.timing.median_ms, fp8.rate, fp8_fast.rate, copy.rate);
-    Json c = Json::object();
-    c["dense_bf16_8192_tflops"] = bf16.rate;
-    c["dense_bf16_8192_timing"] = timing_json(bf16.timing);
-    c["dense_fp8_8192_tflops"] = fp8.rate;
-    c["dense_fp8_fast_accum_8192_tflops"] = fp8_fast.rate;
-    c["hbm_copy_4GiB_gbps"] = copy.rate;
-    doc["ceilings"] = c;
-  }
+  // Ceilings first, in the same process as everything compared with them.
+  const Measured bf16 = dense_bf16_gemm(8192, o.warmup, o.reps, stream);
+  const Measured fp8 = dense_fp8_gemm(8192, false, o.warmup, o.reps, stream);
+  const Measured fp8_fast = dense_fp8_gemm(8192, true, o.warmup, o.reps, stream);
+  const Measured copy = hbm_copy(int64_t(4) << 30, o.warmup, o.reps, stream);
+  std::printf("\nceilings: cuBLAS 8192^3 BF16 %.1f TFLOP/s (%.3f ms), FP8 %.1f (fast accumulation %.1f), "
+              "HBM copy %.0f GB/s\n", bf16.rate, bf16.timing.median_ms, fp8.rate, fp8_fast.rate, copy.rate);
+  Json& c = doc["ceilings"];
+  c["dense_bf16_8192_tflops"] = bf16.rate;
+  c["dense_bf16_8192_timing"] = timing_json(bf16.timing);
+  c["dense_fp8_8192_tflops"] = fp8.rate;
+  c["dense_fp8_fast_accum_8192_tflops"] = fp8_fast.rate;
+  c["hbm_copy_4GiB_gbps"] = copy.rate;
 
   std::vector<Row> table;
   Json shapes = Json::array();
-  for (const MoeModelShape& s : select_shapes(o.shapes)) shapes.push_back(run_moe_shape(s, o, dense_bf16, table, stream));
-  doc["moe_forward"] = shapes;
+  for (const MoeModelShape& s : select_shapes(o.shapes)) shapes.push_back(bench_shape(s, o, bf16.rate, table, stream));
+  doc["shapes"] = shapes;
   print_table(table);
   CUDA_CHECK(cudaStreamDestroy(stream));
 
@@ -282,6 +177,27 @@ int run_gpu(const Options& o) {
 }
 
 }  // namespace
+
+Json timing_json(const Timing& t) {
+  Json j = Json::object();
+  j["median_ms"] = t.median_ms;
+  j["p10_ms"] = t.p10_ms;
+  j["p90_ms"] = t.p90_ms;
+  j["min_ms"] = t.min_ms;
+  j["reps"] = t.reps;
+  return j;
+}
+
+void print_table(const std::vector<Row>& rows) {
+  std::printf("\n%-18s %-14s %-24s %9s %9s %9s %8s\n", "shape", "what", "implementation", "ms", "TFLOP/s", "of dense",
+              "speedup");
+  for (const Row& r : rows)
+    std::printf("%-18s %-14s %-24s %9.3f %9.1f %8.1f%% %7.2fx\n", r.shape.c_str(), r.what.c_str(), r.impl.c_str(), r.ms,
+                r.tflops, 100 * r.fraction_of_dense, r.speedup);
+  std::printf("(of dense: share of the cuBLAS 8192^3 BF16 rate measured in this run; speedup: against the slowest\n"
+              " implementation of the same shape and step; cuBLAS GEMM1 writes gate/up without SwiGLU)\n");
+}
+
 }  // namespace pounce::bench
 
 int main(int argc, char** argv) {

@@ -1,10 +1,11 @@
-// The cuBLAS baseline against the host reference: it is what pounce is compared with, so it must
-// compute the same layer.
+// The unfused forwards (cuBLAS baseline and pounce's unfused chain) against the host reference: they
+// are what the fused kernels are compared with, so they must compute the same layer.
 #include <gtest/gtest.h>
 
 #include <sstream>
 
 #include "baseline/cublas_moe.h"
+#include "baseline/pounce_unfused.h"
 #include "common/gpu.h"
 #include "common/testing.h"
 #include "reference/moe_layer.h"
@@ -25,9 +26,9 @@ void PrintTo(const Case& c, std::ostream* out) {
        << reference::routing_pattern_name(c.pattern);
 }
 
-class CublasMoeTest : public ::testing::TestWithParam<Case> {};
+class UnfusedMoeTest : public ::testing::TestWithParam<Case> {};
 
-TEST_P(CublasMoeTest, MatchesHostReference) {
+TEST_P(UnfusedMoeTest, MatchesHostReference) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
   const Case p = GetParam();
@@ -45,25 +46,38 @@ TEST_P(CublasMoeTest, MatchesHostReference) {
   DeviceBuffer<float> d_weights(weights);
   auto bf16 = [](const DeviceBuffer<uint16_t>& b) { return reinterpret_cast<__nv_bfloat16*>(b.data()); };
 
-  CublasMoe moe({.max_tokens = p.tokens + 5, .hidden = p.hidden, .intermediate = p.intermediate,
-                 .experts = p.experts, .topk = p.topk});
-  moe.set_weights(bf16(d_w13), bf16(d_w2));
-  moe.set_routing(ids, p.tokens);
-  EXPECT_EQ(moe.routes(), p.tokens * p.topk);
-  for (GemmCalls calls : {GemmCalls::kLoop, GemmCalls::kGroupedBatched}) {
-    SCOPED_TRACE(gemm_calls_name(calls));
+  const MoeDims dims{.max_tokens = p.tokens + 5, .hidden = p.hidden, .intermediate = p.intermediate,
+                     .experts = p.experts, .topk = p.topk};
+  auto check = [&](const char* what, auto&& forward) {
+    SCOPED_TRACE(what);
     d_y.fill_bytes(0xFF);  // NaN in bf16: an unwritten element fails the comparison
-    moe.forward(bf16(d_x), d_weights.data(), bf16(d_y), calls, nullptr);
+    forward();
     CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<float> got;
     for (uint16_t b : d_y.download()) got.push_back(formats::bf16_to_float(b));
-    // bf16 rounding of x, h13, hidden, out and y: a few 1e-3.
+    // bf16 rounding of x, h13 (cuBLAS only), hidden, out and y: a few 1e-3.
     EXPECT_LT(testing::relative_l2_error(got, want), 1e-2);
-  }
+  };
+
+  CublasMoe cublas(dims);
+  cublas.set_weights(bf16(d_w13), bf16(d_w2));
+  cublas.set_routing(ids, p.tokens);
+  EXPECT_EQ(cublas.plan().routes, p.tokens * p.topk);
+  for (GemmCalls calls : {GemmCalls::kLoop, GemmCalls::kGroupedBatched})
+    check(gemm_calls_name(calls), [&] { cublas.forward(bf16(d_x), d_weights.data(), bf16(d_y), calls, nullptr); });
+
+  PounceUnfusedMoe unfused(dims);
+  unfused.set_weights(bf16(d_w13), bf16(d_w2));
+  unfused.set_routing(ids, p.tokens);
+  check("pounce_unfused", [&] {
+    unfused.forward(bf16(d_x), d_weights.data(), bf16(d_y), nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    unfused.check_device_errors();
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Shapes, CublasMoeTest,
+    Shapes, UnfusedMoeTest,
     ::testing::Values(Case{300, 256, 128, 8, 2, RoutingPattern::kUniform},
                       Case{129, 512, 192, 16, 4, RoutingPattern::kZipf},
                       Case{64, 256, 64, 16, 4, RoutingPattern::kHalfEmpty},
@@ -75,15 +89,23 @@ INSTANTIATE_TEST_SUITE_P(
       return name.str();
     });
 
-TEST(CublasMoe, ZeroTokensWritesNothingAndDoesNotFail) {
+TEST(UnfusedMoe, ZeroTokensRunsAndWritesNothing) {
   POUNCE_REQUIRE_HOPPER();
   DeviceBuffer<uint16_t> w13(4 * 128 * 64), w2(4 * 64 * 64);
-  CublasMoe moe({.max_tokens = 8, .hidden = 64, .intermediate = 64, .experts = 4, .topk = 2});
-  moe.set_weights(reinterpret_cast<__nv_bfloat16*>(w13.data()), reinterpret_cast<__nv_bfloat16*>(w2.data()));
-  moe.set_routing({}, 0);
-  moe.forward(nullptr, nullptr, nullptr, GemmCalls::kGroupedBatched, nullptr);
+  auto* w13_ptr = reinterpret_cast<__nv_bfloat16*>(w13.data());
+  auto* w2_ptr = reinterpret_cast<__nv_bfloat16*>(w2.data());
+  const MoeDims dims{.max_tokens = 8, .hidden = 64, .intermediate = 64, .experts = 4, .topk = 2};
+  CublasMoe cublas(dims);
+  cublas.set_weights(w13_ptr, w2_ptr);
+  cublas.set_routing({}, 0);
+  cublas.forward(nullptr, nullptr, nullptr, GemmCalls::kGroupedBatched, nullptr);
+  PounceUnfusedMoe unfused(dims);
+  unfused.set_weights(w13_ptr, w2_ptr);
+  unfused.set_routing({}, 0);
+  unfused.forward(nullptr, nullptr, nullptr, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
-  EXPECT_EQ(moe.padded_rows(), 0);
+  unfused.check_device_errors();
+  EXPECT_EQ(cublas.plan().padded_rows, 0);
 }
 
 }  // namespace

@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""PyTorch baselines on the GPU machine, for the same shapes (and expert sizes) pounce_bench ran:
+  - torch._grouped_mm alone for GEMM1 (gate/up, no SwiGLU) and GEMM2 (down) on the padded expert
+    layout pounce's grouped GEMM computes (same group sizes, read from pounce_bench's JSON);
+  - an eager PyTorch MoE forward: router output in, argsort permute, torch._grouped_mm, SwiGLU,
+    weighted index_add_;
+  - torch.matmul 8192^3 bf16 as this process's dense ceiling.
+CUDA events, warm-up, median of repetitions, as pounce_bench does.
+
+usage: torch_baselines.py --bench-json BENCH.json --out TORCH.json [--reps N] [--warmup N]
+"""
+import argparse
+import json
+import os
+import statistics
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+BLOCK_M = 128
+
+
+def time_ms(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, stop in events:
+        start.record()
+        fn()
+        stop.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(stop) for start, stop in events)
+    return {"median_ms": statistics.median(times), "min_ms": times[0], "p90_ms": times[int(0.9 * (reps - 1) + 0.5)],
+            "reps": reps}
+
+
+def eager_moe(x, topk_ids, topk_weights, w13, w2, intermediate):
+    """The unfused MoE forward of a PyTorch training stack (W13 gate/up interleaved in groups of 8)."""
+    experts = w13.shape[0]
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=experts), 0, dtype=torch.int32)
+    token = order // k
+    h = torch._grouped_mm(x.index_select(0, token), w13.transpose(-2, -1), offs=offs)
+    h = h.view(-1, intermediate // 8, 2, 8)
+    a = (F.silu(h[:, :, 0, :]) * h[:, :, 1, :]).reshape(-1, intermediate)
+    o = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
+    o = o * topk_weights.reshape(-1)[order].unsqueeze(1).to(o.dtype)
+    return torch.zeros_like(x).index_add_(0, token, o)
+
+
+def check_eager_moe():
+    """The eager baseline must compute the layer: compare with a per-route loop in float32."""
+    torch.manual_seed(0)
+    T, H, I, E, k = 64, 128, 64, 8, 2
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) / I ** 0.5
+    ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)]).int()
+    w = torch.softmax(torch.randn(T, k, device="cuda"), -1)
+    y = eager_moe(x, ids, w, w13, w2, I).float()
+    ref = torch.zeros(T, H, device="cuda")
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            h = (w13[e].float() @ x[t].float()).view(I // 8, 2, 8)
+            a = (F.silu(h[:, 0]) * h[:, 1]).reshape(I)
+            ref[t] += w[t, j] * (w2[e].float() @ a)
+    err = ((y - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, f"eager MoE baseline disagrees with the loop reference: relative L2 {err}"
+    return err
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bench-json", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    bench = json.load(open(args.bench_json))
+    dev = torch.device("cuda")
+
+    result = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+              "git_commit": bench["environment"]["git_commit"], "eager_check_relative_l2": check_eager_moe()}
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    t = time_ms(lambda: a @ b.t(), args.warmup, args.reps)
+    result["dense_bf16_8192_tflops"] = 2 * 8192 ** 3 / (t["median_ms"] * 1e-3) / 1e12
+    del a, b
+    print(f"torch {torch.__version__}, dense 8192^3 bf16: {result['dense_bf16_8192_tflops']:.1f} TFLOP/s")
+
+    shapes = []
+    for s in bench["shapes"]:
+        H, I, E, T, k = s["hidden"], s["intermediate"], s["local_experts"], s["tokens"], s["topk"]
+        routes = sum(s["expert_routes"])
+        padded = [(r + BLOCK_M - 1) // BLOCK_M * BLOCK_M for r in s["expert_routes"]]
+        offs = torch.tensor(padded, device=dev, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        rows = int(offs[-1])
+        torch.manual_seed(1)
+        w13 = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) / H ** 0.5
+        w2 = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) / H ** 0.5
+        pool = torch.randn(rows, H, device=dev, dtype=torch.bfloat16)
+        hidden = torch.randn(rows, I, device=dev, dtype=torch.bfloat16)
+        g1 = time_ms(lambda: torch._grouped_mm(pool, w13.transpose(-2, -1), offs=offs), args.warmup, args.reps)
+        g2 = time_ms(lambda: torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs), args.warmup, args.reps)
+        g1["tflops"] = 2 * routes * 2 * I * H / (g1["median_ms"] * 1e-3) / 1e12
+        g2["tflops"] = 2 * routes * H * I / (g2["median_ms"] * 1e-3) / 1e12
+        del pool, hidden
+
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        scores = torch.rand(T, E, device=dev)
+        ids = scores.topk(k, dim=-1).indices.int()  # uniform random routing, like pounce_bench's
+        w = torch.softmax(torch.randn(T, k, device=dev), -1)
+        fwd = time_ms(lambda: eager_moe(x, ids, w, w13, w2, I), args.warmup, args.reps)
+        fwd["tflops"] = 6 * T * k * H * I / (fwd["median_ms"] * 1e-3) / 1e12
+        shapes.append({"shape": s["shape"], "grouped_mm_gemm1_gate_up": g1, "grouped_mm_gemm2_down": g2,
+                       "eager_forward": fwd})
+        print(f"{s['shape']:18s} _grouped_mm GEMM1 {g1['median_ms']:8.3f} ms {g1['tflops']:7.1f} TFLOP/s | "
+              f"GEMM2 {g2['median_ms']:8.3f} ms {g2['tflops']:7.1f} | eager forward {fwd['median_ms']:8.3f} ms "
+              f"{fwd['tflops']:7.1f}", flush=True)
+        del w13, w2, x
+        torch.cuda.empty_cache()
+    result["shapes"] = shapes
+    json.dump(result, open(args.out, "w"), indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+// Per-shape benchmark: the MoE forward through every implementation, then each grouped GEMM alone,
+// all on the same weights, tokens and routing, in one process.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <random>
+
+#include "baseline/cublas_moe.h"
+#include "baseline/pounce_unfused.h"
+#include "bench/bench.h"
+#include "bench/device_fill.h"
+#include "formats/numerics.h"
+#include "reference/synthetic_routing.h"
+
+namespace pounce::bench {
+
+namespace {
+
+using baseline::Gemm;
+using baseline::GemmCalls;
+
+// Relative L2 difference of two bf16 device buffers of n elements.
+double relative_difference(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n) {
+  std::vector<uint16_t> ha(n), hb(n);
+  CUDA_CHECK(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost));
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = formats::bf16_to_float(ha[i]), y = formats::bf16_to_float(hb[i]);
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+struct Candidate {
+  std::string impl;
+  std::function<void(int rep)> launch;
+};
+
+// Times each candidate, adds rows (speedup against the slowest) and returns their JSON.
+Json compare(const std::string& shape, const std::string& what, double flops, const std::vector<Candidate>& candidates,
+             const Options& o, double dense_tflops, std::vector<Row>& table, cudaStream_t stream) {
+  std::vector<Row> rows;
+  Json out = Json::array();
+  for (const Candidate& c : candidates) {
+    const Timing t = time_on_stream(c.launch, stream, o.warmup, o.reps);
+    const double tflops = flops / (t.median_ms * 1e-3) / 1e12;
+    rows.push_back({shape, what, c.impl, t.median_ms, tflops, tflops / dense_tflops, 0});
+    Json j = Json::object();
+    j["what"] = what;
+    j["impl"] = c.impl;
+    j["timing"] = timing_json(t);
+    j["tflops"] = tflops;
+    j["fraction_of_dense_bf16"] = tflops / dense_tflops;
+    out.push_back(j);
+  }
+  double slowest = 0;
+  for (const Row& r : rows) slowest = std::max(slowest, r.ms);
+  for (Row& r : rows) {
+    r.speedup = slowest / r.ms;
+    table.push_back(r);
+  }
+  return out;
+}
+
+}  // namespace
+
+Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, std::vector<Row>& table,
+                 cudaStream_t stream) {
+  const int64_t T = s.slice_tokens, H = s.hidden, I = s.intermediate, E = s.slice_experts, k = s.topk;
+  std::printf("\n%s: H %ld, I %ld, %ld local experts, %ld tokens, top-%ld, %s routing\n", s.name.c_str(), long(H),
+              long(I), long(E), long(T), long(k), o.routing.c_str());
+  std::fflush(stdout);
+  std::mt19937_64 rng(42);  // benchmarks are reproducible; tests draw fresh inputs
+  const auto ids = reference::synthetic_topk_ids(reference::parse_routing_pattern(o.routing), T, int(E), int(k), rng);
+  const auto weights = reference::synthetic_topk_weights(T, int(k), rng);
+
+  // Two token sets, rotated between repetitions; the weights (>= 100 MB) dwarf the L2 already.
+  constexpr int kSets = 2;
+  DeviceBuffer<__nv_bfloat16> w13(E * 2 * I * H), w2(E * H * I), y_cublas(T * H), y_pounce(T * H);
+  std::vector<DeviceBuffer<__nv_bfloat16>> x;
+  const float w_scale = 1.0f / std::sqrt(float(H));
+  fill_random_bf16(w13.data(), w13.size(), 11, w_scale, stream);
+  fill_random_bf16(w2.data(), w2.size(), 12, w_scale, stream);
+  for (int i = 0; i < kSets; ++i) {
+    x.emplace_back(T * H);
+    fill_random_bf16(x.back().data(), T * H, 100 + i, 1.0f, stream);
+  }
+  DeviceBuffer<float> d_weights(weights);
+
+  const baseline::MoeDims dims{.max_tokens = T, .hidden = H, .intermediate = I, .experts = E, .topk = k};
+  baseline::CublasMoe cublas(dims);
+  cublas.set_weights(w13.data(), w2.data());
+  cublas.set_routing(ids, T);
+  baseline::PounceUnfusedMoe unfused(dims);
+  unfused.set_weights(w13.data(), w2.data());
+  unfused.set_routing(ids, T);
+  const baseline::RoutingPlan& plan = cublas.plan();
+
+  Json result = Json::object();
+  result["shape"] = s.name;
+  result["hidden"] = H;
+  result["intermediate"] = I;
+  result["model_experts"] = s.model_experts;
+  result["local_experts"] = E;
+  result["tokens"] = T;
+  result["topk"] = k;
+  result["routing"] = o.routing;
+  result["routes"] = plan.routes;
+  result["padded_rows"] = plan.padded_rows;
+  Json sizes = Json::array();
+  for (int32_t r : plan.expert_routes) sizes.push_back(r);
+  result["expert_routes"] = sizes;
+  result["forward_flops"] = s.forward_flops();
+
+  // Same inputs through both chains once: their outputs must agree before their times mean anything.
+  cublas.forward(x[0].data(), d_weights.data(), y_cublas.data(), GemmCalls::kGroupedBatched, stream);
+  unfused.forward(x[0].data(), d_weights.data(), y_pounce.data(), stream);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  unfused.check_device_errors();
+  Json agreement = Json::object();
+  agreement["y_pounce_unfused_vs_cublas"] = relative_difference(y_pounce.data(), y_cublas.data(), T * H);
+  agreement["hidden_pounce_vs_cublas"] = relative_difference(unfused.hidden(), cublas.hidden(), plan.padded_rows * I);
+  result["relative_l2_difference"] = agreement;
+
+  std::vector<Candidate> forward;
+  for (GemmCalls calls : {GemmCalls::kLoop, GemmCalls::kGroupedBatched})
+    forward.push_back({baseline::gemm_calls_name(calls), [&, calls](int rep) {
+                         cublas.forward(x[rep % kSets].data(), d_weights.data(), y_cublas.data(), calls, stream);
+                       }});
+  forward.push_back({"pounce_unfused", [&](int rep) {
+                       unfused.forward(x[rep % kSets].data(), d_weights.data(), y_pounce.data(), stream);
+                     }});
+  result["forward"] = compare(s.name, "forward", s.forward_flops(), forward, o, dense_tflops, table, stream);
+
+  if (o.gemms) {
+    const double routes = double(plan.routes);
+    Json gemms = Json::object();
+    for (Gemm which : {Gemm::kGateUp, Gemm::kDown}) {
+      const bool gate_up = which == Gemm::kGateUp;
+      std::vector<Candidate> candidates;
+      for (GemmCalls calls : {GemmCalls::kLoop, GemmCalls::kGroupedBatched})
+        candidates.push_back({baseline::gemm_calls_name(calls),
+                              [&, calls, which](int) { cublas.run_gemm(which, calls, stream); }});
+      candidates.push_back({gate_up ? "pounce (SwiGLU fused)" : "pounce", [&, which](int) { unfused.run_gemm(which, stream); }});
+      const double flops = gate_up ? 2.0 * routes * 2 * I * H : 2.0 * routes * H * I;
+      gemms[gate_up ? "gemm1_gate_up" : "gemm2_down"] =
+          compare(s.name, gate_up ? "GEMM1 gate/up" : "GEMM2 down", flops, candidates, o, dense_tflops, table, stream);
+    }
+    result["grouped_gemms"] = gemms;
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  unfused.check_device_errors();
+  return result;
+}
+
+}  // namespace pounce::bench
