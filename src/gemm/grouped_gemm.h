@@ -3,9 +3,10 @@
 // A is the expert-contiguous token pool [rows, K] bf16 (each expert's rows start on a 128-row
 // m-block), B the expert weights [E, N, K] bf16 (K-major), C [rows, N] (plain) or [rows, N/2] (SwiGLU).
 //
-// Persistent CTAs take tiles (expert, m-block, n-block) of 128 x 256 from a device queue. Before
-// loading A for a tile, a CTA waits (acquire, bounded) until that m-block's readiness counter reaches
-// `ready_target`: the megakernel's dispatch bumps these counters; stand-alone callers pass none.
+// Persistent clusters of 2 CTAs take work items (a pair of 128-row m-blocks x one 256-column n-block)
+// from a device queue. Before loading A, the item's m-blocks' readiness counters must reach
+// `ready_target` (acquire, bounded wait): the megakernel's dispatch bumps these counters; stand-alone
+// callers pass none.
 //
 // Padding rows (beyond an expert's routes, up to its m-block boundary) are computed like any row but
 // never mix into other rows: each output row depends on its own A row only. Their outputs are
@@ -47,7 +48,7 @@ struct GroupedGemmArgs {
   const uint32_t* m_block_ready = nullptr;
   uint32_t ready_target = 0;
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait
-  int max_ctas = 0;                             // 0: one per multiprocessor
+  int max_ctas = 0;  // 0: as many 2-CTA clusters as can be resident (about one CTA per multiprocessor)
 };
 
 // Owns the queue ticket and error record of one stream's GEMM launches.

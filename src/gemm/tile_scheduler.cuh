@@ -1,45 +1,50 @@
-// Tile order of the grouped GEMM. Tiles of one expert are contiguous in the queue (its weights stay
-// hot in L2); inside an expert, bands of up to kBandMBlocks m-blocks are walked m-fastest, so the
-// ~132 tiles in flight share a few B n-blocks and a band of A rows instead of streaming all of either.
+// Work order of the grouped GEMM. A work item is a pair of consecutive m-blocks (counted over all
+// experts) times one n-block; the two CTAs of a cluster compute it, CTA rank r the tile of m-block
+// 2 * pair + r. When both m-blocks belong to one expert the CTAs need the same B tile and share it
+// (each loads half and multicasts it); a pair that straddles two experts loads B twice.
+//
+// Items come in bands of kBandPairs pairs walked m-fastest: the ~66 items in flight share a few B
+// n-blocks and a band of A rows instead of streaming all of either through L2.
 #pragma once
 
 #include <cstdint>
 
 namespace pounce::gemm {
 
-struct TileCoord {
-  int32_t expert, m_block, n_block;
-};
-
-struct TileScheduler {
-  static constexpr int32_t kBandMBlocks = 16;
+struct PairScheduler {
+  static constexpr int32_t kBandPairs = 8;
   static constexpr int32_t kBlockM = 128;
 
   const int32_t* expert_offsets;  // [experts + 1], multiples of kBlockM
   int32_t experts;
   int32_t n_blocks;
+  int32_t m_blocks;  // expert_offsets[experts] / kBlockM
 
-  __device__ int64_t total_tiles() const { return int64_t(expert_offsets[experts] / kBlockM) * n_blocks; }
+  __device__ int32_t pairs() const { return (m_blocks + 1) / 2; }
+  __device__ int64_t total_items() const { return int64_t(pairs()) * n_blocks; }
 
-  // tile < total_tiles().
-  __device__ TileCoord decode(int64_t tile) const {
-    // Tiles of expert e are [first_m_block(e) * n_blocks, first_m_block(e + 1) * n_blocks): find the
-    // last expert starting at or before m-block tile / n_blocks. Empty experts share their start with the
-    // next expert, and "last" skips them.
-    const int32_t m_block_floor = int32_t(tile / n_blocks);
+  // The expert owning m_block < m_blocks: the last expert starting at or before it (empty experts share
+  // their start with the next one, and "last" skips them).
+  __device__ int32_t expert_of(int32_t m_block) const {
     int32_t lo = 0, hi = experts - 1;
     while (lo < hi) {
       const int32_t mid = (lo + hi + 1) / 2;
-      if (expert_offsets[mid] / kBlockM <= m_block_floor) lo = mid;
+      if (expert_offsets[mid] / kBlockM <= m_block) lo = mid;
       else hi = mid - 1;
     }
-    const int32_t first = expert_offsets[lo] / kBlockM;
-    const int32_t count = expert_offsets[lo + 1] / kBlockM - first;
-    const int64_t local = tile - int64_t(first) * n_blocks;
-    const int32_t band = int32_t(local / (int64_t(kBandMBlocks) * n_blocks));
-    const int32_t band_rows = count - band * kBandMBlocks < kBandMBlocks ? count - band * kBandMBlocks : kBandMBlocks;
-    const int32_t in_band = int32_t(local - int64_t(band) * kBandMBlocks * n_blocks);
-    return {lo, first + band * kBandMBlocks + in_band % band_rows, in_band / band_rows};
+    return lo;
+  }
+
+  struct Item {
+    int32_t pair, n_block;
+  };
+  // item < total_items().
+  __device__ Item decode(int64_t item) const {
+    const int64_t per_band = int64_t(kBandPairs) * n_blocks;
+    const int32_t band = int32_t(item / per_band);
+    const int32_t band_pairs = pairs() - band * kBandPairs < kBandPairs ? pairs() - band * kBandPairs : kBandPairs;
+    const int32_t in_band = int32_t(item - band * per_band);
+    return {band * kBandPairs + in_band % band_pairs, in_band / band_pairs};
   }
 };
 
