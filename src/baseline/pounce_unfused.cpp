@@ -48,7 +48,11 @@ gemm::GroupedGemmArgs PounceUnfusedMoe::gemm_args(Gemm which) const {
   return g;
 }
 
-void PounceUnfusedMoe::run_gemm(Gemm which, cudaStream_t stream) { gemm_.run(gemm_args(which), stream); }
+void PounceUnfusedMoe::run_gemm(Gemm which, cudaStream_t stream, bool multicast) {
+  gemm::GroupedGemmArgs args = gemm_args(which);
+  args.multicast = multicast;
+  gemm_.run(args, stream);
+}
 
 void PounceUnfusedMoe::forward(const __nv_bfloat16* x, const float* topk_weights, __nv_bfloat16* y,
                                cudaStream_t stream) {

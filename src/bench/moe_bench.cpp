@@ -145,6 +145,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
         candidates.push_back({baseline::gemm_calls_name(calls),
                               [&, calls, which](int) { cublas.run_gemm(which, calls, stream); }});
       candidates.push_back({gate_up ? "pounce (SwiGLU fused)" : "pounce", [&, which](int) { unfused.run_gemm(which, stream); }});
+      candidates.push_back({"pounce, no multicast", [&, which](int) { unfused.run_gemm(which, stream, false); }});
       const double flops = gate_up ? 2.0 * routes * 2 * I * H : 2.0 * routes * H * I;
       gemms[gate_up ? "gemm1_gate_up" : "gemm2_down"] =
           compare(s.name, gate_up ? "GEMM1 gate/up" : "GEMM2 down", flops, candidates, o, dense_tflops, table, stream);

@@ -85,6 +85,7 @@ struct KernelParams {
   const float* row_scale;
   const uint32_t* m_block_ready;
   uint32_t ready_target;
+  int32_t multicast;
   uint32_t* ticket;
   DeviceErrorRecord* error;
   uint64_t wait_timeout_ns;
@@ -121,7 +122,7 @@ __device__ TileInfo publish_next_tile(SharedStorage& s, const KernelParams& p, c
              counter_wait_bounded(p.m_block_ready + m, p.ready_target, ready_site, WaitTarget::kMBlockReady, m);
     };
     if (ready(m0) && (!m1_real || ready(m1))) {
-      const int32_t share = m1_real && e0 == e1 ? kShareB : 0;
+      const int32_t share = p.multicast && m1_real && e0 == e1 ? kShareB : 0;
       mine = {e0, m0, it.n_block, kValid | kStore | share};
       theirs = {e1, m1, it.n_block, kValid | (m1_real ? kStore : 0) | share};
     }
@@ -130,9 +131,9 @@ __device__ TileInfo publish_next_tile(SharedStorage& s, const KernelParams& p, c
   s.tiles[slot] = mine;
   ptx::st_cluster_v4(ptx::map_to_cta(&s.tiles[slot], 1), make_int4(theirs.expert, theirs.m_block, theirs.n_block,
                                                                    theirs.flags));
-  // Release: each CTA's wait on tile_full makes its TileInfo visible.
+  // Release at cluster scope: the peer's (cluster-scope) wait on tile_full makes its TileInfo visible.
   ptx::mbarrier_arrive(&s.tile_full[slot]);
-  ptx::mbarrier_arrive_remote(ptx::map_to_cta(&s.tile_full[slot], 1));
+  ptx::mbarrier_arrive_cluster<ptx::Scope::kCluster>(ptx::map_to_cta(&s.tile_full[slot], 1));
   return mine;
 }
 
@@ -159,9 +160,10 @@ __device__ void run_producer(SharedStorage& s, const LoadMaps& maps, const Kerne
     if (rank == 0) {
       tile = publish_next_tile(s, p, scheduler, total_items, slot, slot_phase);
     } else {
-      mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
+      mbarrier_wait_bounded<ptx::Scope::kCluster>(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo,
+                                                  slot);
       tile = s.tiles[slot];
-      ptx::mbarrier_arrive_remote(ptx::map_to_cta(&s.tile_empty[slot], 0));
+      ptx::mbarrier_arrive_cluster(ptx::map_to_cta(&s.tile_empty[slot], 0));
     }
     if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
     if (!(tile.flags & kValid)) return;
@@ -265,17 +267,18 @@ __device__ void run_consumer(SharedStorage& s, const CUtensorMap* c_map, const K
   const uint32_t peer = rank ^ 1;
   auto release_stage = [&](uint32_t stage) {
     ptx::mbarrier_arrive(&s.empty[stage]);
-    ptx::mbarrier_arrive_remote(ptx::map_to_cta(&s.empty[stage], peer));
+    ptx::mbarrier_arrive_cluster(ptx::map_to_cta(&s.empty[stage], peer));
   };
   const WaitSite pipe_site{p.error, DeviceRole::kGemmConsumer, pipeline_timeout_ns(p)};
   const int k_blocks = p.k / kBlockK;
   float acc[128];
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
   for (;;) {
-    mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
+    mbarrier_wait_bounded<ptx::Scope::kCluster>(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo,
+                                                slot);
     const TileInfo tile = s.tiles[slot];
     __syncwarp();
-    if (lane == 0) ptx::mbarrier_arrive_remote(ptx::map_to_cta(&s.tile_empty[slot], 0));
+    if (lane == 0) ptx::mbarrier_arrive_cluster(ptx::map_to_cta(&s.tile_empty[slot], 0));
     if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
     if (!(tile.flags & kValid)) break;
 
@@ -414,6 +417,8 @@ void launch(const GroupedGemmArgs& args, const KernelParams& params, cudaStream_
 
 }  // namespace
 
+int grouped_gemm_resident_ctas() { return resident_clusters<Epilogue::kStore>() * kClusterSize; }
+
 GroupedGemm::GroupedGemm() : ticket_(1) {}
 
 void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
@@ -429,9 +434,19 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
                  gpu_info().present ? gpu_info().name : gpu_info().why_absent);
   if (args.a_rows == 0) return;
 
-  const KernelParams params{args.experts,        int32_t(args.n),   int32_t(args.k),     args.a_rows,
-                            args.expert_offsets, args.row_scale,    args.m_block_ready,  args.ready_target,
-                            ticket_.data(),      errors_.device_record(), args.wait_timeout_ns};
+  KernelParams params{};
+  params.experts = args.experts;
+  params.n = int32_t(args.n);
+  params.k = int32_t(args.k);
+  params.a_rows = args.a_rows;
+  params.expert_offsets = args.expert_offsets;
+  params.row_scale = args.row_scale;
+  params.m_block_ready = args.m_block_ready;
+  params.ready_target = args.ready_target;
+  params.multicast = args.multicast;
+  params.ticket = ticket_.data();
+  params.error = errors_.device_record();
+  params.wait_timeout_ns = args.wait_timeout_ns;
   CUDA_CHECK(cudaMemsetAsync(ticket_.data(), 0, sizeof(uint32_t), stream));
   if (args.epilogue == Epilogue::kSwiGLU) launch<Epilogue::kSwiGLU>(args, params, stream);
   else launch<Epilogue::kStore>(args, params, stream);

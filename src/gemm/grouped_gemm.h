@@ -47,9 +47,15 @@ struct GroupedGemmArgs {
   // Optional device [a_rows / 128] readiness counters; tiles of m-block b wait for counter >= ready_target.
   const uint32_t* m_block_ready = nullptr;
   uint32_t ready_target = 0;
+  // Share the B tile between the two CTAs of a cluster by TMA multicast when their m-blocks belong to
+  // one expert (off: each CTA loads its own; for measurements).
+  bool multicast = true;
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait
   int max_ctas = 0;  // 0: as many 2-CTA clusters as can be resident (about one CTA per multiprocessor)
 };
+
+// CTAs of a full-size launch: 2 x the clusters that fit on the GPU at once.
+int grouped_gemm_resident_ctas();
 
 // Owns the queue ticket and error record of one stream's GEMM launches.
 class GroupedGemm {

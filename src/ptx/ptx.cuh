@@ -39,19 +39,34 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
                : "memory");
 }
 
-// True once the phase with the given parity has completed. Acquire at cluster scope: what any arriving
-// thread of the cluster wrote before its arrival is visible after this returns true.
+// True once the phase with the given parity has completed. Acquire at CTA scope (the default): enough
+// for TMA data and for barriers that only order reads before overwrites. kCluster: acquire at cluster
+// scope, for data another CTA of the cluster wrote before arriving.
+enum class Scope { kCta, kCluster };
+template <Scope kScope = Scope::kCta>
 __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done;
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(smem_addr(bar)), "r"(parity)
-      : "memory");
+  if constexpr (kScope == Scope::kCluster) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } else {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  }
   return done != 0;
 }
 
@@ -75,10 +90,15 @@ __device__ __forceinline__ uint32_t map_to_cta(const void* p, uint32_t rank) {
   return remote;
 }
 
-// Arrives on an mbarrier of another CTA in the cluster (address from map_to_cta), releasing this
-// thread's earlier writes (shared::cluster stores included) at cluster scope.
-__device__ __forceinline__ void mbarrier_arrive_remote(uint32_t cluster_addr) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
+// Arrives on an mbarrier of any CTA in the cluster (address from map_to_cta). kCta releases at CTA scope
+// (orders this thread's reads before the peer's overwrite, as a consumer release needs); kCluster
+// releases this thread's earlier writes (shared::cluster stores included) to the whole cluster.
+template <Scope kScope = Scope::kCta>
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t cluster_addr) {
+  if constexpr (kScope == Scope::kCluster)
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
+  else
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
 }
 
 __device__ __forceinline__ void st_cluster_v4(uint32_t cluster_addr, int4 v) {
