@@ -49,6 +49,10 @@ if [ $sanitize = 1 ]; then
   done
 fi
 
+# Clocks, power and temperature once a second while the benchmarks run: sustained tensor-core load
+# lowers clocks, and the numbers should say so when it happens.
+nvidia-smi dmon -s pcu -d 1 > "$out/dmon.log" 2>&1 &
+dmon=$!
 if [ $quick = 1 ]; then
   timeout 400 "$build/pounce_bench" --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 || status=1
 else
@@ -56,7 +60,9 @@ else
   timeout 300 "$build/pounce_bench" --shapes all --routing zipf --reps 10 --json "$out/bench-zipf.json" >> "$out/bench.log" 2>&1 || status=1
 fi
 sed -n '/^shape /,$p' "$out/bench.log"
+echo "== PyTorch baselines" >> "$out/bench.log"
 timeout 300 python3 scripts/torch_baselines.py --bench-json "$out/bench-uniform.json" --out "$out/torch.json" \
-  > "$out/torch.log" 2>&1 || status=1
-cat "$out/torch.log" | tail -12
+  >> "$out/bench.log" 2>&1 || status=1
+kill $dmon 2>/dev/null
+sed -n '/== PyTorch baselines/,$p' "$out/bench.log"
 exit $status

@@ -48,9 +48,9 @@ gemm::GroupedGemmArgs PounceUnfusedMoe::gemm_args(Gemm which) const {
   return g;
 }
 
-void PounceUnfusedMoe::run_gemm(Gemm which, cudaStream_t stream, bool multicast) {
+void PounceUnfusedMoe::run_gemm(Gemm which, cudaStream_t stream, const gemm::GemmTuning& tuning) {
   gemm::GroupedGemmArgs args = gemm_args(which);
-  args.multicast = multicast;
+  args.tuning = tuning;
   gemm_.run(args, stream);
 }
 

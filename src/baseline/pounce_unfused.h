@@ -22,7 +22,7 @@ class PounceUnfusedMoe {
   void set_routing(std::span<const int32_t> topk_ids, int64_t tokens);
   void forward(const __nv_bfloat16* x, const float* topk_weights, __nv_bfloat16* y, cudaStream_t stream);
   // One GEMM alone on the buffers the last forward() filled (GEMM benchmarks).
-  void run_gemm(Gemm gemm, cudaStream_t stream, bool multicast = true);
+  void run_gemm(Gemm gemm, cudaStream_t stream, const gemm::GemmTuning& tuning = {});
   // After synchronizing: throws if a GEMM reported a device-side error.
   void check_device_errors() { gemm_.check_device_errors(); }
 

@@ -8,24 +8,29 @@
 
 namespace pounce::bench {
 
-Measured dense_bf16_gemm(int64_t n, int warmup, int reps, cudaStream_t stream) {
-  DeviceBuffer<__nv_bfloat16> a(n * n), b(n * n), c(n * n);
-  fill_random_bf16(a.data(), n * n, 1, 1.0f, stream);
-  fill_random_bf16(b.data(), n * n, 2, 1.0f, stream);
-  cublasHandle_t handle;
-  CUBLAS_CHECK(cublasCreate(&handle));
-  CUBLAS_CHECK(cublasSetStream(handle, stream));
+DenseBf16Gemm::DenseBf16Gemm(int64_t n) : n_(n), a_(n * n), b_(n * n), c_(n * n) {
+  fill_random_bf16(a_.data(), n * n, 1, 1.0f, nullptr);
+  fill_random_bf16(b_.data(), n * n, 2, 1.0f, nullptr);
+  CUBLAS_CHECK(cublasCreate(&handle_));
+}
+
+DenseBf16Gemm::~DenseBf16Gemm() {
+  if (handle_) cublasDestroy(handle_);
+}
+
+void DenseBf16Gemm::run(cudaStream_t stream) {
   const float alpha = 1.0f, beta = 0.0f;
+  const int n = int(n_);
+  CUBLAS_CHECK(cublasSetStream(handle_, stream));
+  CUBLAS_CHECK(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, b_.data(), CUDA_R_16BF, n, a_.data(),
+                            CUDA_R_16BF, n, &beta, c_.data(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+Measured dense_bf16_gemm(int64_t n, int warmup, int reps, cudaStream_t stream) {
+  DenseBf16Gemm gemm(n);
   Measured m;
-  m.timing = time_on_stream(
-      [&](int) {
-        CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(n), int(n), &alpha, b.data(),
-                                  CUDA_R_16BF, int(n), a.data(), CUDA_R_16BF, int(n), &beta, c.data(), CUDA_R_16BF,
-                                  int(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-      },
-      stream, warmup, reps);
-  CUBLAS_CHECK(cublasDestroy(handle));
-  m.rate = 2.0 * double(n) * n * n / (m.timing.median_ms * 1e-3) / 1e12;
+  m.timing = time_on_stream([&](int) { gemm.run(stream); }, stream, warmup, reps);
+  m.rate = gemm.flops() / (m.timing.median_ms * 1e-3) / 1e12;
   return m;
 }
 

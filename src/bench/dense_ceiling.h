@@ -2,11 +2,14 @@
 // cuBLAS dense GEMMs (BF16 and FP8) and a device-to-device copy for HBM bandwidth.
 #pragma once
 
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "bench/timing.h"
+#include "common/device_buffer.h"
 
 namespace pounce::bench {
 
@@ -15,7 +18,22 @@ struct Measured {
   double rate = 0;  // TFLOP/s for GEMMs, GB/s (bytes read + written) for copies
 };
 
-// C[n,n] = A[n,n] . B[n,n]^T in BF16 with fp32 accumulation (cublasGemmEx), random inputs.
+// C[n,n] = A[n,n] . B[n,n]^T in BF16 with fp32 accumulation (cublasGemmEx), random inputs. Also run
+// interleaved with other kernels, as the ceiling under the same clocks and temperature.
+class DenseBf16Gemm {
+ public:
+  explicit DenseBf16Gemm(int64_t n);
+  ~DenseBf16Gemm();
+  DenseBf16Gemm(const DenseBf16Gemm&) = delete;
+  DenseBf16Gemm& operator=(const DenseBf16Gemm&) = delete;
+  void run(cudaStream_t stream);
+  double flops() const { return 2.0 * double(n_) * double(n_) * double(n_); }
+
+ private:
+  int64_t n_;
+  cublasHandle_t handle_ = nullptr;
+  DeviceBuffer<__nv_bfloat16> a_, b_, c_;
+};
 Measured dense_bf16_gemm(int64_t n, int warmup, int reps, cudaStream_t stream);
 // E4M3 x E4M3 -> BF16 (cublasLt, TN, per-tensor scale 1). fast_accum: CUBLASLT_MATMUL_DESC_FAST_ACCUM.
 Measured dense_fp8_gemm(int64_t n, bool fast_accum, int warmup, int reps, cudaStream_t stream);

@@ -194,11 +194,16 @@ Json timing_json(const Timing& t) {
 void print_table(const std::vector<Row>& rows) {
   std::printf("\n%-18s %-14s %-24s %9s %9s %9s %8s\n", "shape", "what", "implementation", "ms", "TFLOP/s", "of dense",
               "speedup");
-  for (const Row& r : rows)
-    std::printf("%-18s %-14s %-24s %9.3f %9.1f %8.1f%% %7.2fx\n", r.shape.c_str(), r.what.c_str(), r.impl.c_str(), r.ms,
-                r.tflops, 100 * r.fraction_of_dense, r.speedup);
-  std::printf("(of dense: share of the cuBLAS 8192^3 BF16 rate measured in this run; speedup: against the slowest\n"
-              " implementation of the same shape and step; cuBLAS GEMM1 writes gate/up without SwiGLU)\n");
+  for (const Row& r : rows) {
+    std::printf("%-18s %-14s %-24s %9.3f %9.1f %8.1f%%", r.shape.c_str(), r.what.c_str(), r.impl.c_str(), r.ms, r.tflops,
+                100 * r.fraction_of_dense);
+    if (r.speedup > 0) std::printf(" %7.2fx\n", r.speedup);
+    else std::printf("        -\n");
+  }
+  std::printf("(of dense: share of the cuBLAS 8192^3 BF16 rate measured at the start of this run; the \"cublas dense\"\n"
+              " rows time it again interleaved with each GEMM comparison; speedup: against the slowest implementation\n"
+              " of the same shape and step; repetitions of one step's candidates are interleaved; cuBLAS GEMM1\n"
+              " writes gate/up without SwiGLU)\n");
 }
 
 }  // namespace pounce::bench

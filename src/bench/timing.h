@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <vector>
 
 #include "common/cuda_check.h"
@@ -15,34 +16,53 @@ struct Timing {
   int reps = 0;
 };
 
-// launch(rep) enqueues one run on `stream`; rep counts from 0 over warm-up and timed runs, so the
-// caller can rotate input sets (rep % sets) to keep repeated runs from measuring the L2 cache.
-template <typename Launch>
-Timing time_on_stream(Launch&& launch, cudaStream_t stream, int warmup, int reps) {
-  for (int i = 0; i < warmup; ++i) launch(i);
-  std::vector<cudaEvent_t> events(2 * reps);
-  for (auto& e : events) CUDA_CHECK(cudaEventCreate(&e));
-  for (int i = 0; i < reps; ++i) {
-    CUDA_CHECK(cudaEventRecord(events[2 * i], stream));
-    launch(warmup + i);
-    CUDA_CHECK(cudaEventRecord(events[2 * i + 1], stream));
-  }
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<double> ms(reps);
-  for (int i = 0; i < reps; ++i) {
-    float elapsed = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&elapsed, events[2 * i], events[2 * i + 1]));
-    ms[i] = elapsed;
-  }
-  for (auto& e : events) CUDA_CHECK(cudaEventDestroy(e));
+inline Timing summarize(std::vector<double> ms) {
   std::sort(ms.begin(), ms.end());
+  const size_t n = ms.size();
   Timing t;
-  t.reps = reps;
-  t.median_ms = reps % 2 ? ms[reps / 2] : 0.5 * (ms[reps / 2 - 1] + ms[reps / 2]);
-  t.p10_ms = ms[size_t(0.1 * (reps - 1))];
-  t.p90_ms = ms[size_t(0.9 * (reps - 1) + 0.5)];
+  t.reps = int(n);
+  t.median_ms = n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+  t.p10_ms = ms[size_t(0.1 * double(n - 1))];
+  t.p90_ms = ms[size_t(0.9 * double(n - 1) + 0.5)];
   t.min_ms = ms.front();
   return t;
+}
+
+// Times several implementations of one step. Repetitions are interleaved (rep 0 of every candidate,
+// then rep 1, ...) so that clock and temperature drift under sustained load affects all of them alike
+// instead of penalising whichever runs last. launch(rep) enqueues one run on `stream`; rep counts over
+// warm-up and timed runs, so callers can rotate input sets (rep % sets) to keep out of the L2 cache.
+template <typename Launch>
+std::vector<Timing> time_interleaved(const std::vector<Launch>& launches, cudaStream_t stream, int warmup, int reps) {
+  for (int i = 0; i < warmup; ++i)
+    for (const Launch& launch : launches) launch(i);
+  const size_t n = launches.size();
+  std::vector<cudaEvent_t> events(2 * n * reps);
+  for (auto& e : events) CUDA_CHECK(cudaEventCreate(&e));
+  for (int i = 0; i < reps; ++i)
+    for (size_t c = 0; c < n; ++c) {
+      CUDA_CHECK(cudaEventRecord(events[2 * (i * n + c)], stream));
+      launches[c](warmup + i);
+      CUDA_CHECK(cudaEventRecord(events[2 * (i * n + c) + 1], stream));
+    }
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<Timing> timings;
+  for (size_t c = 0; c < n; ++c) {
+    std::vector<double> ms(reps);
+    for (int i = 0; i < reps; ++i) {
+      float elapsed = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&elapsed, events[2 * (i * n + c)], events[2 * (i * n + c) + 1]));
+      ms[i] = elapsed;
+    }
+    timings.push_back(summarize(std::move(ms)));
+  }
+  for (auto& e : events) CUDA_CHECK(cudaEventDestroy(e));
+  return timings;
+}
+
+template <typename Launch>
+Timing time_on_stream(const Launch& launch, cudaStream_t stream, int warmup, int reps) {
+  return time_interleaved(std::vector<Launch>{launch}, stream, warmup, reps).front();
 }
 
 }  // namespace pounce::bench

@@ -86,6 +86,7 @@ struct KernelParams {
   const uint32_t* m_block_ready;
   uint32_t ready_target;
   int32_t multicast;
+  int32_t band_pairs;
   uint32_t* ticket;
   DeviceErrorRecord* error;
   uint64_t wait_timeout_ns;
@@ -144,7 +145,7 @@ __device__ void run_producer(SharedStorage& s, const LoadMaps& maps, const Kerne
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, pipeline_timeout_ns(p)};
   const int32_t rows_in_use = p.expert_offsets[p.experts];
   const PairScheduler scheduler{p.expert_offsets, p.experts, p.n / kBlockN + (p.n % kBlockN != 0),
-                                rows_in_use / kBlockM};
+                                rows_in_use / kBlockM, p.band_pairs};
   int64_t total_items = scheduler.total_items();
   // The rows in use come from device memory (the planner's output): check them before any load.
   if (rank == 0 && rows_in_use > p.a_rows) {
@@ -430,6 +431,8 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   POUNCE_REQUIRE(int64_t(args.experts) * args.n <= INT32_MAX && args.k <= INT32_MAX,
                  "grouped GEMM: experts * n = ", int64_t(args.experts) * args.n, " exceeds int32 row coordinates");
   POUNCE_REQUIRE(args.a && args.b && args.c && args.expert_offsets, "grouped GEMM: a, b, c and expert_offsets must be set");
+  POUNCE_REQUIRE(args.tuning.band_pairs >= 1, "grouped GEMM: band_pairs = ", args.tuning.band_pairs,
+                 ", must be at least 1");
   POUNCE_REQUIRE(gpu_is_hopper(), "grouped GEMM needs a Hopper GPU (sm_90a); this one is ",
                  gpu_info().present ? gpu_info().name : gpu_info().why_absent);
   if (args.a_rows == 0) return;
@@ -443,7 +446,8 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   params.row_scale = args.row_scale;
   params.m_block_ready = args.m_block_ready;
   params.ready_target = args.ready_target;
-  params.multicast = args.multicast;
+  params.multicast = args.tuning.multicast;
+  params.band_pairs = args.tuning.band_pairs;
   params.ticket = ticket_.data();
   params.error = errors_.device_record();
   params.wait_timeout_ns = args.wait_timeout_ns;

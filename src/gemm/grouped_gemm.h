@@ -32,6 +32,16 @@ enum class Epilogue {
   kSwiGLU,  // C = silu(gate) * up, gate/up interleaved in groups of 8 along N   [rows, N/2]
 };
 
+// Scheduling knobs. The defaults are the measured best on the H200 (docs/grouped_gemm.md); the
+// benchmark sweeps the alternatives so that stays checked.
+struct GemmTuning {
+  // Share the B tile between the two CTAs of a cluster by TMA multicast when their m-blocks belong to
+  // one expert (off: each CTA loads its own).
+  bool multicast = true;
+  // Pairs of m-blocks walked together, m-fastest, before moving to the next band (L2 locality).
+  int band_pairs = 8;
+};
+
 struct GroupedGemmArgs {
   const __nv_bfloat16* a = nullptr;  // [a_rows, k]
   int64_t a_rows = 0;                // rows of the A buffer (capacity), a multiple of 128
@@ -47,9 +57,7 @@ struct GroupedGemmArgs {
   // Optional device [a_rows / 128] readiness counters; tiles of m-block b wait for counter >= ready_target.
   const uint32_t* m_block_ready = nullptr;
   uint32_t ready_target = 0;
-  // Share the B tile between the two CTAs of a cluster by TMA multicast when their m-blocks belong to
-  // one expert (off: each CTA loads its own; for measurements).
-  bool multicast = true;
+  GemmTuning tuning;
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait
   int max_ctas = 0;  // 0: as many 2-CTA clusters as can be resident (about one CTA per multiprocessor)
 };

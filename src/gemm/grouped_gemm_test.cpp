@@ -177,6 +177,29 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"max_experts", 512, 64, 64, {}, 3, Epilogue::kStore, false}),
     [](const auto& info) { return std::string(info.param.name); });
 
+// Every scheduling knob must compute the same bits: tiles never split K, so only who computes a tile
+// and when changes.
+TEST(GroupedGemm, TuningNeverChangesResults) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  std::vector<int32_t> counts;
+  std::uniform_int_distribution<int32_t> count(0, 700);
+  for (int e = 0; e < 9; ++e) counts.push_back(count(rng));
+  const Problem p = make_problem(rng, 9, 576, 320, counts, Epilogue::kSwiGLU, true);
+  DeviceProblem d(p);
+  GroupedGemm gemm;
+  const auto reference_bits = run(gemm, d, d.args(p));
+  expect_matches(p, reference_bits);
+  for (GemmTuning tuning : {GemmTuning{.multicast = false}, GemmTuning{.band_pairs = 1}, GemmTuning{.band_pairs = 3},
+                            GemmTuning{.multicast = false, .band_pairs = 100}}) {
+    SCOPED_TRACE(::testing::Message() << "multicast " << tuning.multicast << ", band_pairs " << tuning.band_pairs);
+    GroupedGemmArgs args = d.args(p);
+    args.tuning = tuning;
+    const auto bits = run(gemm, d, args);
+    EXPECT_EQ(std::memcmp(bits.data(), reference_bits.data(), bits.size() * sizeof(uint16_t)), 0);
+  }
+}
+
 TEST(GroupedGemm, WaitsForReadinessCounters) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
