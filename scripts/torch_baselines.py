@@ -5,7 +5,9 @@
   - an eager PyTorch MoE forward: router output in, argsort permute, torch._grouped_mm, SwiGLU,
     weighted index_add_;
   - torch.matmul 8192^3 bf16 as this process's dense ceiling.
-CUDA events, warm-up, median of repetitions, as pounce_bench does.
+CUDA events, warm-up, median of repetitions, as pounce_bench does. Under sustained load the H200 sits at
+its power cap and lowers its clocks, so each shape's measurements are interleaved with the dense GEMM
+(as pounce_bench interleaves its own): compare fractions of the interleaved dense rate across the two.
 
 usage: torch_baselines.py --bench-json BENCH.json --out TORCH.json [--reps N] [--warmup N]
 """
@@ -24,18 +26,26 @@ import torch.nn.functional as F  # noqa: E402
 BLOCK_M = 128
 
 
-def time_ms(fn, warmup, reps):
+def summarize(times):
+    times = sorted(times)
+    return {"median_ms": statistics.median(times), "min_ms": times[0], "p90_ms": times[int(0.9 * (len(times) - 1) + 0.5)],
+            "reps": len(times)}
+
+
+def time_interleaved(fns, warmup, reps):
+    """Median times of several functions, repetitions interleaved so clock drift hits all alike."""
     for _ in range(warmup):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, stop in events:
-        start.record()
-        fn()
-        stop.record()
+        for fn in fns:
+            fn()
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
+              for _ in range(reps)]
+    for row in events:
+        for fn, (start, stop) in zip(fns, row):
+            start.record()
+            fn()
+            stop.record()
     torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(stop) for start, stop in events)
-    return {"median_ms": statistics.median(times), "min_ms": times[0], "p90_ms": times[int(0.9 * (reps - 1) + 0.5)],
-            "reps": reps}
+    return [summarize([row[i][0].elapsed_time(row[i][1]) for row in events]) for i in range(len(fns))]
 
 
 def eager_moe(x, topk_ids, topk_weights, w13, w2, intermediate):
@@ -88,12 +98,17 @@ def main():
 
     result = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
               "git_commit": bench["environment"]["git_commit"], "eager_check_relative_l2": check_eager_moe()}
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    t = time_ms(lambda: a @ b.t(), args.warmup, args.reps)
-    result["dense_bf16_8192_tflops"] = 2 * 8192 ** 3 / (t["median_ms"] * 1e-3) / 1e12
-    del a, b
-    print(f"torch {torch.__version__}, dense 8192^3 bf16: {result['dense_bf16_8192_tflops']:.1f} TFLOP/s")
+    dense_a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    dense_b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    dense_flops = 2 * 8192 ** 3
+
+    def dense():
+        return dense_a @ dense_b.t()
+
+    t, = time_interleaved([dense], args.warmup, args.reps)
+    result["dense_bf16_8192_tflops"] = dense_flops / (t["median_ms"] * 1e-3) / 1e12
+    print(f"torch {torch.__version__}, dense 8192^3 bf16 (alone, at the start): "
+          f"{result['dense_bf16_8192_tflops']:.1f} TFLOP/s")
 
     shapes = []
     for s in bench["shapes"]:
@@ -107,23 +122,25 @@ def main():
         w2 = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) / H ** 0.5
         pool = torch.randn(rows, H, device=dev, dtype=torch.bfloat16)
         hidden = torch.randn(rows, I, device=dev, dtype=torch.bfloat16)
-        g1 = time_ms(lambda: torch._grouped_mm(pool, w13.transpose(-2, -1), offs=offs), args.warmup, args.reps)
-        g2 = time_ms(lambda: torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs), args.warmup, args.reps)
-        g1["tflops"] = 2 * routes * 2 * I * H / (g1["median_ms"] * 1e-3) / 1e12
-        g2["tflops"] = 2 * routes * H * I / (g2["median_ms"] * 1e-3) / 1e12
-        del pool, hidden
-
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-        scores = torch.rand(T, E, device=dev)
-        ids = scores.topk(k, dim=-1).indices.int()  # uniform random routing, like pounce_bench's
+        ids = torch.rand(T, E, device=dev).topk(k, dim=-1).indices.int()  # uniform routing, like pounce_bench's
         w = torch.softmax(torch.randn(T, k, device=dev), -1)
-        fwd = time_ms(lambda: eager_moe(x, ids, w, w13, w2, I), args.warmup, args.reps)
-        fwd["tflops"] = 6 * T * k * H * I / (fwd["median_ms"] * 1e-3) / 1e12
+        g1, g2, fwd, dn = time_interleaved([
+            lambda: torch._grouped_mm(pool, w13.transpose(-2, -1), offs=offs),
+            lambda: torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs),
+            lambda: eager_moe(x, ids, w, w13, w2, I),
+            dense], args.warmup, args.reps)
+        dense_rate = dense_flops / (dn["median_ms"] * 1e-3) / 1e12
+        for t, flops in ((g1, 2 * routes * 2 * I * H), (g2, 2 * routes * H * I), (fwd, 6 * T * k * H * I)):
+            t["tflops"] = flops / (t["median_ms"] * 1e-3) / 1e12
+            t["fraction_of_interleaved_dense"] = t["tflops"] / dense_rate
+        del pool, hidden
         shapes.append({"shape": s["shape"], "grouped_mm_gemm1_gate_up": g1, "grouped_mm_gemm2_down": g2,
-                       "eager_forward": fwd})
-        print(f"{s['shape']:18s} _grouped_mm GEMM1 {g1['median_ms']:8.3f} ms {g1['tflops']:7.1f} TFLOP/s | "
-              f"GEMM2 {g2['median_ms']:8.3f} ms {g2['tflops']:7.1f} | eager forward {fwd['median_ms']:8.3f} ms "
-              f"{fwd['tflops']:7.1f}", flush=True)
+                       "eager_forward": fwd, "interleaved_dense_tflops": dense_rate})
+        print(f"{s['shape']:18s} _grouped_mm GEMM1 {g1['median_ms']:7.3f} ms {g1['tflops']:6.1f} TFLOP/s "
+              f"({g1['fraction_of_interleaved_dense']:.3f} of dense) | GEMM2 {g2['median_ms']:7.3f} ms "
+              f"{g2['tflops']:6.1f} ({g2['fraction_of_interleaved_dense']:.3f}) | eager forward "
+              f"{fwd['median_ms']:7.3f} ms {fwd['tflops']:6.1f} | dense interleaved {dense_rate:6.1f}", flush=True)
         del w13, w2, x
         torch.cuda.empty_cache()
     result["shapes"] = shapes

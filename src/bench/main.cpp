@@ -16,7 +16,6 @@
 #include "bench/dense_ceiling.h"
 #include "common/error.h"
 #include "common/gpu.h"
-#include "gemm/grouped_gemm.h"
 #include "reference/moe_layer.h"
 #include "reference/moe_layer_ep.h"
 #include "reference/synthetic_routing.h"
@@ -130,13 +129,11 @@ Json environment(const Options& o) {
   env["cublaslt"] = int64_t(cublasLtGetVersion());
   env["nccl_runtime"] = nccl;
   env["nccl_headers"] = NCCL_VERSION_CODE;
-  env["grouped_gemm_ctas"] = gemm::grouped_gemm_resident_ctas();
   env["git_commit"] = o.commit.empty() ? "unknown" : o.commit;
   const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
   char date[32];
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   env["date"] = date;
-  std::printf("grouped GEMM: %d resident CTAs (2-CTA clusters)\n", gemm::grouped_gemm_resident_ctas());
   std::printf("GPU %s (sm_%d%d, %d SMs), CUDA driver %d runtime %d, cuBLASLt %ld, NCCL runtime %d headers %d, commit %s\n",
               gpu.name.c_str(), gpu.sm_major, gpu.sm_minor, gpu.multiprocessors, driver, runtime,
               long(cublasLtGetVersion()), nccl, NCCL_VERSION_CODE, o.commit.empty() ? "unknown" : o.commit.c_str());

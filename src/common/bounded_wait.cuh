@@ -17,12 +17,11 @@ struct WaitSite {
 
 // Waits for an mbarrier phase. These waits are inside one CTA: if one stalls past its deadline the CTA's
 // pipeline is broken (a TMA fault, a bug), no other CTA can unblock it, so after reporting it traps.
-template <ptx::Scope kScope = ptx::Scope::kCta>
 __device__ __forceinline__ void mbarrier_wait_bounded(uint64_t* bar, uint32_t parity, const WaitSite& site,
                                                       WaitTarget target, int index) {
-  if (ptx::mbarrier_try_wait<kScope>(bar, parity)) return;
+  if (ptx::mbarrier_try_wait(bar, parity)) return;
   const uint64_t start = ptx::globaltimer_ns();
-  while (!ptx::mbarrier_try_wait<kScope>(bar, parity)) {
+  while (!ptx::mbarrier_try_wait(bar, parity)) {
     const uint64_t waited = ptx::globaltimer_ns() - start;
     if (waited > site.timeout_ns) {
       report_device_error(site.record, DeviceErrorCode::kWaitTimeout, site.role, target, index, parity, parity ^ 1,

@@ -1,22 +1,17 @@
 // Grouped GEMM kernel for sm_90a. Sections in fixed order: configuration and shared-memory layout,
 // producer role, consumer role (mainloop, epilogue), kernel entry, host launcher.
 //
-// One CTA per SM, clusters of 2 CTAs that compute a pair of m-blocks (tile_scheduler.cuh), 384 threads:
-//   warpgroup 0: producer. In CTA rank 0 one thread takes items from the queue, waits for both
-//                m-blocks' readiness and publishes each CTA its tile (through distributed shared
-//                memory); in both CTAs one thread streams A/B K-slices with TMA into a kStages-deep
-//                mbarrier ring. When the pair shares its expert, each CTA loads half of the B tile and
-//                multicasts it to both: a third less L2-to-SM traffic per tile.
+// One CTA per SM, 384 threads:
+//   warpgroup 0: producer. One thread takes tiles from the queue, waits for the m-block's readiness,
+//                publishes the tile to the consumers and streams A/B K-slices with TMA into a
+//                kStages-deep mbarrier ring.
 //   warpgroups 1-2: consumers. Each owns 64 of the tile's 128 rows: wgmma m64n256k16 from shared memory,
 //                fp32 accumulators in registers, then the epilogue (SwiGLU, row scale) writes bf16 into
 //                a swizzled staging box that a TMA store copies out while the next tile's mainloop runs.
-//                A consumer releases a stage to the producers of BOTH CTAs: either may multicast into it.
 #include "gemm/grouped_gemm.h"
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
-
-#include <algorithm>
 
 #include "common/bounded_wait.cuh"
 #include "common/cuda_check.h"
@@ -30,7 +25,6 @@ namespace {
 // ---- configuration and shared memory ---------------------------------------------------------------
 
 constexpr int kStages = 4;
-constexpr int kClusterSize = 2;
 constexpr int kConsumerWarpgroups = 2;
 constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
 constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;  // 64: one wgmma M
@@ -39,23 +33,16 @@ constexpr int kStoreBoxRows = kRowsPerConsumer;  // ...and one consumer's rows h
 constexpr int kStoreSlots = 2;     // per consumer: fill one box while the previous one is stored
 constexpr int kTileSlots = 2;      // the producer may run one tile ahead of the consumers
 constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK * sizeof(__nv_bfloat16);
-// setmaxnreg: 128 x 56 + 256 x 224 = 64512 of the SM's 65536 registers (the producer's tile
-// publishing needs more than the usual 40).
-constexpr uint32_t kProducerRegisters = 56;
-constexpr uint32_t kConsumerRegisters = 224;
+// setmaxnreg: 128 x 40 + 256 x 232 = 64512 of the SM's 65536 registers.
+constexpr uint32_t kProducerRegisters = 40;
+constexpr uint32_t kConsumerRegisters = 232;
 
 // Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue.
 enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1 };
 
-// One CTA's tile of a work item; int4-sized so CTA rank 0 can write its peer's copy in one store.
 struct TileInfo {
   int32_t expert, m_block, n_block;
-  int32_t flags;  // TileFlags; 0: no more tiles (queue drained, or the producer gave up)
-};
-enum TileFlags : int32_t {
-  kValid = 1,   // compute this tile
-  kStore = 2,   // write its output (not for the filler tile of an odd m-block count)
-  kShareB = 4,  // both CTAs use the same B tile: load half each and multicast
+  int32_t valid;  // 0: no more tiles (queue drained, or the producer gave up): consumers exit
 };
 
 // Every TMA tile starts on a 1024-byte boundary: the 128-byte swizzle pattern repeats every 8 rows
@@ -64,10 +51,10 @@ struct SharedStorage {
   alignas(1024) __nv_bfloat16 a[kStages][kBlockM * kBlockK];
   alignas(1024) __nv_bfloat16 b[kStages][kBlockN * kBlockK];
   alignas(1024) __nv_bfloat16 c[kConsumerWarpgroups][kStoreSlots][kStoreBoxRows * kStoreBoxCols];
-  uint64_t full[kStages];   // TMA bytes landed        (1 local producer arrival + transaction bytes)
-  uint64_t empty[kStages];  // consumers done reading  (one arrival per consumer warp of both CTAs)
-  uint64_t tile_full[kTileSlots];   // tile published by CTA rank 0's producer
-  uint64_t tile_empty[kTileSlots];  // used in rank 0 only: read by every consumer warp and rank 1's producer
+  uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes)
+  uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer warp)
+  uint64_t tile_full[kTileSlots];
+  uint64_t tile_empty[kTileSlots];
   TileInfo tiles[kTileSlots];
 };
 constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;  // + slack to align the dynamic base
@@ -75,8 +62,6 @@ static_assert(kSharedBytes <= 232448, "shared memory exceeds the sm_90 per-block
 static_assert(kBlockK * sizeof(__nv_bfloat16) == 128, "one K slice row must be one 128-byte swizzle row");
 
 constexpr uint32_t kConsumerWarps = kConsumerWarpgroups * 4;
-constexpr uint32_t kStageReleases = kClusterSize * kConsumerWarps;
-constexpr uint32_t kTileReleases = kClusterSize * kConsumerWarps + 1;  // + the peer's producer
 
 struct KernelParams {
   int32_t experts, n, k;
@@ -85,8 +70,7 @@ struct KernelParams {
   const float* row_scale;
   const uint32_t* m_block_ready;
   uint32_t ready_target;
-  int32_t multicast;
-  int32_t band_pairs;
+  int32_t band_m_blocks;
   uint32_t* ticket;
   DeviceErrorRecord* error;
   uint64_t wait_timeout_ns;
@@ -97,100 +81,55 @@ __device__ __forceinline__ uint64_t pipeline_timeout_ns(const KernelParams& p) {
   return 2 * p.wait_timeout_ns + 1'000'000'000ull;
 }
 
-// ---- producer ----------------------------------------------------------------------------------------
+// ---- producer ---------------------------------------------------------------------------------------
 
-struct LoadMaps {
-  const CUtensorMap* a;       // box 128 x 64
-  const CUtensorMap* b;       // box 256 x 64
-  const CUtensorMap* b_half;  // box 128 x 64, for the multicast halves
-};
-
-// CTA rank 0: takes the next item, waits until its m-blocks are ready and gives each CTA its tile.
-// Returns this CTA's tile.
-__device__ TileInfo publish_next_tile(SharedStorage& s, const KernelParams& p, const PairScheduler& scheduler,
-                                      int64_t total_items, uint32_t slot, uint32_t slot_phase) {
+__device__ void run_producer(SharedStorage& s, const CUtensorMap* a_map, const CUtensorMap* b_map,
+                             const KernelParams& p) {
+  ptx::prefetch_tensormap(a_map);
+  ptx::prefetch_tensormap(b_map);
   const WaitSite ready_site{p.error, DeviceRole::kGemmProducer, p.wait_timeout_ns};
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, pipeline_timeout_ns(p)};
-  TileInfo mine{0, 0, 0, 0}, theirs{0, 0, 0, 0};
-  const int64_t item = atomicAdd(p.ticket, 1u);
-  if (item < total_items) {
-    const PairScheduler::Item it = scheduler.decode(item);
-    const int32_t m0 = 2 * it.pair, m1 = m0 + 1;
-    const bool m1_real = m1 < scheduler.m_blocks;  // else rank 1 computes a filler tile it never stores
-    const int32_t e0 = scheduler.expert_of(m0), e1 = m1_real ? scheduler.expert_of(m1) : e0;
-    auto ready = [&](int32_t m) {
-      return p.m_block_ready == nullptr ||
-             counter_wait_bounded(p.m_block_ready + m, p.ready_target, ready_site, WaitTarget::kMBlockReady, m);
-    };
-    if (ready(m0) && (!m1_real || ready(m1))) {
-      const int32_t share = p.multicast && m1_real && e0 == e1 ? kShareB : 0;
-      mine = {e0, m0, it.n_block, kValid | kStore | share};
-      theirs = {e1, m1, it.n_block, kValid | (m1_real ? kStore : 0) | share};
-    }
-  }
-  mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
-  s.tiles[slot] = mine;
-  ptx::st_cluster_v4(ptx::map_to_cta(&s.tiles[slot], 1), make_int4(theirs.expert, theirs.m_block, theirs.n_block,
-                                                                   theirs.flags));
-  // Release at cluster scope: the peer's (cluster-scope) wait on tile_full makes its TileInfo visible.
-  ptx::mbarrier_arrive(&s.tile_full[slot]);
-  ptx::mbarrier_arrive_cluster<ptx::Scope::kCluster>(ptx::map_to_cta(&s.tile_full[slot], 1));
-  return mine;
-}
+  const TileScheduler scheduler{p.expert_offsets, p.experts, p.n / kBlockN + (p.n % kBlockN != 0), p.band_m_blocks};
 
-__device__ void run_producer(SharedStorage& s, const LoadMaps& maps, const KernelParams& p, uint32_t rank) {
-  ptx::prefetch_tensormap(maps.a);
-  ptx::prefetch_tensormap(maps.b);
-  ptx::prefetch_tensormap(maps.b_half);
-  const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, pipeline_timeout_ns(p)};
-  const int32_t rows_in_use = p.expert_offsets[p.experts];
-  const PairScheduler scheduler{p.expert_offsets, p.experts, p.n / kBlockN + (p.n % kBlockN != 0),
-                                rows_in_use / kBlockM, p.band_pairs};
-  int64_t total_items = scheduler.total_items();
   // The rows in use come from device memory (the planner's output): check them before any load.
-  if (rank == 0 && rows_in_use > p.a_rows) {
+  const int32_t rows_in_use = p.expert_offsets[p.experts];
+  int64_t total_tiles = scheduler.total_tiles();
+  if (rows_in_use > p.a_rows) {
     report_device_error(p.error, DeviceErrorCode::kBadSchedule, DeviceRole::kGemmProducer,
                         WaitTarget::kRowsInBounds, p.experts, uint64_t(p.a_rows), uint64_t(rows_in_use), 0);
-    total_items = 0;
+    total_tiles = 0;
   }
 
   const int k_blocks = p.k / kBlockK;
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
   for (;;) {
-    TileInfo tile;
-    if (rank == 0) {
-      tile = publish_next_tile(s, p, scheduler, total_items, slot, slot_phase);
-    } else {
-      mbarrier_wait_bounded<ptx::Scope::kCluster>(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo,
-                                                  slot);
-      tile = s.tiles[slot];
-      ptx::mbarrier_arrive_cluster(ptx::map_to_cta(&s.tile_empty[slot], 0));
+    TileInfo info{0, 0, 0, 0};
+    const int64_t tile = atomicAdd(p.ticket, 1u);
+    if (tile < total_tiles) {
+      const TileCoord t = scheduler.decode(tile);
+      const bool ready = p.m_block_ready == nullptr ||
+                         counter_wait_bounded(p.m_block_ready + t.m_block, p.ready_target, ready_site,
+                                              WaitTarget::kMBlockReady, t.m_block);
+      if (ready) info = {t.expert, t.m_block, t.n_block, 1};
     }
+    mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
+    s.tiles[slot] = info;
+    ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the consumers' wait makes `info` visible
     if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
-    if (!(tile.flags & kValid)) return;
+    if (!info.valid) return;
 
-    // NOTES: A rows were written by other CTAs through the generic proxy and acquired by rank 0's
-    // readiness wait (then released to us through the tile barrier); TMA reads through the async proxy,
-    // which needs this fence to observe them.
+    // NOTES: A rows were written by other CTAs through the generic proxy and acquired above; TMA reads
+    // through the async proxy, which needs this fence to observe them.
     if (p.m_block_ready != nullptr) ptx::fence_proxy_async_global();
-    const int32_t a_row = tile.m_block * kBlockM;
-    const int32_t b_row = tile.expert * p.n + tile.n_block * kBlockN;
+    const int32_t a_row = info.m_block * kBlockM;
+    const int32_t b_row = info.expert * p.n + info.n_block * kBlockN;
     for (int kb = 0; kb < k_blocks; ++kb) {
-      // The peer multicasts into this stage too, so it must be free in both CTAs: empty counts the
-      // consumer warps of both.
       mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
-      ptx::mbarrier_arrive_expect_tx(&s.full[stage], kStageBytes);  // A + B land here, shared or not
-      // A rows past the buffer (the filler tile) are out of bounds and zero-filled.
-      ptx::tma_load_2d(s.a[stage], maps.a, &s.full[stage], kb * kBlockK, a_row);
-      if (tile.flags & kShareB) {
-        constexpr int kHalfRows = kBlockN / kClusterSize;
-        ptx::tma_load_2d_multicast(s.b[stage] + rank * kHalfRows * kBlockK, maps.b_half, &s.full[stage], kb * kBlockK,
-                                   b_row + int32_t(rank) * kHalfRows, (1u << kClusterSize) - 1);
-      } else {
-        // B rows past the last expert are zero-filled; rows past this expert's N belong to the next
-        // expert and only feed output columns the clipped store never writes.
-        ptx::tma_load_2d(s.b[stage], maps.b, &s.full[stage], kb * kBlockK, b_row);
-      }
+      ptx::mbarrier_arrive_expect_tx(&s.full[stage], kStageBytes);
+      ptx::tma_load_2d(s.a[stage], a_map, &s.full[stage], kb * kBlockK, a_row);
+      // B rows past the last expert are out of bounds and zero-filled; rows past this expert's N belong
+      // to the next expert and only feed output columns the clipped store never writes.
+      ptx::tma_load_2d(s.b[stage], b_map, &s.full[stage], kb * kBlockK, b_row);
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
   }
@@ -261,27 +200,19 @@ __device__ void store_tile(const float (&acc)[128], SharedStorage& s, const CUte
 }
 
 template <Epilogue kEpilogue>
-__device__ void run_consumer(SharedStorage& s, const CUtensorMap* c_map, const KernelParams& p, int consumer,
-                             uint32_t rank) {
+__device__ void run_consumer(SharedStorage& s, const CUtensorMap* c_map, const KernelParams& p, int consumer) {
   const int thread = threadIdx.x % 128, lane = thread % 32;
-  // Releases go to both CTAs' barriers; their cluster addresses are fixed.
-  const uint32_t peer = rank ^ 1;
-  auto release_stage = [&](uint32_t stage) {
-    ptx::mbarrier_arrive(&s.empty[stage]);
-    ptx::mbarrier_arrive_cluster(ptx::map_to_cta(&s.empty[stage], peer));
-  };
   const WaitSite pipe_site{p.error, DeviceRole::kGemmConsumer, pipeline_timeout_ns(p)};
   const int k_blocks = p.k / kBlockK;
   float acc[128];
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
   for (;;) {
-    mbarrier_wait_bounded<ptx::Scope::kCluster>(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo,
-                                                slot);
+    mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
     const TileInfo tile = s.tiles[slot];
     __syncwarp();
-    if (lane == 0) ptx::mbarrier_arrive_cluster(ptx::map_to_cta(&s.tile_empty[slot], 0));
+    if (lane == 0) ptx::mbarrier_arrive(&s.tile_empty[slot]);
     if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
-    if (!(tile.flags & kValid)) break;
+    if (!tile.valid) break;
 
     // Mainloop: one wgmma group per K slice; keep one group in flight and release a stage as soon as
     // the group reading it has completed.
@@ -299,15 +230,15 @@ __device__ void run_consumer(SharedStorage& s, const CUtensorMap* c_map, const K
       ptx::wgmma_commit_group();
       ptx::wgmma_wait_group<1>();
       ptx::fence_registers(acc);
-      if (kb > 0 && lane == 0) release_stage(previous_stage);
+      if (kb > 0 && lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
       previous_stage = stage;
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(acc);
-    if (lane == 0) release_stage(previous_stage);
+    if (lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
 
-    if (tile.flags & kStore) store_tile<kEpilogue>(acc, s, c_map, p, tile, consumer, thread);
+    store_tile<kEpilogue>(acc, s, c_map, p, tile, consumer, thread);
   }
   if (thread == 0) ptx::bulk_wait_group<0>();  // stores must finish reading shared memory before exit
 }
@@ -315,40 +246,34 @@ __device__ void run_consumer(SharedStorage& s, const CUtensorMap* c_map, const K
 // ---- kernel -----------------------------------------------------------------------------------------
 
 template <Epilogue kEpilogue>
-__global__ void __cluster_dims__(kClusterSize, 1, 1) __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
-                        const __grid_constant__ CUtensorMap b_half_map, const __grid_constant__ CUtensorMap c_map,
-                        const KernelParams p) {
+                        const __grid_constant__ CUtensorMap c_map, const KernelParams p) {
   extern __shared__ uint8_t smem_raw[];
   SharedStorage& s =
       *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const uint32_t rank = ptx::cluster_ctarank();
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       ptx::mbarrier_init(&s.full[i], 1);
-      ptx::mbarrier_init(&s.empty[i], kStageReleases);
+      ptx::mbarrier_init(&s.empty[i], kConsumerWarps);
     }
     for (int i = 0; i < kTileSlots; ++i) {
       ptx::mbarrier_init(&s.tile_full[i], 1);
-      ptx::mbarrier_init(&s.tile_empty[i], kTileReleases);
+      ptx::mbarrier_init(&s.tile_empty[i], kConsumerWarps);
     }
     ptx::fence_mbarrier_init();
   }
-  // Both CTAs' barriers exist before either CTA touches the other's.
-  ptx::cluster_sync();
+  __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegisters>();
-    if (threadIdx.x == 0) run_producer(s, LoadMaps{&a_map, &b_map, &b_half_map}, p, rank);
+    if (threadIdx.x == 0) run_producer(s, &a_map, &b_map, p);
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();
-    run_consumer<kEpilogue>(s, &c_map, p, warpgroup - 1, rank);
+    run_consumer<kEpilogue>(s, &c_map, p, warpgroup - 1);
   }
-  // NOTES: neither CTA may exit while its peer can still arrive on its barriers or multicast into its
-  // shared memory.
-  ptx::cluster_sync();
 }
 
 // ---- host -------------------------------------------------------------------------------------------
@@ -381,44 +306,23 @@ CUtensorMap make_bf16_map(const void* base, uint64_t inner, uint64_t outer, uint
   return map;
 }
 
-// The most clusters that can be resident at once: a GPC whose free SM count is odd leaves one SM out,
-// so this can be below multiprocessors / 2. A persistent grid must not exceed it.
 template <Epilogue kEpilogue>
-int resident_clusters() {
-  static const int clusters = [] {
+void launch(const GroupedGemmArgs& args, const KernelParams& params, int ctas, cudaStream_t stream) {
+  static const bool configured = [] {
     CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kEpilogue>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(kSharedBytes)));
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(kClusterSize);
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = kSharedBytes;
-    int n = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, grouped_gemm_kernel<kEpilogue>, &config));
-    POUNCE_REQUIRE(n > 0, "grouped GEMM: no cluster of ", kClusterSize, " CTAs with ", kSharedBytes,
-                   " bytes of shared memory each fits on this GPU");
-    return n;
+    return true;
   }();
-  return clusters;
-}
-
-template <Epilogue kEpilogue>
-void launch(const GroupedGemmArgs& args, const KernelParams& params, cudaStream_t stream) {
-  const int clusters = std::min(resident_clusters<kEpilogue>(),
-                                args.max_ctas > 0 ? std::max(1, args.max_ctas / kClusterSize) : INT32_MAX);
-  const int ctas = clusters * kClusterSize;
+  (void)configured;
   const int64_t out_cols = kEpilogue == Epilogue::kSwiGLU ? args.n / 2 : args.n;
   const CUtensorMap a_map = make_bf16_map(args.a, args.k, args.a_rows, kBlockK, kBlockM);
-  const uint64_t b_rows = uint64_t(args.experts) * args.n;
-  const CUtensorMap b_map = make_bf16_map(args.b, args.k, b_rows, kBlockK, kBlockN);
-  const CUtensorMap b_half_map = make_bf16_map(args.b, args.k, b_rows, kBlockK, kBlockN / kClusterSize);
+  const CUtensorMap b_map = make_bf16_map(args.b, args.k, uint64_t(args.experts) * args.n, kBlockK, kBlockN);
   const CUtensorMap c_map = make_bf16_map(args.c, out_cols, args.a_rows, kStoreBoxCols, kStoreBoxRows);
-  grouped_gemm_kernel<kEpilogue><<<ctas, kThreads, kSharedBytes, stream>>>(a_map, b_map, b_half_map, c_map, params);
+  grouped_gemm_kernel<kEpilogue><<<ctas, kThreads, kSharedBytes, stream>>>(a_map, b_map, c_map, params);
   CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
-
-int grouped_gemm_resident_ctas() { return resident_clusters<Epilogue::kStore>() * kClusterSize; }
 
 GroupedGemm::GroupedGemm() : ticket_(1) {}
 
@@ -431,7 +335,7 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   POUNCE_REQUIRE(int64_t(args.experts) * args.n <= INT32_MAX && args.k <= INT32_MAX,
                  "grouped GEMM: experts * n = ", int64_t(args.experts) * args.n, " exceeds int32 row coordinates");
   POUNCE_REQUIRE(args.a && args.b && args.c && args.expert_offsets, "grouped GEMM: a, b, c and expert_offsets must be set");
-  POUNCE_REQUIRE(args.tuning.band_pairs >= 1, "grouped GEMM: band_pairs = ", args.tuning.band_pairs,
+  POUNCE_REQUIRE(args.tuning.band_m_blocks >= 1, "grouped GEMM: band_m_blocks = ", args.tuning.band_m_blocks,
                  ", must be at least 1");
   POUNCE_REQUIRE(gpu_is_hopper(), "grouped GEMM needs a Hopper GPU (sm_90a); this one is ",
                  gpu_info().present ? gpu_info().name : gpu_info().why_absent);
@@ -446,14 +350,14 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   params.row_scale = args.row_scale;
   params.m_block_ready = args.m_block_ready;
   params.ready_target = args.ready_target;
-  params.multicast = args.tuning.multicast;
-  params.band_pairs = args.tuning.band_pairs;
+  params.band_m_blocks = args.tuning.band_m_blocks;
   params.ticket = ticket_.data();
   params.error = errors_.device_record();
   params.wait_timeout_ns = args.wait_timeout_ns;
+  const int ctas = args.max_ctas > 0 ? args.max_ctas : gpu_info().multiprocessors;
   CUDA_CHECK(cudaMemsetAsync(ticket_.data(), 0, sizeof(uint32_t), stream));
-  if (args.epilogue == Epilogue::kSwiGLU) launch<Epilogue::kSwiGLU>(args, params, stream);
-  else launch<Epilogue::kStore>(args, params, stream);
+  if (args.epilogue == Epilogue::kSwiGLU) launch<Epilogue::kSwiGLU>(args, params, ctas, stream);
+  else launch<Epilogue::kStore>(args, params, ctas, stream);
 }
 
 }  // namespace pounce::gemm

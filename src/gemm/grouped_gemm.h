@@ -3,10 +3,9 @@
 // A is the expert-contiguous token pool [rows, K] bf16 (each expert's rows start on a 128-row
 // m-block), B the expert weights [E, N, K] bf16 (K-major), C [rows, N] (plain) or [rows, N/2] (SwiGLU).
 //
-// Persistent clusters of 2 CTAs take work items (a pair of 128-row m-blocks x one 256-column n-block)
-// from a device queue. Before loading A, the item's m-blocks' readiness counters must reach
-// `ready_target` (acquire, bounded wait): the megakernel's dispatch bumps these counters; stand-alone
-// callers pass none.
+// Persistent CTAs take tiles (expert, m-block, n-block) of 128 x 256 from a device queue. Before
+// loading A for a tile, a CTA waits (acquire, bounded) until that m-block's readiness counter reaches
+// `ready_target`: the megakernel's dispatch bumps these counters; stand-alone callers pass none.
 //
 // Padding rows (beyond an expert's routes, up to its m-block boundary) are computed like any row but
 // never mix into other rows: each output row depends on its own A row only. Their outputs are
@@ -32,14 +31,11 @@ enum class Epilogue {
   kSwiGLU,  // C = silu(gate) * up, gate/up interleaved in groups of 8 along N   [rows, N/2]
 };
 
-// Scheduling knobs. The defaults are the measured best on the H200 (docs/grouped_gemm.md); the
+// Scheduling knobs. The default is the measured best on the H200 (docs/grouped_gemm.md); the
 // benchmark sweeps the alternatives so that stays checked.
 struct GemmTuning {
-  // Share the B tile between the two CTAs of a cluster by TMA multicast when their m-blocks belong to
-  // one expert (off: each CTA loads its own).
-  bool multicast = true;
-  // Pairs of m-blocks walked together, m-fastest, before moving to the next band (L2 locality).
-  int band_pairs = 8;
+  // M-blocks of one expert walked together, m-fastest, before moving to the next band (L2 locality).
+  int band_m_blocks = 16;
 };
 
 struct GroupedGemmArgs {
@@ -59,11 +55,8 @@ struct GroupedGemmArgs {
   uint32_t ready_target = 0;
   GemmTuning tuning;
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait
-  int max_ctas = 0;  // 0: as many 2-CTA clusters as can be resident (about one CTA per multiprocessor)
+  int max_ctas = 0;                             // 0: one per multiprocessor
 };
-
-// CTAs of a full-size launch: 2 x the clusters that fit on the GPU at once.
-int grouped_gemm_resident_ctas();
 
 // Owns the queue ticket and error record of one stream's GEMM launches.
 class GroupedGemm {
