@@ -41,10 +41,10 @@ ctest --test-dir "$build" -L gpu --output-on-failure --timeout 300 > "$out/gpu-t
 grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(SEGFAULT\)|Exception" "$out/gpu-tests.log"
 
 if [ $sanitize = 1 ]; then
-  filter='Shapes/GroupedGemmTest.MatchesHost/one_row*:Shapes/GroupedGemmTest.MatchesHost/edges*:GroupedGemm.WaitsFor*:GroupedGemm.Stalled*:Shapes/UnfusedMoeTest.*T64*'
+  filter='Shapes/GroupedGemmTest.MatchesHost/one_row*:Shapes/GroupedGemmTest.MatchesHost/edges*:GroupedGemm.WaitsFor*:Shapes/UnfusedMoeTest.*T64*'
   for tool in memcheck racecheck synccheck; do
     echo "== compute-sanitizer --tool $tool" >> "$out/sanitizer.log"
-    timeout 300 compute-sanitizer --tool $tool --error-exitcode 1 "$build/pounce_tests_gpu" --gtest_filter="$filter" \
+    timeout 100 compute-sanitizer --tool $tool --error-exitcode 1 "$build/pounce_tests_gpu" --gtest_filter="$filter" \
       >> "$out/sanitizer.log" 2>&1 && echo "sanitizer $tool: clean" || { echo "sanitizer $tool: FAILED"; status=1; }
   done
 fi
