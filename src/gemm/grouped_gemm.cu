@@ -137,7 +137,10 @@ __device__ void run_producer(SharedStorage& s, const CUtensorMap* a_map, const C
 
 // ---- consumer ---------------------------------------------------------------------------------------
 
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+// NOTES: silu(g) = g * sigmoid(g) with sigmoid(g) = 0.5 + 0.5 * tanh(g / 2): four instructions, one of
+// them MUFU. The epilogue stalls the tensor cores while it runs, and the exp-and-divide form cost ~4%
+// of GEMM1's time (measured: docs/grouped_gemm.md).
+__device__ __forceinline__ float silu(float g) { return g * fmaf(0.5f, ptx::tanh_approx(0.5f * g), 0.5f); }
 
 __device__ __forceinline__ void st_shared_bf16x2(uint32_t addr, float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
