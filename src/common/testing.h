@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error.h"
 #include "formats/numerics.h"
 
 namespace pounce::testing {
@@ -61,6 +62,24 @@ double relative_l2_error(std::span<const A> got, std::span<const B> want) {
 template <typename A, typename B>
 double relative_l2_error(const std::vector<A>& got, const std::vector<B>& want) {
   return relative_l2_error(std::span<const A>(got), std::span<const B>(want));
+}
+
+// The message of the pounce::Error that f() throws; "(no error)" when it throws none.
+template <typename F>
+std::string error_message(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// Expects f() to throw a pounce::Error whose message contains `needle`.
+template <typename F>
+void expect_error(F&& f, const std::string& needle) {
+  const std::string message = error_message(std::forward<F>(f));
+  EXPECT_NE(message.find(needle), std::string::npos) << "message: " << message << "\nexpected it to contain: " << needle;
 }
 
 }  // namespace pounce::testing

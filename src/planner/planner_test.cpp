@@ -28,14 +28,7 @@ EpConfig small_config(int ranks, int experts, int topk, int64_t max_tokens) {
   return c;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using testing::error_message;
 
 TEST(WaveModel, ReproducesPublishedMinibatch) {
   // 148 compute SMs, 128x256 tiles, intermediate 2048: the published 2368 rows.
@@ -56,37 +49,37 @@ TEST(WaveModel, ScalesWithSmsWavesAndTiles) {
 
 TEST(WaveModel, RejectsBadArguments) {
   WaveModel m{.compute_sms = 0};
-  EXPECT_THAT(error_of([&] { min_minibatch_rows(m, 2048); }), HasSubstr("compute_sms = 0"));
+  EXPECT_THAT(error_message([&] { min_minibatch_rows(m, 2048); }), HasSubstr("compute_sms = 0"));
   m.compute_sms = 100;
   m.block_n = 192;
-  EXPECT_THAT(error_of([&] { min_minibatch_rows(m, 2048); }), HasSubstr("does not divide"));
+  EXPECT_THAT(error_message([&] { min_minibatch_rows(m, 2048); }), HasSubstr("does not divide"));
 }
 
 TEST(Config, RejectsByName) {
-  EXPECT_THAT(error_of([] { validate_config(small_config(3, 16, 2, 8)); }), HasSubstr("not divisible by ranks = 3"));
-  EXPECT_THAT(error_of([] { validate_config(small_config(2, 16, 17, 8)); }), HasSubstr("topk = 17"));
+  EXPECT_THAT(error_message([] { validate_config(small_config(3, 16, 2, 8)); }), HasSubstr("not divisible by ranks = 3"));
+  EXPECT_THAT(error_message([] { validate_config(small_config(2, 16, 17, 8)); }), HasSubstr("topk = 17"));
   auto c = small_config(2, 16, 2, 8);
   c.hidden = 100;
-  EXPECT_THAT(error_of([&] { validate_config(c); }), HasSubstr("hidden = 100 is not supported"));
+  EXPECT_THAT(error_message([&] { validate_config(c); }), HasSubstr("hidden = 100 is not supported"));
   c = small_config(2, 16, 2, 8);
   c.intermediate = 96;
-  EXPECT_THAT(error_of([&] { validate_config(c); }), HasSubstr("intermediate = 96 is not supported"));
+  EXPECT_THAT(error_message([&] { validate_config(c); }), HasSubstr("intermediate = 96 is not supported"));
   EXPECT_NO_THROW(validate_config(small_config(8, 256, 8, 8192)));
 }
 
 TEST(Routing, RejectsByName) {
   auto c = small_config(2, 16, 2, 4);
   std::vector<int32_t> ids = {0, 1, 2, 16};
-  EXPECT_THAT(error_of([&] { validate_routing(c, 1, ids, 2); }),
+  EXPECT_THAT(error_message([&] { validate_routing(c, 1, ids, 2); }),
               HasSubstr("rank 1: topk_ids[token 1][k 1] = 16 is out of range [0, 16)"));
   ids = {0, 1, -1, 3};
-  EXPECT_THAT(error_of([&] { validate_routing(c, 0, ids, 2); }), HasSubstr("topk_ids[token 1][k 0] = -1"));
+  EXPECT_THAT(error_message([&] { validate_routing(c, 0, ids, 2); }), HasSubstr("topk_ids[token 1][k 0] = -1"));
   ids = {0, 1, 5, 5};
-  EXPECT_THAT(error_of([&] { validate_routing(c, 0, ids, 2); }), HasSubstr("token 1 lists expert 5 twice"));
+  EXPECT_THAT(error_message([&] { validate_routing(c, 0, ids, 2); }), HasSubstr("token 1 lists expert 5 twice"));
   ids.assign(10, 0);
-  EXPECT_THAT(error_of([&] { validate_routing(c, 0, ids, 5); }), HasSubstr("has 5 tokens"));
+  EXPECT_THAT(error_message([&] { validate_routing(c, 0, ids, 5); }), HasSubstr("has 5 tokens"));
   ids = {0, 1, 2};
-  EXPECT_THAT(error_of([&] { validate_routing(c, 0, ids, 2); }), HasSubstr("3 entries, expected"));
+  EXPECT_THAT(error_message([&] { validate_routing(c, 0, ids, 2); }), HasSubstr("3 entries, expected"));
 }
 
 // The schedule by brute force: gather every (local expert, source, token, k) tuple and sort them.
@@ -268,12 +261,12 @@ TEST(Schedule, RejectsInvalidInputBeforeBuilding) {
   std::vector<std::vector<int32_t>> ids = {{0, 1}, {3, 3}};
   std::vector<int64_t> tokens = {1, 1};
   std::vector<std::span<const int32_t>> views(ids.begin(), ids.end());
-  EXPECT_THAT(error_of([&] { build_schedule(c, 0, views, tokens, 128); }),
+  EXPECT_THAT(error_message([&] { build_schedule(c, 0, views, tokens, 128); }),
               HasSubstr("rank 1: token 0 lists expert 3 twice"));
   ids[1] = {3, 4};
   views.assign(ids.begin(), ids.end());
-  EXPECT_THAT(error_of([&] { build_schedule(c, 2, views, tokens, 128); }), HasSubstr("rank = 2 is outside"));
-  EXPECT_THAT(error_of([&] { build_schedule(c, 0, views, tokens, 0); }), HasSubstr("minibatch_rows = 0"));
+  EXPECT_THAT(error_message([&] { build_schedule(c, 2, views, tokens, 128); }), HasSubstr("rank = 2 is outside"));
+  EXPECT_THAT(error_message([&] { build_schedule(c, 0, views, tokens, 0); }), HasSubstr("minibatch_rows = 0"));
 }
 
 }  // namespace

@@ -4,16 +4,10 @@
 #include <cmath>
 
 #include "common/error.h"
+#include "reference/stable_math.h"
 
 namespace pounce::reference {
 namespace {
-
-// exp() only ever sees a non-positive argument, so large |v| cannot overflow.
-double sigmoid(double v) {
-  if (v >= 0) return 1.0 / (1.0 + std::exp(-v));
-  const double z = std::exp(v);
-  return z / (1.0 + z);
-}
 
 void require_size(const char* name, size_t got, int64_t want, const char* formula) {
   POUNCE_REQUIRE(got == static_cast<size_t>(want), name, " has ", got, " elements, expected ", formula, " = ",
@@ -52,7 +46,7 @@ void route_hidden(const MoeShape& s, const MoeInputs& in, int64_t t, int64_t e, 
     }
     r.g[i] = g;
     r.u[i] = u;
-    r.a[i] = g * sigmoid(g) * u;
+    r.a[i] = g * stable_sigmoid(g) * u;
   }
 }
 
@@ -190,7 +184,7 @@ MoeGradients moe_backward(const MoeShape& shape, const MoeInputs& in, std::span<
 
       // a = silu(g) u with silu(g) = g s, s = sigmoid(g), silu'(g) = s (1 + g (1 - s)).
       for (int64_t i = 0; i < I; ++i) {
-        const double s = sigmoid(r.g[i]);
+        const double s = stable_sigmoid(r.g[i]);
         const double dai = w * da[i];
         dgu[w13_row(i, false)] = dai * r.u[i] * s * (1.0 + r.g[i] * (1.0 - s));
         dgu[w13_row(i, true)] = dai * r.g[i] * s;

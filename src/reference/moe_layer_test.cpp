@@ -22,18 +22,7 @@ using pounce::testing::fresh_rng;
 using pounce::testing::random_bf16_values;
 using pounce::testing::relative_l2_error;
 
-// Runs f, expecting a pounce::Error whose message contains `needle`.
-template <typename F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message: " << e.what() << "\nexpected it to contain: " << needle;
-    return;
-  }
-  ADD_FAILURE() << "no pounce::Error thrown; expected one containing: " << needle;
-}
+using pounce::testing::expect_error;
 
 // One layer's inputs, bf16-representable, with distinct random experts per token.
 struct Problem {

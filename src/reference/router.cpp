@@ -6,16 +6,10 @@
 #include <numeric>
 
 #include "common/error.h"
+#include "reference/stable_math.h"
 
 namespace pounce::reference {
 namespace {
-
-// exp() only ever sees a non-positive argument, so large |v| cannot overflow.
-double sigmoid(double v) {
-  if (v >= 0) return 1.0 / (1.0 + std::exp(-v));
-  const double z = std::exp(v);
-  return z / (1.0 + z);
-}
 
 void validate_config(const RouterConfig& c) {
   POUNCE_REQUIRE(c.experts > 0, "RouterConfig.experts = ", c.experts, " must be > 0");
@@ -90,7 +84,7 @@ RouterOutput route(const RouterConfig& config, std::span<const float> logits, in
       for (int e = 0; e < E; ++e) sum += score[e] = std::exp(double(l[e]) - max);
       for (int e = 0; e < E; ++e) score[e] /= sum;
     } else {
-      for (int e = 0; e < E; ++e) score[e] = sigmoid(l[e]);
+      for (int e = 0; e < E; ++e) score[e] = stable_sigmoid(l[e]);
     }
     for (int e = 0; e < E; ++e) choice[e] = score[e] + (bias.empty() ? 0.0 : double(bias[e]));
 

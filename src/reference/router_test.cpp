@@ -21,17 +21,7 @@ namespace {
 
 using pounce::testing::fresh_rng;
 
-template <typename F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message: " << e.what() << "\nexpected it to contain: " << needle;
-    return;
-  }
-  ADD_FAILURE() << "no pounce::Error thrown; expected one containing: " << needle;
-}
+using pounce::testing::expect_error;
 
 RouterConfig softmax_config(int experts, int topk) {
   RouterConfig c;

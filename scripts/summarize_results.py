@@ -1,0 +1,50 @@
+#!/usr/bin/env python3
+"""Markdown tables from one gpu_check run's JSON (pounce_bench, and torch_baselines when given).
+
+usage: summarize_results.py BENCH.json [TORCH.json]
+
+Each rate is also given as a fraction of the cuBLAS 8192^3 BF16 GEMM timed interleaved with the same
+comparison ("of dense"): under sustained load the H200 runs at its power cap with lowered clocks, so a
+ceiling measured on a cool GPU at the start of the run overstates what any kernel can sustain.
+PyTorch's numbers come from a later phase of the same device call, each normalised by its own
+interleaved dense GEMM; compare those fractions, not raw TFLOP/s, across the two.
+"""
+import json
+import sys
+
+DENSE = "cublas dense 8192^3"
+
+
+def rows(entries):
+    return {e["impl"]: e for e in entries}
+
+
+def main():
+    bench = json.load(open(sys.argv[1]))
+    torch = {s["shape"]: s for s in json.load(open(sys.argv[2]))["shapes"]} if len(sys.argv) > 2 else {}
+    env, ceil = bench["environment"], bench["ceilings"]
+    print(f"{env['gpu']}, commit {env['git_commit'][:10]}, {env['date']}, routing {bench['shapes'][0]['routing']}. "
+          f"Cold-start ceilings: cuBLAS 8192^3 BF16 {ceil['dense_bf16_8192_tflops']:.0f} TFLOP/s, "
+          f"FP8 {ceil['dense_fp8_8192_tflops']:.0f} (fast accumulation {ceil['dense_fp8_fast_accum_8192_tflops']:.0f}), "
+          f"HBM copy {ceil['hbm_copy_4GiB_gbps']:.0f} GB/s.\n")
+    steps = (("forward", "forward", "eager_forward", "pounce_unfused"),
+             ("GEMM1 gate/up (+SwiGLU)", "gemm1_gate_up", "grouped_mm_gemm1_gate_up", "pounce (SwiGLU fused)"),
+             ("GEMM2 down", "gemm2_down", "grouped_mm_gemm2_down", "pounce"))
+    print("| shape | step | pounce TFLOP/s | of dense | cuBLAS loop | cuBLAS grouped | pounce / best cuBLAS | "
+          "PyTorch of its dense | pounce of dense / PyTorch's |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for s in bench["shapes"]:
+        for title, key, torch_key, ours in steps:
+            r = rows(s["forward"] if key == "forward" else s["grouped_gemms"][key])
+            dense = r[DENSE]["tflops"]
+            p = r[ours]["tflops"]
+            loop, grouped = r["cublas_loop"]["tflops"], r["cublas_grouped_batched"]["tflops"]
+            t = torch.get(s["shape"], {}).get(torch_key)
+            tcol = f"{t['fraction_of_interleaved_dense']:.3f} ({t['tflops']:.0f})" if t else "-"
+            rel = f"{(p / dense) / t['fraction_of_interleaved_dense']:.2f}x" if t else "-"
+            print(f"| {s['shape']} | {title} | {p:.0f} | {p / dense:.3f} | {loop:.0f} | {grouped:.0f} | "
+                  f"{p / max(loop, grouped):.2f}x | {tcol} | {rel} |")
+
+
+if __name__ == "__main__":
+    main()
