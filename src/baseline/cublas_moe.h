@@ -55,8 +55,7 @@ class CublasMoe {
   void run_gemm(Gemm gemm, GemmCalls calls, cudaStream_t stream);
 
   const RoutingPlan& plan() const { return plan_; }
-  // Expert-contiguous buffers, padded to 128-row m-blocks: [rows, H] tokens and [rows, I] hidden.
-  const __nv_bfloat16* pool() const { return pool_.data(); }
+  // The SwiGLU output of the last forward(): [rows, I], expert-contiguous, padded to 128-row m-blocks.
   const __nv_bfloat16* hidden() const { return hidden_.data(); }
 
  private:

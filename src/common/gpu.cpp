@@ -30,7 +30,6 @@ static GpuInfo probe() {
   info.multiprocessors = prop.multiProcessorCount;
   info.global_memory_bytes = int64_t(prop.totalGlobalMem);
   info.l2_bytes = prop.l2CacheSize;
-  info.max_smem_per_block_optin = int(prop.sharedMemPerBlockOptin);
   return info;
 }
 

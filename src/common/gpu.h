@@ -15,7 +15,6 @@ struct GpuInfo {
   int multiprocessors = 0;
   int64_t global_memory_bytes = 0;
   int l2_bytes = 0;
-  int max_smem_per_block_optin = 0;
   std::string why_absent; // set when !present: the CUDA error, or "no CUDA device"
 };
 

@@ -138,7 +138,7 @@ __device__ void run_producer(SharedStorage& s, const CUtensorMap* a_map, const C
 // ---- consumer ---------------------------------------------------------------------------------------
 
 // NOTES: silu(g) = g * sigmoid(g) with sigmoid(g) = 0.5 + 0.5 * tanh(g / 2): four instructions, one of
-// them MUFU. The epilogue stalls the tensor cores while it runs, and the exp-and-divide form cost ~4%
+// them MUFU. The epilogue stalls the tensor cores while it runs, and the exp-and-divide form cost ~7%
 // of GEMM1's time (measured: docs/grouped_gemm.md).
 __device__ __forceinline__ float silu(float g) { return g * fmaf(0.5f, ptx::tanh_approx(0.5f * g), 0.5f); }
 
