@@ -27,6 +27,7 @@
 #include "common/error.h"
 #include "formats/blockwise.h"
 #include "formats/numerics.h"
+#include "ptx/ptx.cuh"
 
 namespace pounce::formats {
 namespace {
@@ -65,13 +66,9 @@ __device__ int scale_exponent(uint32_t amax) {
   return min(max(e, kE8M0MinExponent), kE8M0MaxExponent);
 }
 
-// Spelled in PTX so that -ftz / --use_fast_math cannot flush subnormal bf16 inputs: a block of subnormals
-// has scale 2^-127 and its elements must survive the multiplication.
-__device__ float mul_rn(float a, float b) {
-  float r;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
+// NOTES: the scaling multiply is ptx::mul_rn so that -ftz / --use_fast_math cannot flush subnormal bf16
+// inputs: a block of subnormals has scale 2^-127 and its elements must survive the multiplication.
+using ptx::mul_rn;
 
 // Two E4M3 codes (lo in bits 0-7), with any NaN made the canonical 0x7F.
 __device__ uint32_t e4m3x2(float lo, float hi) {

@@ -143,8 +143,8 @@ __device__ void run_producer(SharedStorage& s, const CUtensorMap* a_map, const C
 __device__ __forceinline__ float silu(float g) { return g * fmaf(0.5f, ptx::tanh_approx(0.5f * g), 0.5f); }
 
 __device__ __forceinline__ void st_shared_bf16x2(uint32_t addr, float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(*reinterpret_cast<uint32_t*>(&v)) : "memory");
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  ptx::st_shared_b32(addr, *reinterpret_cast<const uint32_t*>(&v));
 }
 
 // Accumulator fragment of wgmma m64nN: warp w of the warpgroup holds rows 16w + lane/4 and that + 8;

@@ -27,6 +27,19 @@ __device__ __forceinline__ float tanh_approx(float x) {
   return y;
 }
 
+// a * b rounded to nearest, never flushing subnormals: immune to -ftz / --use_fast_math.
+__device__ __forceinline__ float mul_rn(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// ---- shared memory -------------------------------------------------------------------------------
+
+__device__ __forceinline__ void st_shared_b32(uint32_t smem_address, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_address), "r"(value) : "memory");
+}
+
 // ---- mbarrier ---------------------------------------------------------------------------------------
 
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
