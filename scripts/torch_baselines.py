@@ -4,6 +4,9 @@
     layout pounce's grouped GEMM computes (same group sizes, read from pounce_bench's JSON);
   - an eager PyTorch MoE forward: router output in, argsort permute, torch._grouped_mm, SwiGLU,
     weighted index_add_;
+  - a loop of per-expert torch.mm (cuBLAS) for each GEMM: the same loop pounce_bench times as
+    "cublas_loop", so pounce / torch._grouped_mm can be read through a reference that does the same work,
+    each ratio measured interleaved in its own process;
   - torch.matmul 8192^3 bf16 as this process's dense ceiling.
 CUDA events, warm-up, median of repetitions, as pounce_bench does. Under sustained load the H200 sits at
 its power cap and lowers its clocks, so each shape's measurements are interleaved with the dense GEMM
@@ -125,21 +128,35 @@ def main():
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
         ids = torch.rand(T, E, device=dev).topk(k, dim=-1).indices.int()  # uniform routing, like pounce_bench's
         w = torch.softmax(torch.randn(T, k, device=dev), -1)
-        g1, g2, fwd, dn = time_interleaved([
+        starts = [sum(padded[:e]) for e in range(E)]
+
+        def loop(a, weights):  # one cuBLAS GEMM per non-empty expert, like pounce_bench's cublas_loop
+            for e, r in enumerate(s["expert_routes"]):
+                if r:
+                    torch.mm(a[starts[e]:starts[e] + r], weights[e].t())
+
+        g1, g2, l1, l2, fwd, dn = time_interleaved([
             lambda: torch._grouped_mm(pool, w13.transpose(-2, -1), offs=offs),
             lambda: torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs),
+            lambda: loop(pool, w13),
+            lambda: loop(hidden, w2),
             lambda: eager_moe(x, ids, w, w13, w2, I),
             dense], args.warmup, args.reps)
         dense_rate = dense_flops / (dn["median_ms"] * 1e-3) / 1e12
-        for t, flops in ((g1, 2 * routes * 2 * I * H), (g2, 2 * routes * H * I), (fwd, 6 * T * k * H * I)):
+        for t, flops in ((g1, 2 * routes * 2 * I * H), (g2, 2 * routes * H * I), (l1, 2 * routes * 2 * I * H),
+                         (l2, 2 * routes * H * I), (fwd, 6 * T * k * H * I)):
             t["tflops"] = flops / (t["median_ms"] * 1e-3) / 1e12
             t["fraction_of_interleaved_dense"] = t["tflops"] / dense_rate
+        g1["speedup_over_cublas_loop"] = l1["median_ms"] / g1["median_ms"]
+        g2["speedup_over_cublas_loop"] = l2["median_ms"] / g2["median_ms"]
         del pool, hidden
         shapes.append({"shape": s["shape"], "grouped_mm_gemm1_gate_up": g1, "grouped_mm_gemm2_down": g2,
+                       "cublas_loop_gemm1_gate_up": l1, "cublas_loop_gemm2_down": l2,
                        "eager_forward": fwd, "interleaved_dense_tflops": dense_rate})
         print(f"{s['shape']:18s} _grouped_mm GEMM1 {g1['median_ms']:7.3f} ms {g1['tflops']:6.1f} TFLOP/s "
-              f"({g1['fraction_of_interleaved_dense']:.3f} of dense) | GEMM2 {g2['median_ms']:7.3f} ms "
-              f"{g2['tflops']:6.1f} ({g2['fraction_of_interleaved_dense']:.3f}) | eager forward "
+              f"({g1['fraction_of_interleaved_dense']:.3f} of dense, {g1['speedup_over_cublas_loop']:.3f}x cuBLAS loop) | "
+              f"GEMM2 {g2['median_ms']:7.3f} ms {g2['tflops']:6.1f} ({g2['fraction_of_interleaved_dense']:.3f}, "
+              f"{g2['speedup_over_cublas_loop']:.3f}x) | eager forward "
               f"{fwd['median_ms']:7.3f} ms {fwd['tflops']:6.1f} | dense interleaved {dense_rate:6.1f}", flush=True)
         del w13, w2, x
         torch.cuda.empty_cache()
