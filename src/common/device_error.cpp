@@ -25,6 +25,7 @@ static const char* role_name(uint32_t role) {
   switch (DeviceRole(role)) {
     case DeviceRole::kGemmProducer: return "gemm producer";
     case DeviceRole::kGemmConsumer: return "gemm consumer";
+    case DeviceRole::kPlanner: return "planner";
   }
   return "unknown role";
 }
@@ -52,6 +53,17 @@ std::string DeviceErrorSlot::describe() const {
       break;
     case WaitTarget::kRowsInBounds:
       out << "expert_offsets[experts] = " << r.observed << " exceeds the " << r.expected << " rows of the A buffer";
+      break;
+    case WaitTarget::kExpertIdInRange:
+      out << "topk_ids[token " << r.index << "][k " << r.position << "] = "
+          << int32_t(r.observed) << " is out of range [0, " << r.expected << ")";
+      break;
+    case WaitTarget::kTokenCount:
+      out << int64_t(r.observed) << " tokens, outside [0, max_tokens_per_rank = " << r.expected << "]";
+      break;
+    case WaitTarget::kDistinctExperts:
+      out << "token " << r.index << " lists expert " << r.observed << " twice (k "
+          << r.expected << " and k " << r.position << ")";
       break;
   }
   if (DeviceErrorCode(r.code) == DeviceErrorCode::kWaitTimeout)

@@ -16,11 +16,12 @@ enum class DeviceErrorCode : uint32_t {
   kNone = 0,
   kWaitTimeout = 1,   // a bounded wait expired
   kBadSchedule = 2,   // device-side inputs break an invariant (e.g. rows beyond the buffer)
+  kBadRouting = 3,    // topk_ids: an expert id out of range, or an expert twice in one token
 };
 
-enum class DeviceRole : uint32_t { kGemmProducer = 0, kGemmConsumer = 1 };
+enum class DeviceRole : uint32_t { kGemmProducer = 0, kGemmConsumer = 1, kPlanner = 2 };
 
-// What a waiter was waiting for.
+// What the reporter was waiting for, or checking.
 enum class WaitTarget : uint32_t {
   kMBlockReady = 0,  // readiness counter of an m-block (index = m-block)
   kStageFull = 1,    // TMA data of a pipeline stage (index = stage)
@@ -28,16 +29,20 @@ enum class WaitTarget : uint32_t {
   kTileInfo = 3,     // producer publishing the next tile (index = slot)
   kTileInfoFree = 4, // consumers releasing a tile slot (index = slot)
   kRowsInBounds = 5, // not a wait: expert_offsets[E] (observed) > buffer rows (expected)
+  kExpertIdInRange = 6,  // topk_ids[token = index][k = position] = observed, not in [0, expected)
+  kDistinctExperts = 7,  // token index lists expert observed at k = expected and k = position
+  kTokenCount = 8,       // a rank's token count (observed) outside [0, expected]
 };
 
 struct DeviceErrorRecord {
   uint32_t claimed;  // first reporter wins; later ones leave the record alone
   uint32_t code;     // DeviceErrorCode, written last
-  int32_t rank;
+  int32_t rank;      // the reporter's rank; for routing errors, the rank whose topk_ids are wrong
   uint32_t role;     // DeviceRole
   int32_t block;     // blockIdx.x of the reporter
   uint32_t target;   // WaitTarget
   int64_t index;
+  int32_t position;  // a second coordinate where one is needed (the k of a routing entry)
   uint64_t expected;
   uint64_t observed;
   uint64_t waited_ns;
@@ -66,9 +71,10 @@ class DeviceErrorSlot {
 // Claims the record (first caller wins) and fills it. Visible to the host after the kernel ends or traps.
 __device__ inline void report_device_error(DeviceErrorRecord* rec, DeviceErrorCode code, DeviceRole role,
                                            WaitTarget target, int64_t index, uint64_t expected, uint64_t observed,
-                                           uint64_t waited_ns, int32_t rank = 0) {
+                                           uint64_t waited_ns, int32_t rank = 0, int32_t position = 0) {
   if (rec == nullptr || atomicCAS(&rec->claimed, 0u, 1u) != 0u) return;
   rec->rank = rank;
+  rec->position = position;
   rec->role = uint32_t(role);
   rec->block = int32_t(blockIdx.x);
   rec->target = uint32_t(target);

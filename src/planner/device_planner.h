@@ -1,0 +1,63 @@
+// The routing planner on the GPU: the same schedule as planner::build_schedule (bit for bit), built
+// from every rank's topk_ids in device memory with no host round trip, into buffers sized once from the
+// worst case. The megakernel's first phase; tested against the host planner.
+//
+// Three launches: count routes per (chunk of 256 tokens, local expert) and validate the ids; one CTA
+// scans the counts into per-expert offsets (padded to 128-row m-blocks) and per-chunk bases; then each
+// chunk places its routes, in (source rank, token, k) order within each expert, with warp matching.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/device_buffer.h"
+#include "common/device_error.h"
+#include "planner/schedule.h"
+
+namespace pounce::planner {
+
+// Sizes of the schedule the last plan() produced, in device memory (read them there, or copy back).
+struct DeviceScheduleSizes {
+  int32_t routes;
+  int32_t padded_rows;
+  int32_t m_blocks;
+  int32_t minibatches;
+};
+
+class DevicePlanner {
+ public:
+  // Sizes every buffer for the config's worst case. Throws pounce::Error on an invalid config or
+  // minibatch_rows <= 0.
+  DevicePlanner(const EpConfig& config, int64_t minibatch_rows);
+
+  // Plans `rank`'s schedule. topk_ids: device array of P device pointers, rank s's ids [tokens[s], k]
+  // (on one GPU the ranks' own buffers; across GPUs peer pointers). tokens: device [P]. No host sync.
+  // Invalid ids (out of range, repeated within a token) are reported through check_device_errors() and
+  // left out of the schedule.
+  void plan(int rank, const int32_t* const* topk_ids, const int32_t* tokens, cudaStream_t stream);
+  // After the stream has synchronized: throws pounce::Error describing bad routing input.
+  void check_device_errors() { errors_.check(); }
+
+  // Outputs, laid out as RankSchedule's (row arrays hold -1 for padding and past the padded rows).
+  const int32_t* expert_routes() const { return expert_routes_.data(); }    // [E_local]
+  const int32_t* expert_offsets() const { return expert_offsets_.data(); }  // [E_local + 1]
+  const int32_t* row_source_rank() const { return row_source_rank_.data(); }  // [capacity rows]
+  const int32_t* row_token() const { return row_token_.data(); }
+  const int32_t* row_k() const { return row_k_.data(); }
+  const int32_t* minibatch_starts() const { return minibatch_starts_.data(); }  // [minibatches + 1]
+  const DeviceScheduleSizes* sizes() const { return sizes_.data(); }
+  const Capacity& capacity() const { return capacity_; }
+
+ private:
+  EpConfig config_;
+  Capacity capacity_;
+  int32_t blocks_per_minibatch_ = 0;
+  int32_t chunks_per_rank_ = 0;
+  DeviceBuffer<int32_t> chunk_counts_;  // [P * chunks_per_rank, E_local]: counts, then bases
+  DeviceBuffer<int32_t> expert_routes_, expert_offsets_, row_source_rank_, row_token_, row_k_, minibatch_starts_;
+  DeviceBuffer<DeviceScheduleSizes> sizes_;
+  DeviceErrorSlot errors_;
+};
+
+}  // namespace pounce::planner

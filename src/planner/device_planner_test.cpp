@@ -1,0 +1,150 @@
+// The device planner against the host planner: every array bit for bit, on fresh random routings.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <sstream>
+
+#include "common/gpu.h"
+#include "common/testing.h"
+#include "planner/device_planner.h"
+#include "reference/synthetic_routing.h"
+
+namespace pounce::planner {
+namespace {
+
+using reference::RoutingPattern;
+using ::testing::HasSubstr;
+
+// Every rank's topk_ids on the device, and the pointer table the planner reads them through.
+struct DeviceRouting {
+  std::vector<DeviceBuffer<int32_t>> ids;
+  DeviceBuffer<const int32_t*> table;
+  DeviceBuffer<int32_t> tokens;
+
+  DeviceRouting(const std::vector<std::vector<int32_t>>& host_ids, const std::vector<int32_t>& token_counts) {
+    std::vector<const int32_t*> pointers;
+    for (const auto& v : host_ids) {
+      ids.emplace_back(std::max<size_t>(v.size(), 1));  // a valid pointer even for a rank without tokens
+      ids.back().upload(v);
+      pointers.push_back(ids.back().data());
+    }
+    table = DeviceBuffer<const int32_t*>(pointers);
+    tokens = DeviceBuffer<int32_t>(token_counts);
+  }
+};
+
+template <typename T>
+std::vector<T> download_prefix(const T* device, int64_t n) {
+  std::vector<T> host(n);
+  if (n > 0) CUDA_CHECK(cudaMemcpy(host.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+struct Case {
+  int ranks;
+  RoutingPattern pattern;
+  int experts, topk;
+  int64_t max_tokens, minibatch_rows;
+};
+
+void PrintTo(const Case& c, std::ostream* out) {
+  *out << "P" << c.ranks << "_" << reference::routing_pattern_name(c.pattern) << "_E" << c.experts << "_k" << c.topk
+       << "_T" << c.max_tokens;
+}
+
+class DevicePlannerTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DevicePlannerTest, MatchesHostPlannerBitForBit) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const Case c = GetParam();
+  const EpConfig config{.ranks = c.ranks, .experts = c.experts, .topk = c.topk, .hidden = 64, .intermediate = 64,
+                        .max_tokens_per_rank = c.max_tokens};
+  std::vector<std::vector<int32_t>> ids(c.ranks);
+  std::vector<int64_t> tokens(c.ranks);
+  std::vector<int32_t> tokens32(c.ranks);
+  std::uniform_int_distribution<int64_t> count(0, c.max_tokens);
+  for (int r = 0; r < c.ranks; ++r) {
+    tokens[r] = r == 0 ? c.max_tokens : r == 1 ? 0 : r == 2 ? 1 : count(rng);
+    tokens32[r] = int32_t(tokens[r]);
+    ids[r] = reference::synthetic_topk_ids(c.pattern, tokens[r], c.experts, c.topk, rng);
+  }
+  DeviceRouting routing(ids, tokens32);
+  std::vector<std::span<const int32_t>> views(ids.begin(), ids.end());
+
+  DevicePlanner planner(config, c.minibatch_rows);
+  const int64_t capacity = planner.capacity().max_padded_rows;
+  for (int rank = 0; rank < c.ranks; ++rank) {
+    SCOPED_TRACE(::testing::Message() << "rank " << rank);
+    const RankSchedule want = build_schedule(config, rank, views, tokens, c.minibatch_rows);
+    planner.plan(rank, routing.table.data(), routing.tokens.data(), nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    planner.check_device_errors();
+
+    const auto sizes = download_prefix(planner.sizes(), 1).front();
+    EXPECT_EQ(sizes.routes, want.routes());
+    EXPECT_EQ(sizes.padded_rows, want.padded_rows());
+    EXPECT_EQ(sizes.m_blocks, want.m_blocks());
+    EXPECT_EQ(sizes.minibatches, want.minibatches());
+    const int local = config.local_experts();
+    EXPECT_EQ(download_prefix(planner.expert_routes(), local), want.expert_routes);
+    EXPECT_EQ(download_prefix(planner.expert_offsets(), local + 1), want.expert_offsets);
+    EXPECT_EQ(download_prefix(planner.minibatch_starts(), want.minibatch_starts.size()), want.minibatch_starts);
+    // Routed rows in order, -1 for padding and for every row past the schedule.
+    std::vector<int32_t> padding(capacity - want.padded_rows(), -1);
+    auto expect_rows = [&](const int32_t* device, const std::vector<int32_t>& host, const char* what) {
+      const auto all = download_prefix(device, capacity);
+      EXPECT_TRUE(std::equal(host.begin(), host.end(), all.begin())) << what << " differs from the host planner";
+      EXPECT_TRUE(std::equal(padding.begin(), padding.end(), all.begin() + want.padded_rows()))
+          << what << ": rows past the schedule are not -1";
+    };
+    expect_rows(planner.row_source_rank(), want.row_source_rank, "row_source_rank");
+    expect_rows(planner.row_token(), want.row_token, "row_token");
+    expect_rows(planner.row_k(), want.row_k, "row_k");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Routings, DevicePlannerTest,
+    ::testing::Values(Case{1, RoutingPattern::kUniform, 32, 8, 8192, 2432},  // the DeepSeek-V3 slice
+                      Case{2, RoutingPattern::kZipf, 16, 4, 700, 128},
+                      Case{4, RoutingPattern::kOneExpert, 64, 6, 300, 1000},
+                      Case{8, RoutingPattern::kUniform, 256, 8, 1024, 2432},
+                      Case{8, RoutingPattern::kHalfEmpty, 16, 2, 257, 300},
+                      Case{1, RoutingPattern::kZipf, 1024, 1, 513, 128},  // the most local experts supported
+                      Case{2, RoutingPattern::kUniform, 2, 2, 0, 128}),   // no tokens anywhere
+    [](const auto& info) {
+      std::ostringstream name;
+      PrintTo(info.param, &name);
+      return name.str();
+    });
+
+TEST(DevicePlanner, ReportsBadRoutingByName) {
+  POUNCE_REQUIRE_HOPPER();
+  const EpConfig config{.ranks = 2, .experts = 32, .topk = 3, .hidden = 64, .intermediate = 64,
+                        .max_tokens_per_rank = 8};
+  DevicePlanner planner(config, 128);
+  auto expect_error = [&](std::vector<std::vector<int32_t>> ids, std::vector<int32_t> tokens, const char* message) {
+    DeviceRouting routing(ids, tokens);
+    planner.plan(0, routing.table.data(), routing.tokens.data(), nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_THAT(testing::error_message([&] { planner.check_device_errors(); }), HasSubstr(message));
+  };
+  std::vector<int32_t> good = {0, 1, 2, 3, 4, 5};
+  expect_error({good, {0, 1, 2, 3, 40, 5}}, {2, 2}, "rank 1, planner, CTA");
+  expect_error({good, {0, 1, 2, 3, 40, 5}}, {2, 2}, "topk_ids[token 1][k 1] = 40 is out of range [0, 32)");
+  expect_error({{0, 1, 2, 7, 9, 7}, good}, {2, 2}, "token 1 lists expert 7 twice (k 0 and k 2)");
+  expect_error({good, {0, -3, 2, 3, 4, 5}}, {2, 2}, "topk_ids[token 0][k 1] = -3 is out of range");
+  // A count past max_tokens is clamped to it (buffers hold max_tokens rows) and reported.
+  std::vector<int32_t> full(8 * 3);
+  for (size_t i = 0; i < full.size(); ++i) full[i] = int32_t(i % 3);
+  expect_error({good, full}, {2, 9}, "rank 1, planner, CTA 1: 9 tokens, outside [0, max_tokens_per_rank = 8]");
+  // Good input after all that: no error left behind.
+  DeviceRouting routing({good, good}, {2, 2});
+  planner.plan(1, routing.table.data(), routing.tokens.data(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_NO_THROW(planner.check_device_errors());
+}
+
+}  // namespace
+}  // namespace pounce::planner
