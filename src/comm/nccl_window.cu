@@ -1,0 +1,74 @@
+#include "comm/nccl_window.h"
+
+#include <nccl_device.h>
+
+#include <cstdlib>
+
+#include "common/cuda_check.h"
+#include "common/device_buffer.h"
+
+namespace pounce::comm {
+namespace {
+
+// The one place NCCL's device API is called: LSA pointers of every peer into the peer table.
+__global__ void lsa_pointers_kernel(ncclWindow_t window, int ranks, uint8_t** out) {
+  const int peer = threadIdx.x;
+  if (peer < ranks) out[peer] = static_cast<uint8_t*>(ncclGetLsaPointer(window, 0, peer));
+}
+
+std::string version_string(int code) {
+  return std::to_string(code / 10000) + "." + std::to_string(code / 100 % 100) + "." + std::to_string(code % 100);
+}
+
+}  // namespace
+
+std::string checked_nccl_version() {
+  int runtime = 0;
+  NCCL_CHECK(ncclGetVersion(&runtime));
+  POUNCE_REQUIRE(runtime == NCCL_VERSION_CODE, "NCCL library ", version_string(runtime),
+                 " differs from the headers pounce was built with (", version_string(NCCL_VERSION_CODE),
+                 "): NCCL 2.28's device API needs them equal; build with -DNCCL_ROOT=<the NCCL you run with>");
+  return version_string(runtime) + " (headers " + version_string(NCCL_VERSION_CODE) + ")";
+}
+
+void disable_multicast() {
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
+  setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+}
+
+std::vector<ncclComm_t> init_single_process_comms(const std::vector<int>& devices) {
+  POUNCE_REQUIRE(!devices.empty() && int(devices.size()) <= PeerTable::kMaxRanks, "NCCL: ", devices.size(),
+                 " devices; between 1 and ", PeerTable::kMaxRanks, " are supported");
+  checked_nccl_version();
+  disable_multicast();
+  std::vector<ncclComm_t> comms(devices.size());
+  NCCL_CHECK(ncclCommInitAll(comms.data(), int(devices.size()), devices.data()));
+  return comms;
+}
+
+NcclWindow::NcclWindow(ncclComm_t comm, size_t bytes) : comm_(comm) {
+  POUNCE_REQUIRE(bytes > 0, "NcclWindow: empty buffer");
+  const ncclTeam_t lsa = ncclTeamLsa(comm);
+  POUNCE_REQUIRE(lsa.nRanks >= 1 && lsa.nRanks <= PeerTable::kMaxRanks, "NCCL: the NVLink island has ", lsa.nRanks,
+                 " ranks; pounce supports 1 to ", PeerTable::kMaxRanks);
+  NCCL_CHECK(ncclMemAlloc(&buffer_, bytes));
+  NCCL_CHECK(ncclCommWindowRegister(comm, buffer_, bytes, &window_, NCCL_WIN_COLL_SYMMETRIC));
+
+  DeviceBuffer<uint8_t*> pointers(PeerTable::kMaxRanks);
+  lsa_pointers_kernel<<<1, PeerTable::kMaxRanks>>>(window_, lsa.nRanks, pointers.data());
+  CUDA_CHECK_LAUNCH();
+  const std::vector<uint8_t*> host = pointers.download();  // one-time setup: a host sync is fine here
+  peers_.ranks = lsa.nRanks;
+  peers_.rank = lsa.rank;
+  peers_.bytes = bytes;
+  for (int r = 0; r < lsa.nRanks; ++r) peers_.base[r] = host[r];
+}
+
+NcclWindow::~NcclWindow() {
+  // No throwing from a destructor; teardown failures leak at worst.
+  if (window_) ncclCommWindowDeregister(comm_, window_);
+  if (buffer_) ncclMemFree(buffer_);
+}
+
+}  // namespace pounce::comm

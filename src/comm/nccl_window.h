@@ -1,0 +1,54 @@
+// NCCL backend of the peer table (NCCL 2.28 device API, LSA part): a symmetric buffer allocated with
+// ncclMemAlloc and registered as a symmetric window, whose load/store pointers for every rank of the
+// NVLink island come from ncclGetLsaPointer in a one-time setup kernel. Never multicast: the
+// communicator helpers force NCCL_NVLS_ENABLE=0 (and the PyTorch / NVSHMEM equivalents) before init.
+#pragma once
+
+#include <nccl.h>
+
+#include <string>
+#include <vector>
+
+#include "comm/peer_table.h"
+#include "common/error.h"
+
+namespace pounce::comm {
+
+#define NCCL_CHECK(expr)                                                                            \
+  do {                                                                                              \
+    ncclResult_t pounce_nccl_status_ = (expr);                                                      \
+    if (pounce_nccl_status_ != ncclSuccess)                                                         \
+      POUNCE_FAIL(#expr, " failed at ", __FILE__, ":", __LINE__, ": ", ncclGetErrorString(pounce_nccl_status_)); \
+  } while (0)
+
+// "2.28.9 (headers 2.28.9)". Throws pounce::Error when the library and the headers differ: 2.28's device
+// API requires the NCCL pounce was compiled against.
+std::string checked_nccl_version();
+
+// Turns NVLink multicast off for NCCL, PyTorch symmetric memory and NVSHMEM in this process (it can take
+// shared machines down); called before any communicator is created.
+void disable_multicast();
+
+// One communicator per listed device, all in this process (ncclCommInitAll). Caller destroys them.
+std::vector<ncclComm_t> init_single_process_comms(const std::vector<int>& devices);
+
+// A symmetric buffer of `bytes` on every rank of `comm`. Construction and destruction are collective:
+// every rank must create and destroy its window in the same order.
+class NcclWindow {
+ public:
+  NcclWindow(ncclComm_t comm, size_t bytes);
+  ~NcclWindow();
+  NcclWindow(const NcclWindow&) = delete;
+  NcclWindow& operator=(const NcclWindow&) = delete;
+
+  void* local() const { return buffer_; }
+  const PeerTable& peers() const { return peers_; }
+
+ private:
+  ncclComm_t comm_;
+  void* buffer_ = nullptr;
+  ncclWindow_t window_ = nullptr;
+  PeerTable peers_;
+};
+
+}  // namespace pounce::comm
