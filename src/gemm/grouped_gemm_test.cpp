@@ -35,7 +35,13 @@ struct Problem {
 
 Problem make_problem(std::mt19937_64& rng, int experts, int64_t n, int64_t k, std::vector<int32_t> counts,
                      Epilogue epilogue, bool row_scale) {
-  Problem p{experts, n, k, std::move(counts), epilogue, row_scale};
+  Problem p;
+  p.experts = experts;
+  p.n = n;
+  p.k = k;
+  p.counts = std::move(counts);
+  p.epilogue = epilogue;
+  p.row_scale = row_scale;
   p.offsets.assign(experts + 1, 0);
   for (int e = 0; e < experts; ++e) p.offsets[e + 1] = p.offsets[e] + (p.counts[e] + kBlockM - 1) / kBlockM * kBlockM;
   p.a_rows = p.offsets.back() + kBlockM;
