@@ -2,8 +2,6 @@
 // are what the fused kernels are compared with, so they must compute the same layer.
 #include <gtest/gtest.h>
 
-#include <sstream>
-
 #include "baseline/cublas_moe.h"
 #include "baseline/pounce_unfused.h"
 #include "common/gpu.h"
@@ -83,11 +81,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{64, 256, 64, 16, 4, RoutingPattern::kHalfEmpty},
                       Case{1, 128, 64, 4, 1, RoutingPattern::kUniform},
                       Case{200, 384, 256, 6, 3, RoutingPattern::kOneExpert}),
-    [](const auto& info) {
-      std::ostringstream name;
-      PrintTo(info.param, &name);
-      return name.str();
-    });
+    testing::NameFromPrintTo());
 
 TEST(UnfusedMoe, ZeroTokensRunsAndWritesNothing) {
   POUNCE_REQUIRE_HOPPER();

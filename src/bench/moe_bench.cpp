@@ -11,6 +11,7 @@
 #include "bench/bench.h"
 #include "bench/dense_ceiling.h"
 #include "bench/device_fill.h"
+#include "common/relative_error.h"
 #include "formats/numerics.h"
 #include "reference/synthetic_routing.h"
 
@@ -23,16 +24,13 @@ using baseline::GemmCalls;
 
 // Relative L2 difference of two bf16 device buffers of n elements.
 double relative_difference(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n) {
-  std::vector<uint16_t> ha(n), hb(n);
-  CUDA_CHECK(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
-  CUDA_CHECK(cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost));
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double x = formats::bf16_to_float(ha[i]), y = formats::bf16_to_float(hb[i]);
-    num += (x - y) * (x - y);
-    den += y * y;
+  std::vector<float> values[2];
+  for (int i = 0; i < 2; ++i) {
+    std::vector<uint16_t> bits(n);
+    CUDA_CHECK(cudaMemcpy(bits.data(), i == 0 ? a : b, n * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+    for (uint16_t v : bits) values[i].push_back(formats::bf16_to_float(v));
   }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  return relative_l2_error(std::span<const float>(values[0]), std::span<const float>(values[1]));
 }
 
 struct Candidate {

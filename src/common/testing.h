@@ -8,11 +8,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <random>
+#include <sstream>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "common/error.h"
+#include "common/relative_error.h"
 #include "formats/numerics.h"
 
 namespace pounce::testing {
@@ -46,22 +48,12 @@ inline std::vector<uint16_t> to_bf16_bits(std::span<const float> v) {
   return bits;
 }
 
-// ||got - want|| / ||want|| in double. NaN anywhere in got gives NaN (which fails every "< tol" check).
-template <typename A, typename B>
-double relative_l2_error(std::span<const A> got, std::span<const B> want) {
-  EXPECT_EQ(got.size(), want.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
-    double d = double(got[i]) - double(want[i]);
-    num += d * d;
-    den += double(want[i]) * double(want[i]);
-  }
-  if (den == 0) return num == 0 ? 0.0 : INFINITY;
-  return std::sqrt(num / den);
-}
+// The relative L2 error of common/relative_error.h, for vectors; a size mismatch fails the test.
 template <typename A, typename B>
 double relative_l2_error(const std::vector<A>& got, const std::vector<B>& want) {
-  return relative_l2_error(std::span<const A>(got), std::span<const B>(want));
+  EXPECT_EQ(got.size(), want.size());
+  if (got.size() != want.size()) return INFINITY;
+  return pounce::relative_l2_error(std::span<const A>(got), std::span<const B>(want));
 }
 
 // The message of the pounce::Error that f() throws; "(no error)" when it throws none.
@@ -74,6 +66,16 @@ std::string error_message(F&& f) {
   }
   return "(no error)";
 }
+
+// Test-name generator for value-parameterized suites whose parameter has a PrintTo overload.
+struct NameFromPrintTo {
+  template <typename Param>
+  std::string operator()(const ::testing::TestParamInfo<Param>& info) const {
+    std::ostringstream name;
+    PrintTo(info.param, &name);
+    return name.str();
+  }
+};
 
 // Expects f() to throw a pounce::Error whose message contains `needle`.
 template <typename F>

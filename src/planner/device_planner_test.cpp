@@ -2,8 +2,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <sstream>
-
 #include "common/gpu.h"
 #include "common/testing.h"
 #include "planner/device_planner.h"
@@ -113,11 +111,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{8, RoutingPattern::kHalfEmpty, 16, 2, 257, 300},
                       Case{1, RoutingPattern::kZipf, 1024, 1, 513, 128},  // the most local experts supported
                       Case{2, RoutingPattern::kUniform, 2, 2, 0, 128}),   // no tokens anywhere
-    [](const auto& info) {
-      std::ostringstream name;
-      PrintTo(info.param, &name);
-      return name.str();
-    });
+    testing::NameFromPrintTo());
 
 TEST(DevicePlanner, ReportsBadRoutingByName) {
   POUNCE_REQUIRE_HOPPER();
