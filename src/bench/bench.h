@@ -19,7 +19,8 @@ struct Options {
   std::string commit;
   int warmup = 5;
   int reps = 20;
-  bool gemms = true;  // also time each grouped GEMM alone
+  bool gemms = true;   // also time each grouped GEMM alone
+  bool sweeps = false; // fused layer sweeps: minibatch, comm CTAs, ring, virtual ranks
 };
 
 // One line of the printed comparison table.

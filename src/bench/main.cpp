@@ -25,7 +25,7 @@ namespace {
 void usage() {
   std::printf(
       "usage: pounce_bench [--shapes NAMES|all] [--routing uniform|zipf|one_expert|half_empty]\n"
-      "                    [--warmup N] [--reps N] [--json PATH] [--commit HASH] [--no-gemms]\n"
+      "                    [--warmup N] [--reps N] [--json PATH] [--commit HASH] [--no-gemms] [--sweeps]\n"
       "shapes:");
   for (const auto& s : shape_catalogue()) std::printf(" %s", s.name.c_str());
   std::printf("\n");
@@ -48,6 +48,7 @@ Options parse(int argc, char** argv) {
     else if (arg == "--warmup") o.warmup = std::stoi(value());
     else if (arg == "--reps") o.reps = std::stoi(value());
     else if (arg == "--no-gemms") o.gemms = false;
+    else if (arg == "--sweeps") o.sweeps = true;
     else if (arg == "--help" || arg == "-h") { usage(); std::exit(0); }
     else POUNCE_FAIL("unknown option '", arg, "' (see --help)");
   }

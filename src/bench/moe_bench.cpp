@@ -2,8 +2,10 @@
 // all on the same weights, tokens and routing, in one process.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <random>
 
 #include "baseline/cublas_moe.h"
@@ -13,6 +15,7 @@
 #include "bench/device_fill.h"
 #include "common/relative_error.h"
 #include "formats/numerics.h"
+#include "moe/fused_moe.h"
 #include "reference/synthetic_routing.h"
 
 namespace pounce::bench {
@@ -104,6 +107,16 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   unfused.set_weights(w13.data(), w2.data());
   unfused.set_routing(ids, T);
   const baseline::RoutingPlan& plan = cublas.plan();
+  DeviceBuffer<int32_t> d_ids(ids);
+  DeviceBuffer<__nv_bfloat16> y_fused(T * H);
+  const planner::EpConfig one_rank{.ranks = 1, .experts = int(E), .topk = int(k), .hidden = H, .intermediate = I,
+                                   .max_tokens_per_rank = T};
+  moe::FusedMoe fused(one_rank);
+  fused.set_weights(w13.data(), w2.data());
+  auto fused_forward = [&](moe::FusedMoe& layer, int set, __nv_bfloat16* y) {
+    const moe::RankIO io{x[set].data(), d_ids.data(), d_weights.data(), T, y};
+    layer.forward(std::span(&io, 1), stream);
+  };
 
   Json result = Json::object();
   result["shape"] = s.name;
@@ -124,10 +137,13 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   // Same inputs through both chains once: their outputs must agree before their times mean anything.
   cublas.forward(x[0].data(), d_weights.data(), y_cublas.data(), GemmCalls::kGroupedBatched, stream);
   unfused.forward(x[0].data(), d_weights.data(), y_pounce.data(), stream);
+  fused_forward(fused, 0, y_fused.data());
   CUDA_CHECK(cudaStreamSynchronize(stream));
   unfused.check_device_errors();
+  fused.check_device_errors();
   Json agreement = Json::object();
   agreement["y_pounce_unfused_vs_cublas"] = relative_difference(y_pounce.data(), y_cublas.data(), T * H);
+  agreement["y_pounce_fused_vs_cublas"] = relative_difference(y_fused.data(), y_cublas.data(), T * H);
   agreement["hidden_pounce_vs_cublas"] = relative_difference(unfused.hidden(), cublas.hidden(), plan.padded_rows * I);
   result["relative_l2_difference"] = agreement;
 
@@ -144,8 +160,88 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   forward.push_back({"pounce_unfused", [&](int rep) {
                        unfused.forward(x[rep % kSets].data(), d_weights.data(), y_pounce.data(), stream);
                      }});
+  forward.push_back({"pounce_fused", [&](int rep) { fused_forward(fused, rep % kSets, y_fused.data()); }});
   forward.push_back(dense_reference);
   result["forward"] = compare(s.name, "forward", s.forward_flops(), forward, o, dense_tflops, table, stream);
+  result["fused_config"] = Json::object();
+  result["fused_config"]["comm_ctas"] = fused.comm_ctas();
+  result["fused_config"]["ctas_per_rank"] = fused.ctas_per_rank();
+  result["fused_config"]["minibatch_rows"] = fused.minibatch_rows();
+  result["fused_config"]["ring_blocks"] = fused.ring_blocks();
+
+  if (o.sweeps) {
+    // Each setting is its own layer on the same inputs, timed interleaved with the others and the default.
+    auto sweep = [&](const std::string& what, const std::vector<std::pair<std::string, moe::FusedMoeOptions>>& settings,
+                     int ranks = 1) {
+      std::vector<std::unique_ptr<moe::FusedMoe>> layers;
+      std::vector<Candidate> candidates;
+      for (const auto& [name, options] : settings) {
+        planner::EpConfig config = one_rank;
+        config.ranks = ranks;
+        config.max_tokens_per_rank = (T + ranks - 1) / ranks;
+        layers.push_back(std::make_unique<moe::FusedMoe>(config, options));
+        layers.back()->set_weights(w13.data(), w2.data());
+        moe::FusedMoe* layer = layers.back().get();
+        candidates.push_back({name, [&, layer, ranks](int rep) {
+                                // Rank r holds tokens [r T/P, (r+1) T/P) of the same batch.
+                                std::vector<moe::RankIO> io(ranks);
+                                const int64_t per_rank = (T + ranks - 1) / ranks;
+                                for (int r = 0; r < ranks; ++r) {
+                                  const int64_t first = std::min(T, r * per_rank), n = std::min(T - first, per_rank);
+                                  io[r] = {x[rep % kSets].data() + first * H, d_ids.data() + first * k,
+                                           d_weights.data() + first * k, n, y_fused.data() + first * H};
+                                }
+                                layer->forward(io, stream);
+                              }});
+      }
+      candidates.push_back({"pounce_unfused", [&](int rep) {
+                              unfused.forward(x[rep % kSets].data(), d_weights.data(), y_pounce.data(), stream);
+                            }});
+      candidates.push_back(dense_reference);
+      Json j = Json::object();
+      j["timings"] = compare(s.name, what, s.forward_flops(), candidates, o, dense_tflops, table, stream);
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      Json configs = Json::array();
+      for (size_t i = 0; i < layers.size(); ++i) {
+        layers[i]->check_device_errors();
+        Json c = Json::object();
+        c["impl"] = settings[i].first;
+        c["minibatch_rows"] = layers[i]->minibatch_rows();
+        c["comm_ctas"] = layers[i]->comm_ctas();
+        c["ring_blocks"] = layers[i]->ring_blocks();
+        c["ctas_per_rank"] = layers[i]->ctas_per_rank();
+        configs.push_back(c);
+      }
+      j["layers"] = configs;
+      return j;
+    };
+    Json sweeps = Json::object();
+    std::vector<std::pair<std::string, moe::FusedMoeOptions>> settings;
+    for (int blocks : {2, 4, 8, 16, 32, 64}) {
+      moe::FusedMoeOptions m;
+      m.minibatch_rows = int64_t(blocks) * planner::kBlockM;
+      settings.push_back({"minibatch " + std::to_string(blocks) + " m-blocks", m});
+    }
+    sweeps["minibatch"] = sweep("fused: minibatch", settings);
+    settings.clear();
+    for (int comm : {2, 4, 6, 8, 12, 16, 24}) {
+      moe::FusedMoeOptions m;
+      m.comm_ctas = comm;
+      settings.push_back({"comm CTAs " + std::to_string(comm), m});
+    }
+    sweeps["comm_ctas"] = sweep("fused: comm CTAs", settings);
+    settings.clear();
+    moe::FusedMoeOptions min_ring;
+    min_ring.ring_blocks = 2 * ((fused.minibatch_rows() + planner::kBlockM - 1) / planner::kBlockM);
+    settings.push_back({std::string("ring default, ") + std::to_string(fused.ring_blocks()) + " m-blocks", {}});
+    settings.push_back({std::string("ring minimum, ") + std::to_string(min_ring.ring_blocks) + " m-blocks", min_ring});
+    sweeps["ring"] = sweep("fused: ring", settings);
+    Json ranks = Json::object();
+    for (const char* P : {"1", "2", "4", "8"})
+      ranks[std::string("P") + P] = sweep("fused: virtual ranks", {{std::string("P=") + P, {}}}, std::atoi(P));
+    sweeps["virtual_ranks"] = ranks;
+    result["fused_sweeps"] = sweeps;
+  }
 
   if (o.gemms) {
     const double routes = double(plan.routes);
@@ -173,6 +269,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   }
   CUDA_CHECK(cudaStreamSynchronize(stream));
   unfused.check_device_errors();
+  fused.check_device_errors();
   return result;
 }
 

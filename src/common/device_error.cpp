@@ -26,6 +26,10 @@ static const char* role_name(uint32_t role) {
     case DeviceRole::kGemmProducer: return "gemm producer";
     case DeviceRole::kGemmConsumer: return "gemm consumer";
     case DeviceRole::kPlanner: return "planner";
+    case DeviceRole::kDispatch: return "dispatch";
+    case DeviceRole::kCombine: return "combine";
+    case DeviceRole::kWeightedSum: return "weighted sum";
+    case DeviceRole::kRankSync: return "rank sync";
   }
   return "unknown role";
 }
@@ -38,6 +42,28 @@ std::string DeviceErrorSlot::describe() const {
   switch (WaitTarget(r.target)) {
     case WaitTarget::kMBlockReady:
       out << "m-block " << r.index << " readiness counter stayed at " << r.observed << ", expected >= " << r.expected;
+      break;
+    case WaitTarget::kGemm1Done:
+    case WaitTarget::kGemm2Done:
+      out << "m-block " << r.index << " GEMM" << (WaitTarget(r.target) == WaitTarget::kGemm1Done ? 1 : 2)
+          << " completion counter stayed at " << r.observed << ", expected >= " << r.expected;
+      break;
+    case WaitTarget::kRingSlotFree:
+      out << "ring slot of m-block " << r.index << " never freed: combine counter stayed at " << r.observed
+          << ", expected >= " << r.expected;
+      break;
+    case WaitTarget::kTokenArrivals:
+      out << "token " << r.index << " arrivals counter stayed at " << r.observed << ", expected >= " << r.expected;
+      break;
+    case WaitTarget::kRankBarrier:
+      out << "barrier " << r.index << " among the rank's CTAs stayed at " << r.observed << " arrivals, expected >= "
+          << r.expected;
+      break;
+    case WaitTarget::kStartFlag:
+      out << "start flag of rank " << r.index << " stayed at " << r.observed << ", expected >= " << r.expected;
+      break;
+    case WaitTarget::kCopyLanded:
+      out << "bulk copy into copy-engine slot " << r.index << " never landed, phase " << r.expected;
       break;
     case WaitTarget::kStageFull:
       out << "pipeline stage " << r.index << " never filled (TMA load did not complete), phase " << r.expected;

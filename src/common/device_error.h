@@ -19,7 +19,15 @@ enum class DeviceErrorCode : uint32_t {
   kBadRouting = 3,    // topk_ids: an expert id out of range, or an expert twice in one token
 };
 
-enum class DeviceRole : uint32_t { kGemmProducer = 0, kGemmConsumer = 1, kPlanner = 2 };
+enum class DeviceRole : uint32_t {
+  kGemmProducer = 0,
+  kGemmConsumer = 1,
+  kPlanner = 2,
+  kDispatch = 3,     // fused kernel: pulls token rows into the ring
+  kCombine = 4,      // fused kernel: pushes output rows to their source ranks
+  kWeightedSum = 5,  // fused kernel: sums a completed token's k rows
+  kRankSync = 6,     // fused kernel: barriers between phases
+};
 
 // What the reporter was waiting for, or checking.
 enum class WaitTarget : uint32_t {
@@ -32,6 +40,13 @@ enum class WaitTarget : uint32_t {
   kExpertIdInRange = 6,  // topk_ids[token = index][k = position] = observed, not in [0, expected)
   kDistinctExperts = 7,  // token index lists expert observed at k = expected and k = position
   kTokenCount = 8,       // a rank's token count (observed) outside [0, expected]
+  kGemm1Done = 9,        // GEMM1 completion counter of m-block index
+  kGemm2Done = 10,       // GEMM2 completion counter of m-block index
+  kRingSlotFree = 11,    // combine of the m-block that last used the ring slot of m-block index
+  kTokenArrivals = 12,   // combine arrivals of token index
+  kRankBarrier = 13,     // arrivals at barrier index among one rank's CTAs
+  kStartFlag = 14,       // start flag of rank index (the previous forward finished there)
+  kCopyLanded = 15,      // a bulk copy into copy-engine slot index never landed
 };
 
 struct DeviceErrorRecord {

@@ -17,6 +17,9 @@
 
 namespace pounce::planner {
 
+inline constexpr int kPlannerChunkTokens = 256;         // tokens per planner chunk
+inline constexpr int kPlannerMaxLocalExperts = 1024;    // local experts per rank the planner supports
+
 // Sizes of the schedule the last plan() produced, in device memory (read them there, or copy back).
 struct DeviceScheduleSizes {
   int32_t routes;

@@ -126,6 +126,25 @@ __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// ---- bulk copies (non-tensor TMA) -------------------------------------------------------------------
+
+// Global -> shared, `bytes` (a multiple of 16, both addresses 16-byte aligned); completion is counted on
+// `bar` in bytes. The source may be a peer GPU's memory (NVLink load/store address).
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* global_src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(smem_dst)),
+               "l"(reinterpret_cast<uint64_t>(global_src)), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+// Shared -> global, `bytes` (a multiple of 16), tracked by the bulk group of this thread.
+__device__ __forceinline__ void bulk_store(void* global_dst, const void* smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(reinterpret_cast<uint64_t>(
+                   global_dst)),
+               "r"(smem_addr(smem_src)), "r"(bytes)
+               : "memory");
+}
+
 // ---- global-memory flags ----------------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
@@ -137,6 +156,24 @@ __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
 __device__ __forceinline__ void red_release_gpu_add(uint32_t* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+
+// System scope: the flag may live on, or be read from, another GPU.
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Relaxed: callers order earlier writes with a fence (fence_acq_rel_sys) before a run of these.
+__device__ __forceinline__ void red_relaxed_sys_add(uint32_t* p, uint32_t v) {
+  asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // ---- warpgroup roles --------------------------------------------------------------------------------
 

@@ -1,0 +1,281 @@
+// The grouped GEMM engine's CTA, shared by the stand-alone grouped GEMM kernel and the fused MoE
+// kernel's compute CTAs. Sections in fixed order: configuration and shared-memory layout, the tile
+// source contract, producer role, consumer role (mainloop, epilogue), the CTA entry.
+//
+// One CTA per SM, 384 threads:
+//   warpgroup 0: producer. One thread takes tiles from a TileSource (which also waits, bounded, for the
+//                tile's inputs to be ready), publishes each to the consumers and streams A/B K-slices
+//                with TMA into a kStages-deep mbarrier ring.
+//   warpgroups 1-2: consumers. Each owns 64 of the tile's 128 rows: wgmma m64n256k16 from shared memory,
+//                fp32 accumulators in registers, then the epilogue (SwiGLU, row scale) writes bf16 into
+//                a swizzled staging box that a TMA store copies out while the next tile's mainloop runs.
+// A tile belongs to one of (at most) two GEMMs, each with its own operands; the fused kernel interleaves
+// GEMM1 and GEMM2 tiles in one queue.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include "common/bounded_wait.cuh"
+#include "gemm/grouped_gemm.h"
+#include "ptx/ptx.cuh"
+
+namespace pounce::gemm::pipeline {
+
+// ---- configuration and shared memory ---------------------------------------------------------------
+
+constexpr int kStages = 4;
+constexpr int kConsumerWarpgroups = 2;
+constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;  // 64: one wgmma M
+constexpr int kStoreBoxCols = 64;  // a TMA store box is 64 bf16 (128 bytes, one swizzle row) wide...
+constexpr int kStoreBoxRows = kRowsPerConsumer;  // ...and one consumer's rows high
+constexpr int kStoreSlots = 2;     // per consumer: fill one box while the previous one is stored
+constexpr int kTileSlots = 2;      // the producer may run one tile ahead of the consumers
+constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK * sizeof(__nv_bfloat16);
+// setmaxnreg: 128 x 40 + 256 x 232 = 64512 of the SM's 65536 registers.
+constexpr uint32_t kProducerRegisters = 40;
+constexpr uint32_t kConsumerRegisters = 232;
+
+// Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue, one for
+// all consumer threads (callers use it after the GEMM role, when the producer warpgroup has left).
+enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1, kConsumersBarrier = 3 };
+
+struct TileInfo {
+  int32_t gemm;     // which GemmOperands
+  int32_t b_row;    // first B row of the tile (expert * n + n_block * kBlockN)
+  int32_t a_row;    // first A row and C row of the tile
+  int32_t n_block;
+  int32_t m_block;  // index of the tile's completion counter (GemmOperands::done)
+  int32_t valid;    // 0: no more tiles (queue drained, or the producer gave up): consumers exit
+};
+
+// Every TMA tile starts on a 1024-byte boundary: the 128-byte swizzle pattern repeats every 8 rows
+// of 128 bytes and is computed from absolute shared-memory address bits.
+struct SharedStorage {
+  alignas(1024) __nv_bfloat16 a[kStages][kBlockM * kBlockK];
+  alignas(1024) __nv_bfloat16 b[kStages][kBlockN * kBlockK];
+  alignas(1024) __nv_bfloat16 c[kConsumerWarpgroups][kStoreSlots][kStoreBoxRows * kStoreBoxCols];
+  uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes)
+  uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer warp)
+  uint64_t tile_full[kTileSlots];
+  uint64_t tile_empty[kTileSlots];
+  TileInfo tiles[kTileSlots];
+};
+constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;  // + slack to align the dynamic base
+static_assert(kSharedBytes <= 232448, "shared memory exceeds the sm_90 per-block limit");
+static_assert(kBlockK * sizeof(__nv_bfloat16) == 128, "one K slice row must be one 128-byte swizzle row");
+
+constexpr uint32_t kConsumerWarps = kConsumerWarpgroups * 4;
+
+__device__ __forceinline__ SharedStorage& shared_storage(uint8_t* smem_raw) {
+  return *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+}
+
+// ---- tile source contract ---------------------------------------------------------------------------
+//
+// The producer asks its TileSource for tiles:
+//   bool next(TileInfo& tile)  takes the next tile, waits (bounded) until its A rows are ready and fences
+//                              them for TMA; false when there are no more tiles or a wait gave up.
+//   const GemmOperands& operands(int gemm) const
+struct GemmOperands {
+  const CUtensorMap* a;  // [rows, k] bf16, box kBlockK x kBlockM
+  const CUtensorMap* b;  // [experts * n, k] bf16, box kBlockK x kBlockN
+  const CUtensorMap* c;  // [rows, out cols] bf16, box kStoreBoxCols x kStoreBoxRows
+  int32_t k_blocks;
+  Epilogue epilogue;
+  const float* row_scale;  // optional, indexed by C row
+  // Optional per-m-block completion counters: each consumer adds 1 once its half of a tile is in global
+  // memory (so a finished m-block has 2 * n-blocks arrivals). Without them stores stay asynchronous.
+  uint32_t* done;
+};
+
+// Waits inside the CTA must outlast the producer's readiness wait, which they may sit behind.
+__device__ __forceinline__ uint64_t pipeline_timeout_ns(uint64_t ready_timeout_ns) {
+  return 2 * ready_timeout_ns + 1'000'000'000ull;
+}
+
+// ---- producer ---------------------------------------------------------------------------------------
+
+template <class Tiles>
+__device__ void run_producer(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site) {
+  uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
+  for (;;) {
+    TileInfo info{};
+    info.valid = tiles.next(info) ? 1 : 0;
+    mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
+    s.tiles[slot] = info;
+    ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the consumers' wait makes `info` visible
+    if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
+    if (!info.valid) return;
+
+    const GemmOperands& op = tiles.operands(info.gemm);
+    for (int kb = 0; kb < op.k_blocks; ++kb) {
+      mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
+      ptx::mbarrier_arrive_expect_tx(&s.full[stage], kStageBytes);
+      ptx::tma_load_2d(s.a[stage], op.a, &s.full[stage], kb * kBlockK, info.a_row);
+      // B rows past the last expert are out of bounds and zero-filled; rows past this expert's N belong
+      // to the next expert and only feed output columns the clipped store never writes.
+      ptx::tma_load_2d(s.b[stage], op.b, &s.full[stage], kb * kBlockK, info.b_row);
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+// ---- consumer ---------------------------------------------------------------------------------------
+
+// NOTES: silu(g) = g * sigmoid(g) with sigmoid(g) = 0.5 + 0.5 * tanh(g / 2): four instructions, one of
+// them MUFU. The epilogue stalls the tensor cores while it runs, and the exp-and-divide form cost ~7%
+// of GEMM1's time (measured: docs/grouped_gemm.md).
+__device__ __forceinline__ float silu(float g) { return g * fmaf(0.5f, ptx::tanh_approx(0.5f * g), 0.5f); }
+
+__device__ __forceinline__ void st_shared_bf16x2(uint32_t addr, float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  ptx::st_shared_b32(addr, *reinterpret_cast<const uint32_t*>(&v));
+}
+
+// Accumulator fragment of wgmma m64nN: warp w of the warpgroup holds rows 16w + lane/4 and that + 8;
+// for 8-column chunk j it holds columns 8j + 2*(lane%4) + {0,1} in acc[4j + {0,1}] (first row) and
+// acc[4j + {2,3}] (second row). With gate/up interleaved in groups of 8, chunk 2i is gate and chunk
+// 2i + 1 the matching up: SwiGLU needs no data exchange between threads.
+template <Epilogue kEpilogue>
+__device__ void store_tile(const float (&acc)[128], SharedStorage& s, const GemmOperands& op, const TileInfo& tile,
+                           int consumer, int thread) {
+  constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
+  constexpr int kBoxes = kOutCols / kStoreBoxCols;
+  const int warp = thread / 32, lane = thread % 32;
+  const int row = warp * 16 + lane / 4;  // within this consumer's 64 rows; the second row is row + 8
+  const int32_t out_row = tile.a_row + consumer * kRowsPerConsumer;
+  float scale_lo = 1.0f, scale_hi = 1.0f;
+  if (op.row_scale != nullptr) {
+    scale_lo = op.row_scale[out_row + row];
+    scale_hi = op.row_scale[out_row + row + 8];
+  }
+  const uint32_t barrier = kEpilogueBarrierBase + consumer;
+
+#pragma unroll
+  for (int box = 0; box < kBoxes; ++box) {
+    const int store_slot = box % kStoreSlots;
+    const uint32_t base = ptx::smem_addr(s.c[consumer][store_slot]);
+    // The store issued from this slot kStoreSlots boxes ago (maybe in the previous tile) must have read it.
+    if (thread == 0) ptx::bulk_wait_group_read<kStoreSlots - 1>();
+    ptx::named_barrier_sync(barrier, 128);
+#pragma unroll
+    for (int unit = 0; unit < 8; ++unit) {  // 16-byte unit of the 128-byte box row = 8 output columns
+      float v[4];
+      if constexpr (kEpilogue == Epilogue::kSwiGLU) {
+        constexpr int kChunksPerBox = 16;  // 8 gate + 8 up chunks make one box of outputs
+        const int gate = box * kChunksPerBox + 2 * unit;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) v[q] = silu(acc[4 * gate + q]) * acc[4 * (gate + 1) + q];
+      } else {
+        const int chunk = box * 8 + unit;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) v[q] = acc[4 * chunk + q];
+      }
+      // 128-byte swizzle, as the TMA store expects: unit u of row r sits at unit u ^ (r % 8). A warp's
+      // 8 rows x 4 lanes then hit 32 different banks.
+      const uint32_t offset = uint32_t(((unit ^ (row % 8)) * 16) + (lane % 4) * 4);
+      st_shared_bf16x2(base + row * 128 + offset, v[0] * scale_lo, v[1] * scale_lo);
+      st_shared_bf16x2(base + (row + 8) * 128 + offset, v[2] * scale_hi, v[3] * scale_hi);
+    }
+    ptx::fence_proxy_async_shared();  // st.shared (generic proxy) before the TMA store reads (async proxy)
+    ptx::named_barrier_sync(barrier, 128);
+    if (thread == 0) {
+      ptx::tma_store_2d(op.c, s.c[consumer][store_slot], tile.n_block * kOutCols + box * kStoreBoxCols, out_row);
+      ptx::bulk_commit_group();
+    }
+  }
+  if (op.done != nullptr && thread == 0) {
+    // NOTES: the tile's readers (other CTAs' TMA loads, copy engines) acquire the counter. The stores
+    // must have completed, not just read shared memory, and the async-proxy writes must be ordered
+    // before the generic-proxy release.
+    ptx::bulk_wait_group<0>();
+    ptx::fence_proxy_async_global();
+    ptx::red_release_gpu_add(op.done + tile.m_block, 1);
+  }
+}
+
+template <class Tiles>
+__device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSite& pipe_site, int consumer) {
+  const int thread = threadIdx.x % 128, lane = thread % 32;
+  float acc[128];
+  uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
+  for (;;) {
+    mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
+    const TileInfo tile = s.tiles[slot];
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&s.tile_empty[slot]);
+    if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
+    if (!tile.valid) break;
+    const GemmOperands& op = tiles.operands(tile.gemm);
+
+    // Mainloop: one wgmma group per K slice; keep one group in flight and release a stage as soon as
+    // the group reading it has completed.
+    uint32_t previous_stage = 0;
+    for (int kb = 0; kb < op.k_blocks; ++kb) {
+      mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+      const uint32_t a_base = ptx::smem_addr(s.a[stage]) + consumer * kRowsPerConsumer * 128;
+      const uint32_t b_base = ptx::smem_addr(s.b[stage]);
+      ptx::fence_registers(acc);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk)
+        ptx::wgmma_m64n256k16_bf16(acc, ptx::wgmma_desc_k_major_sw128(a_base + kk * 32),
+                                   ptx::wgmma_desc_k_major_sw128(b_base + kk * 32), kb > 0 || kk > 0);
+      ptx::wgmma_commit_group();
+      ptx::wgmma_wait_group<1>();
+      ptx::fence_registers(acc);
+      if (kb > 0 && lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
+      previous_stage = stage;
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+    ptx::wgmma_wait_group<0>();
+    ptx::fence_registers(acc);
+    if (lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
+
+    if (op.epilogue == Epilogue::kSwiGLU) store_tile<Epilogue::kSwiGLU>(acc, s, op, tile, consumer, thread);
+    else store_tile<Epilogue::kStore>(acc, s, op, tile, consumer, thread);
+  }
+  if (thread == 0) ptx::bulk_wait_group<0>();  // stores must finish reading shared memory before exit
+}
+
+// ---- the CTA ----------------------------------------------------------------------------------------
+
+// Runs the GEMM role of one CTA (all kThreads threads) until the tile source runs dry. Returns in every
+// thread; afterwards the producer warpgroup holds only kProducerRegisters registers per thread, so a
+// caller with more work must leave it to the consumer threads (threadIdx.x >= 128, synchronizing with
+// kConsumersBarrier).
+template <class Tiles>
+__device__ void run_gemm_cta(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      ptx::mbarrier_init(&s.full[i], 1);
+      ptx::mbarrier_init(&s.empty[i], kConsumerWarps);
+    }
+    for (int i = 0; i < kTileSlots; ++i) {
+      ptx::mbarrier_init(&s.tile_full[i], 1);
+      ptx::mbarrier_init(&s.tile_empty[i], kConsumerWarps);
+    }
+    ptx::fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    ptx::setmaxnreg_dec<kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      for (int g = 0; g < 2; ++g) {
+        ptx::prefetch_tensormap(tiles.operands(g).a);
+        ptx::prefetch_tensormap(tiles.operands(g).b);
+      }
+      run_producer(s, tiles, pipe_site);
+    }
+  } else {
+    ptx::setmaxnreg_inc<kConsumerRegisters>();
+    run_consumer(s, tiles, pipe_site, warpgroup - 1);
+  }
+}
+
+}  // namespace pounce::gemm::pipeline

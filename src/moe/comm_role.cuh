@@ -1,0 +1,88 @@
+// Communication CTAs of one rank: dispatch (pull) and combine (push), one m-block per item, from one
+// queue whose order keeps every wait pointing at earlier work:
+//   D(0) ... D(R-1), then C(0), D(R), C(1), D(R+1), ..., C(M-1)       (R ring blocks, M m-blocks)
+//   D(b): wait until the ring slot's previous m-block b - R is combined; pull the m-block's rows from
+//         their source ranks into ring slot b % R; release dispatched[b].
+//   C(b): wait until GEMM2 finished m-block b; push each row to slot [token, k] of its source rank, then
+//         count it in that rank's arrivals[token] (system scope); release combined[b] (frees the slot).
+// Padding rows are never copied: the ring slot keeps stale rows there, whose outputs nobody reads.
+#pragma once
+
+#include "common/bounded_wait.cuh"
+#include "moe/copy_engine.cuh"
+#include "moe/fused_params.h"
+#include "ptx/ptx.cuh"
+
+namespace pounce::moe {
+
+struct CommItem {
+  bool combine;
+  int32_t m_block;
+};
+
+// Item i of a queue with M m-blocks and R ring blocks; 2M items in all.
+__device__ inline CommItem comm_item(int64_t i, int32_t m_blocks, int32_t ring_blocks) {
+  const int32_t head = min(ring_blocks, m_blocks);
+  if (i < head) return {false, int32_t(i)};
+  const int64_t u = i - head;
+  const int64_t pairs = m_blocks - head;  // C(b), D(b + R) for b < M - R
+  if (u < 2 * pairs) return {u % 2 == 0, int32_t(u % 2 == 0 ? u / 2 : u / 2 + ring_blocks)};
+  return {true, int32_t(pairs + (u - 2 * pairs))};
+}
+
+// Ring row of row r of m-block b (rows of launch-local rank lr).
+__device__ inline int64_t ring_row(const FusedParams& p, int lr, int32_t m_block, int r) {
+  return (int64_t(lr) * p.ring_blocks + m_block % p.ring_blocks) * 128 + r;
+}
+
+// Runs on one thread of each communication CTA until the queue is empty or a wait gave up.
+__device__ inline void run_comm_items(const FusedParams& p, const RankState& rs, int lr, CopyEngine& engine) {
+  const planner::DeviceScheduleSizes sizes = *rs.sizes;
+  const int32_t n2_blocks = (p.hidden + 255) / 256;
+  const uint32_t row_bytes = uint32_t(p.hidden) * 2;
+  const int64_t items = 2 * int64_t(sizes.m_blocks);
+  for (;;) {
+    const int64_t i = atomicAdd(&rs.control[kCommTicket], 1u);
+    if (i >= items) return;
+    const CommItem item = comm_item(i, sizes.m_blocks, p.ring_blocks);
+    const int32_t b = item.m_block;
+    if (!item.combine) {
+      const WaitSite site{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank};
+      if (b >= p.ring_blocks &&
+          !counter_wait_bounded(&rs.combined[b - p.ring_blocks], p.epoch, site, WaitTarget::kRingSlotFree, b))
+        return;
+      for (int r = 0; r < 128; ++r) {
+        const int64_t row = int64_t(b) * 128 + r;
+        const int32_t src = rs.row_source_rank[row];
+        if (src < 0) continue;
+        engine.copy(p.peers.x[src] + int64_t(rs.row_token[row]) * p.hidden, p.x_ring + ring_row(p, lr, b, r) * p.hidden,
+                    row_bytes);
+      }
+      engine.flush();
+      ptx::red_release_gpu_add(&rs.dispatched[b], 1);
+    } else {
+      const WaitSite site{p.error, DeviceRole::kCombine, p.wait_timeout_ns, rs.rank};
+      if (!counter_wait_bounded(&rs.gemm2_done[b], p.epoch * 2 * n2_blocks, site, WaitTarget::kGemm2Done, b)) return;
+      ptx::fence_proxy_async_global();  // GEMM2's TMA stores, acquired above, before our bulk loads
+      for (int r = 0; r < 128; ++r) {
+        const int64_t row = int64_t(b) * 128 + r;
+        const int32_t dst = rs.row_source_rank[row];
+        if (dst < 0) continue;
+        const int64_t slot = int64_t(rs.row_token[row]) * p.topk + rs.row_k[row];
+        engine.copy(p.out_ring + ring_row(p, lr, b, r) * p.hidden, p.peers.slots[dst] + slot * p.hidden, row_bytes);
+      }
+      engine.flush();
+      // NOTES: release pattern for the arrivals: one system-scope fence orders every pushed row (completed
+      // above) before the relaxed increments; the source rank acquires its arrivals counter.
+      ptx::fence_acq_rel_sys();
+      for (int r = 0; r < 128; ++r) {
+        const int64_t row = int64_t(b) * 128 + r;
+        const int32_t dst = rs.row_source_rank[row];
+        if (dst >= 0) ptx::red_relaxed_sys_add(&p.peers.arrivals[dst][rs.row_token[row]], 1);
+      }
+      ptx::red_release_gpu_add(&rs.combined[b], 1);
+    }
+  }
+}
+
+}  // namespace pounce::moe

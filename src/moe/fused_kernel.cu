@@ -1,0 +1,124 @@
+// The fused MoE forward: one persistent launch per forward. Every rank of the launch owns
+// p.ctas_per_rank CTAs and runs, with barriers among its CTAs between phases:
+//   start   publish the token count, wait until every rank has started this forward
+//   plan    count / scan / place (planner/plan_steps.cuh): this rank's schedule, bit-identical to the
+//           host planner; bad routing stops every rank here, before any data moves
+//   run     communication CTAs: dispatch and combine items (moe/comm_role.cuh), then weighted sums;
+//           compute CTAs: GEMM1 + SwiGLU and GEMM2 tiles (moe/fused_tiles.cuh), then weighted sums.
+#include "moe/fused_kernel.h"
+
+#include "common/cuda_check.h"
+#include "gemm/gemm_pipeline.cuh"
+#include "moe/comm_role.cuh"
+#include "moe/copy_engine.cuh"
+#include "moe/fused_tiles.cuh"
+#include "moe/rank_sync.cuh"
+#include "moe/sum_role.cuh"
+#include "planner/plan_steps.cuh"
+
+namespace pounce::moe {
+namespace {
+
+namespace steps = planner::steps;
+constexpr int kThreads = gemm::pipeline::kThreads;
+constexpr int kWarps = kThreads / 32;
+static_assert(sizeof(CopyEngine::Shared) + 1024 <= gemm::pipeline::kSharedBytes, "copy engine exceeds shared memory");
+static_assert((3 + kWarps) * steps::kMaxLocalExperts * sizeof(int32_t) <= gemm::pipeline::kSharedBytes,
+              "planner tables exceed shared memory");
+
+// The planner's shared tables, carved out of the dynamic shared memory before any role uses it.
+struct PlannerShared {
+  int32_t counts[steps::kMaxLocalExperts];
+  int32_t padded[steps::kMaxLocalExperts];
+  int32_t routed[steps::kMaxLocalExperts];
+  int32_t running[kWarps][steps::kMaxLocalExperts];
+};
+
+__device__ bool error_reported(const FusedParams& p) {
+  return *reinterpret_cast<volatile uint32_t*>(&p.error->claimed) != 0;
+}
+
+// Returns false when the forward must stop (a wait gave up, or the routing is invalid).
+__device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t* smem, int32_t* ok_flag) {
+  PlannerShared& ps = *reinterpret_cast<PlannerShared*>(smem);
+  const steps::Routing r{rs.topk_table, p.peers.token_counts[rs.rank], p.ranks, p.experts, p.topk,
+                         p.local_experts * rs.rank, p.local_experts, p.chunks_per_rank, p.max_tokens};
+  const steps::Outputs o{rs.chunk_counts, rs.expert_routes, rs.expert_offsets, rs.row_source_rank, rs.row_token,
+                         rs.row_k, rs.minibatch_starts, rs.sizes, p.capacity_rows, p.blocks_per_minibatch};
+
+  if (cta == 0 && threadIdx.x == 0) {
+    for (int w = kGemmTicket; w < kControlWords; ++w) rs.control[w] = 0;
+    for (int s = 0; s < p.ranks; ++s) rs.topk_table[s] = p.peers.topk_ids[s];
+    // A failed start is recorded; the barrier below then gives up too, in every CTA of the rank.
+    start_all_ranks(p, rs);
+  }
+  steps::clear_rows(o, int64_t(cta) * kThreads + threadIdx.x, int64_t(p.ctas_per_rank) * kThreads);
+  if (!rank_barrier(p, rs, 1, ok_flag)) return false;
+
+  for (int32_t chunk = cta; chunk < r.chunks(); chunk += p.ctas_per_rank) steps::count_chunk(r, chunk, o, ps.counts, p.error);
+  if (!rank_barrier(p, rs, 2, ok_flag)) return false;
+
+  if (cta == 0) steps::scan_counts(r, o, ps.padded, ps.routed);
+  if (!rank_barrier(p, rs, 3, ok_flag)) return false;
+
+  const int warp = threadIdx.x / 32;
+  for (int32_t chunk = cta * kWarps + warp; chunk < r.chunks(); chunk += p.ctas_per_rank * kWarps)
+    steps::place_chunk(r, chunk, o, ps.running[warp]);
+  if (!rank_barrier(p, rs, 4, ok_flag)) return false;
+  return !error_reported(p);  // bad routing: every rank saw it in its own count step
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    fused_moe_kernel(const __grid_constant__ FusedParams p, const __grid_constant__ FusedMaps maps) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  __shared__ int32_t ok_flag;
+  const int lr = blockIdx.x / p.ctas_per_rank, cta = blockIdx.x % p.ctas_per_rank;
+  const RankState& rs = p.rank_state[lr];
+
+  if (!plan(p, rs, cta, smem, &ok_flag)) return;
+
+  if (cta < p.comm_ctas) {
+    if (threadIdx.x == 0 && p.stall_rank != rs.rank) {
+      const WaitSite site{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank};
+      CopyEngine engine(*reinterpret_cast<CopyEngine::Shared*>(smem), site);
+      run_comm_items(p, rs, lr, engine);
+    }
+    __syncwarp();
+    run_weighted_sums(p, rs);
+  } else {
+    FusedTiles tiles(p, rs, lr, maps.m);
+    const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, gemm::pipeline::pipeline_timeout_ns(p.wait_timeout_ns),
+                             rs.rank};
+    gemm::pipeline::run_gemm_cta(gemm::pipeline::shared_storage(smem_raw), tiles, pipe_site);
+    if (threadIdx.x >= 128) run_weighted_sums(p, rs);  // the producer warpgroup kept too few registers
+  }
+}
+
+}  // namespace
+
+size_t fused_moe_shared_bytes() { return gemm::pipeline::kSharedBytes; }
+int fused_moe_threads() { return kThreads; }
+
+void launch_fused_moe(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream) {
+  static const bool configured = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(gemm::pipeline::kSharedBytes)));
+    return true;
+  }();
+  (void)configured;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(unsigned(p.launch_ranks * p.ctas_per_rank));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = gemm::pipeline::kSharedBytes;
+  config.stream = stream;
+  cudaLaunchAttribute cooperative{};
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  config.attrs = &cooperative;
+  config.numAttrs = 1;
+  CUDA_CHECK(cudaLaunchKernelEx(&config, fused_moe_kernel, p, maps));
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace pounce::moe

@@ -1,0 +1,91 @@
+// The fused MoE layer, forward: one persistent kernel per forward runs the routing planner, pull-based
+// dispatch into a fixed ring of token rows, GEMM1 + SwiGLU and GEMM2 on the compute SMs gated by
+// per-m-block counters, push-based combine into each source rank's [token, k] slots and the weighted
+// sum, for an expert-parallel group of P ranks (DESIGN.md §1, §3, §4).
+//
+// This class runs all P ranks on ONE GPU ("virtual ranks"): one launch whose CTAs are partitioned by
+// rank, each rank with its own schedule, ring and counters, talking through the same protocol (and
+// the same peer pointers) a multi-GPU group uses. P = 1 is the plain single-GPU layer.
+//
+// Weights: w13 [E, 2I, H] (gate and up interleaved in groups of 8 rows, reference::w13_row), w2
+// [E, H, I], bf16, all experts; rank r uses experts [r E/P, (r+1) E/P).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <span>
+
+#include "common/device_buffer.h"
+#include "common/device_error.h"
+#include "moe/fused_kernel.h"
+#include "planner/schedule.h"
+
+namespace pounce::moe {
+
+struct FusedMoeOptions {
+  int ctas_per_rank = 0;         // 0: the GPU's SMs / P
+  int comm_ctas = 0;             // communication CTAs per rank; 0: ctas_per_rank / 16 (at least 1)
+  int64_t minibatch_rows = 0;    // 0: the wave model's, two waves of GEMM1 tiles over the compute CTAs
+  int64_t ring_blocks = 0;       // ring m-blocks per rank; 0: as many as ring_bytes allows
+  int64_t ring_bytes = int64_t(1) << 30;  // per rank, for the default ring (x, h and out rows)
+  uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait
+  int stall_rank = -1;           // fault injection (tests): this rank's communication CTAs do nothing
+};
+
+// One rank's tensors for a forward, device pointers on this GPU.
+struct RankIO {
+  const __nv_bfloat16* x = nullptr;    // [tokens, H]
+  const int32_t* topk_ids = nullptr;   // [tokens, k], global expert ids
+  const float* topk_weights = nullptr; // [tokens, k]
+  int64_t tokens = 0;                  // <= max_tokens_per_rank
+  __nv_bfloat16* y = nullptr;          // [tokens, H]
+};
+
+class FusedMoe {
+ public:
+  // Throws pounce::Error on an invalid config or options, naming the first problem.
+  FusedMoe(const planner::EpConfig& config, const FusedMoeOptions& options = {});
+
+  void set_weights(const __nv_bfloat16* w13, const __nv_bfloat16* w2);
+
+  // Enqueues one forward of every rank on `stream` (one launch; no host synchronization). Throws on
+  // host-visible bad input (rank count, token counts, null pointers); bad routing ids are found on the
+  // device and reported by check_device_errors(), with y left untouched.
+  void forward(std::span<const RankIO> ranks, cudaStream_t stream);
+
+  // After the stream has synchronized: throws pounce::Error describing a device-side failure (bad
+  // routing, or a wait that gave up: which rank, role, counter, expected and observed values), and
+  // resets the layer's counters so the next forward starts clean.
+  void check_device_errors();
+
+  const planner::EpConfig& config() const { return config_; }
+  int ctas_per_rank() const { return params_.ctas_per_rank; }
+  int comm_ctas() const { return params_.comm_ctas; }
+  int64_t minibatch_rows() const { return int64_t(params_.blocks_per_minibatch) * planner::kBlockM; }
+  int64_t ring_blocks() const { return params_.ring_blocks; }
+  int64_t max_m_blocks() const { return capacity_.max_m_blocks; }
+  // Routed rows of `rank`'s last schedule (copies from the device; for tests and reports).
+  int64_t routed_rows(int rank) const;
+
+ private:
+  void reset_counters();
+
+  planner::EpConfig config_;
+  FusedMoeOptions options_;
+  planner::Capacity capacity_;
+  FusedParams params_{};
+  FusedMaps maps_{};
+  bool has_weights_ = false;
+  DeviceErrorSlot errors_;
+  // Per rank, P slices each.
+  DeviceBuffer<int32_t> chunk_counts_, expert_routes_, expert_offsets_, row_source_rank_, row_token_, row_k_,
+      minibatch_starts_, token_counts_;
+  DeviceBuffer<planner::DeviceScheduleSizes> sizes_;
+  DeviceBuffer<const int32_t*> topk_tables_;
+  DeviceBuffer<uint32_t> counters_;  // dispatched, gemm1_done, gemm2_done, combined, control, arrivals, start flags
+  DeviceBuffer<__nv_bfloat16> slots_, x_ring_, h_ring_, out_ring_;
+};
+
+}  // namespace pounce::moe

@@ -1,0 +1,259 @@
+// The fused MoE forward on virtual ranks against the host reference of the expert-parallel layer
+// (reference::moe_layer_ep), on fresh random inputs every run; outputs are poisoned with NaN first.
+// Also: bitwise-identical repeats, a stalled rank that must end in an error (not a hang), bad input.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "common/gpu.h"
+#include "common/testing.h"
+#include "moe/fused_moe.h"
+#include "reference/moe_layer_ep.h"
+#include "reference/synthetic_routing.h"
+
+namespace pounce::moe {
+namespace {
+
+using reference::RoutingPattern;
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
+
+constexpr int kMinRing = -1;  // Case::ring_blocks: the smallest ring the layer accepts
+
+struct Case {
+  int ranks;
+  int64_t tokens;  // rank r gets tokens + r, capped at max_tokens (so counts differ and are odd too)
+  int64_t hidden, intermediate;
+  int experts, topk;
+  RoutingPattern pattern;
+  int ring_blocks = 0;     // 0: default; kMinRing: two one-m-block minibatches
+  int comm_ctas = 0;       // 0: default
+  int ctas_per_rank = 0;   // 0: default
+};
+
+void PrintTo(const Case& c, std::ostream* out) {
+  *out << "P" << c.ranks << "_T" << c.tokens << "_H" << c.hidden << "_I" << c.intermediate << "_E" << c.experts << "_k"
+       << c.topk << "_" << reference::routing_pattern_name(c.pattern);
+  if (c.ring_blocks == kMinRing) *out << "_ringmin";
+  if (c.comm_ctas) *out << "_comm" << c.comm_ctas;
+  if (c.ctas_per_rank) *out << "_ctas" << c.ctas_per_rank;
+}
+
+__nv_bfloat16* bf16(const DeviceBuffer<uint16_t>& b) { return reinterpret_cast<__nv_bfloat16*>(b.data()); }
+
+// Inputs of every rank on the host (reference) and on the device (layer).
+struct Problem {
+  planner::EpConfig config;
+  std::vector<int64_t> tokens;
+  std::vector<std::vector<float>> x, weights;
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<float> w13, w2;
+  std::vector<DeviceBuffer<uint16_t>> d_x, d_y;
+  std::vector<DeviceBuffer<int32_t>> d_ids;
+  std::vector<DeviceBuffer<float>> d_weights;
+  DeviceBuffer<uint16_t> d_w13, d_w2;
+
+  std::vector<RankIO> io() const {
+    std::vector<RankIO> out(config.ranks);
+    for (int r = 0; r < config.ranks; ++r)
+      out[r] = {bf16(d_x[r]), d_ids[r].data(), d_weights[r].data(), tokens[r], bf16(d_y[r])};
+    return out;
+  }
+  void poison_outputs() {
+    for (auto& y : d_y) y.fill_bytes(0xFF);  // NaN in bf16: an unwritten element fails the comparison
+  }
+  std::vector<std::vector<uint16_t>> outputs() const {
+    std::vector<std::vector<uint16_t>> out;
+    for (const auto& y : d_y) out.push_back(y.download());
+    return out;
+  }
+};
+
+Problem make_problem(std::mt19937_64& rng, const Case& c) {
+  Problem p;
+  p.config = {.ranks = c.ranks, .experts = c.experts, .topk = c.topk, .hidden = c.hidden,
+              .intermediate = c.intermediate, .max_tokens_per_rank = c.tokens + 3};
+  const int64_t H = c.hidden, I = c.intermediate, E = c.experts;
+  for (int r = 0; r < c.ranks; ++r) {
+    const int64_t t = c.tokens == 0 ? 0 : std::min(c.tokens + r, p.config.max_tokens_per_rank);
+    p.tokens.push_back(t);
+    p.x.push_back(testing::random_bf16_values(rng, t * H));
+    p.ids.push_back(reference::synthetic_topk_ids(c.pattern, t, c.experts, c.topk, rng));
+    p.weights.push_back(reference::synthetic_topk_weights(t, c.topk, rng));
+    p.d_x.emplace_back(testing::to_bf16_bits(p.x.back()));
+    p.d_ids.emplace_back(p.ids.back());
+    p.d_weights.emplace_back(p.weights.back());
+    p.d_y.emplace_back(t * H);
+  }
+  p.w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
+  p.w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
+  p.d_w13 = DeviceBuffer<uint16_t>(testing::to_bf16_bits(p.w13));
+  p.d_w2 = DeviceBuffer<uint16_t>(testing::to_bf16_bits(p.w2));
+  return p;
+}
+
+std::vector<reference::EpRankResult> reference_forward(const Problem& p) {
+  std::vector<reference::EpRankInputs> in(p.config.ranks);
+  for (int r = 0; r < p.config.ranks; ++r) in[r] = {p.tokens[r], p.x[r], p.ids[r], p.weights[r], {}};
+  return reference::moe_layer_ep(p.config, in, p.w13, p.w2, /*with_backward=*/false);
+}
+
+void run_and_check(FusedMoe& layer, Problem& p) {
+  p.poison_outputs();
+  const auto io = p.io();
+  layer.forward(io, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  layer.check_device_errors();
+}
+
+void expect_matches(const std::vector<std::vector<uint16_t>>& outputs, const std::vector<reference::EpRankResult>& want) {
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    std::vector<float> got;
+    for (uint16_t b : outputs[r]) got.push_back(formats::bf16_to_float(b));
+    // bf16 rounding of x, the SwiGLU output, the expert outputs and y: a few 1e-3.
+    if (!got.empty()) {
+      EXPECT_LT(testing::relative_l2_error(got, want[r].y), 1e-2);
+    }
+  }
+}
+
+class FusedMoeTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FusedMoeTest, MatchesHostReferenceAndRepeatsBitwise) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const Case c = GetParam();
+  Problem p = make_problem(rng, c);
+  FusedMoeOptions options;
+  options.comm_ctas = c.comm_ctas;
+  options.ctas_per_rank = c.ctas_per_rank;
+  if (c.ring_blocks == kMinRing) {
+    options.minibatch_rows = 128;
+    options.ring_blocks = 2;
+  } else {
+    options.ring_blocks = c.ring_blocks;
+  }
+  FusedMoe layer(p.config, options);
+  layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+
+  run_and_check(layer, p);
+  const auto first = p.outputs();
+  expect_matches(first, reference_forward(p));
+  if (c.ring_blocks == kMinRing && layer.max_m_blocks() > 2) {
+    EXPECT_EQ(layer.ring_blocks(), 2);
+  }
+
+  // Same inputs again: bit for bit the same outputs (counters continue from the previous forward).
+  for (int repeat = 0; repeat < 2; ++repeat) {
+    run_and_check(layer, p);
+    EXPECT_EQ(p.outputs(), first) << "repeat " << repeat;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    VirtualRanks, FusedMoeTest,
+    ::testing::Values(Case{1, 300, 256, 128, 8, 2, RoutingPattern::kUniform},
+                      Case{1, 2000, 1024, 512, 16, 6, RoutingPattern::kZipf, kMinRing, 4},
+                      Case{1, 1, 128, 64, 4, 1, RoutingPattern::kUniform},
+                      Case{2, 129, 512, 192, 16, 4, RoutingPattern::kZipf, kMinRing, 1},
+                      Case{2, 0, 256, 128, 8, 2, RoutingPattern::kUniform},
+                      Case{2, 500, 256, 256, 8, 8, RoutingPattern::kOneExpert, 0, 30},
+                      Case{4, 64, 256, 64, 16, 4, RoutingPattern::kHalfEmpty, 0, 3},
+                      Case{4, 1000, 384, 256, 8, 3, RoutingPattern::kUniform, kMinRing, 6},
+                      Case{8, 1, 128, 64, 8, 1, RoutingPattern::kUniform},
+                      Case{8, 257, 256, 128, 16, 4, RoutingPattern::kOneExpert, kMinRing},
+                      Case{8, 77, 192, 320, 32, 5, RoutingPattern::kZipf, 0, 8, 12}),
+    testing::NameFromPrintTo());
+
+// One rank's communication CTAs never move data: its GEMMs and the other ranks' sums wait for it. The
+// forward must end with an error naming the wait, not hang, and the layer must work again afterwards.
+TEST(FusedMoe, StalledRankEndsInATimeoutErrorAndTheLayerRecovers) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, Case{2, 200, 256, 128, 8, 2, RoutingPattern::kUniform});
+  FusedMoeOptions stalled;
+  stalled.stall_rank = 1;
+  stalled.wait_timeout_ns = 100'000'000;
+  FusedMoe layer(p.config, stalled);
+  layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+  const std::string message = testing::error_message([&] { run_and_check(layer, p); });
+  EXPECT_THAT(message, HasSubstr("gave up after"));
+  EXPECT_THAT(message, AnyOf(HasSubstr("rank 1, gemm producer"), HasSubstr("arrivals counter"),
+                             HasSubstr("rank 1, weighted sum")));
+
+  FusedMoe healthy(p.config);
+  healthy.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+  run_and_check(healthy, p);
+  const auto want = reference_forward(p);
+  expect_matches(p.outputs(), want);
+}
+
+// Bad routing is found on the device by every rank's planner, before any data moves: a clear error,
+// y untouched, and the next good forward is correct.
+TEST(FusedMoe, BadRoutingIsReportedAndCorruptsNothing) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, Case{2, 100, 128, 64, 8, 3, RoutingPattern::kUniform});
+  FusedMoe layer(p.config);
+  layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+  const auto io = p.io();
+
+  auto forward_with_ids = [&](std::vector<int32_t> bad_ids) {
+    p.d_ids[1].upload(bad_ids);
+    p.poison_outputs();
+    layer.forward(io, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    layer.check_device_errors();
+  };
+  auto out_of_range = p.ids[1];
+  out_of_range[7 * 3 + 2] = 8;
+  testing::expect_error([&] { forward_with_ids(out_of_range); }, "topk_ids[token 7][k 2] = 8 is out of range [0, 8)");
+  for (const auto& y : p.outputs()) {
+    for (uint16_t b : y) ASSERT_EQ(b, 0xFFFF) << "y was written by a forward that reported bad routing";
+  }
+
+  auto repeated = p.ids[1];
+  repeated[5 * 3 + 1] = repeated[5 * 3];
+  testing::expect_error([&] { forward_with_ids(repeated); }, "twice");
+
+  p.d_ids[1].upload(p.ids[1]);
+  run_and_check(layer, p);
+  const auto want = reference_forward(p);
+  expect_matches(p.outputs(), want);
+}
+
+TEST(FusedMoe, RejectsBadHostInputWithClearErrors) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, Case{2, 10, 128, 64, 8, 2, RoutingPattern::kUniform});
+  FusedMoe layer(p.config);
+  layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+  auto io = p.io();
+  testing::expect_error([&] { layer.forward(std::span(io).first(1), nullptr); }, "got 1 ranks' tensors, the layer has 2");
+  io[1].tokens = p.config.max_tokens_per_rank + 1;
+  testing::expect_error([&] { layer.forward(io, nullptr); }, "rank 1 has 14 tokens, outside [0, max_tokens_per_rank = 13]");
+  io = p.io();
+  io[0].y = nullptr;
+  testing::expect_error([&] { layer.forward(io, nullptr); }, "null x, topk_ids, topk_weights or y");
+
+  FusedMoeOptions options;
+  options.comm_ctas = 20;
+  options.ctas_per_rank = 20;
+  testing::expect_error([&] { FusedMoe bad(p.config, options); }, "comm_ctas = 20 must be in [1, ctas_per_rank = 20)");
+  options = {};
+  options.ctas_per_rank = 100;
+  testing::expect_error([&] { FusedMoe bad(p.config, options); }, "exceeds the GPU's");
+  options = {};
+  options.minibatch_rows = 256;
+  options.ring_blocks = 3;
+  planner::EpConfig big = p.config;
+  big.max_tokens_per_rank = 1000;
+  testing::expect_error([&] { FusedMoe bad(big, options); }, "is below the minimum 4");
+  big.experts = 7;
+  testing::expect_error([&] { FusedMoe bad(big); }, "divisible");
+}
+
+}  // namespace
+}  // namespace pounce::moe

@@ -1,0 +1,105 @@
+// The GEMM tile source of the fused kernel's compute CTAs (gemm/gemm_pipeline.cuh contract): one queue
+// per rank holding both GEMMs, minibatch by minibatch, GEMM2 of a minibatch one minibatch behind its GEMM1:
+//   G1(0), G1(1), G2(0), G1(2), G2(1), ..., G1(n-1), G2(n-2), G2(n-1)
+// so GEMM1 tiles of the next minibatch cover the wait for the last GEMM1 tiles of this one. A GEMM1 tile
+// waits until dispatch has filled its m-block; a GEMM2 tile until every GEMM1 tile of its m-block is
+// stored. Inside a minibatch tiles run m-fastest (the ~130 tiles in flight share a few weight n-blocks).
+// Every wait points at earlier queue entries or at dispatch items that only wait on earlier GEMM2
+// tiles (the ring holds at least two minibatches), so the queue cannot deadlock.
+#pragma once
+
+#include "common/bounded_wait.cuh"
+#include "gemm/gemm_pipeline.cuh"
+#include "moe/comm_role.cuh"
+#include "moe/fused_params.h"
+
+namespace pounce::moe {
+
+class FusedTiles {
+ public:
+  // maps: x_ring (A of GEMM1), w13, h_ring store box, h_ring load box (A of GEMM2), w2, out_ring store box.
+  __device__ FusedTiles(const FusedParams& p, const RankState& rs, int lr, const CUtensorMap* maps)
+      : p_(p), rs_(rs), lr_(lr), sizes_(*rs.sizes) {
+    n_blocks_[0] = (2 * p.intermediate + gemm::kBlockN - 1) / gemm::kBlockN;
+    n_blocks_[1] = (p.hidden + gemm::kBlockN - 1) / gemm::kBlockN;
+    ops_[0] = {&maps[0], &maps[1], &maps[2], p.hidden / gemm::kBlockK, gemm::Epilogue::kSwiGLU, nullptr, rs.gemm1_done};
+    ops_[1] = {&maps[3], &maps[4], &maps[5], p.intermediate / gemm::kBlockK, gemm::Epilogue::kStore, nullptr,
+               rs.gemm2_done};
+  }
+
+  __device__ bool next(gemm::pipeline::TileInfo& info) {
+    const int64_t ticket = atomicAdd(&rs_.control[kGemmTicket], 1u);
+    int32_t gemm = 0, m_block = 0, n_block = 0;
+    if (!decode(ticket, gemm, m_block, n_block)) return false;
+    const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
+    const bool ready =
+        gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], p_.epoch, site, WaitTarget::kMBlockReady, m_block)
+                  : counter_wait_bounded(&rs_.gemm1_done[m_block], p_.epoch * 2 * uint32_t(n_blocks_[0]), site,
+                                         WaitTarget::kGemm1Done, m_block);
+    if (!ready) return false;
+    // NOTES: the A rows were written by other CTAs (bulk copies, TMA stores) and acquired above through
+    // the generic proxy; our TMA loads read through the async proxy.
+    ptx::fence_proxy_async_global();
+    const int32_t expert = p_.local_experts * rs_.rank + expert_of(m_block);
+    const int32_t n = gemm == 0 ? 2 * p_.intermediate : p_.hidden;
+    info = {gemm, expert * n + n_block * gemm::kBlockN, int32_t(ring_row(p_, lr_, m_block, 0)), n_block, m_block, 1};
+    return true;
+  }
+
+  __device__ const gemm::pipeline::GemmOperands& operands(int gemm) const { return ops_[gemm]; }
+
+ private:
+  // Tiles of minibatch j of GEMM g.
+  __device__ int32_t blocks(int32_t j) const {
+    return min(p_.blocks_per_minibatch, sizes_.m_blocks - j * p_.blocks_per_minibatch);
+  }
+
+  __device__ void locate(int32_t g, int32_t j, int64_t local, int32_t& gemm, int32_t& m_block, int32_t& n_block) const {
+    const int32_t width = blocks(j);
+    gemm = g;
+    m_block = j * p_.blocks_per_minibatch + int32_t(local % width);
+    n_block = int32_t(local / width);
+  }
+
+  __device__ bool decode(int64_t t, int32_t& gemm, int32_t& m_block, int32_t& n_block) const {
+    const int32_t n = sizes_.minibatches, bpm = p_.blocks_per_minibatch;
+    const int64_t n1 = n_blocks_[0], n2 = n_blocks_[1];
+    if (n == 0 || t >= int64_t(sizes_.m_blocks) * (n1 + n2)) return false;
+    const int64_t first = blocks(0) * n1;  // G1(0)
+    if (t < first) return locate(0, 0, t, gemm, m_block, n_block), true;
+    t -= first;
+    // Pairs j = 1 .. n-1: G1(j) then G2(j-1); all full except G1(n-1).
+    const int64_t full_pair = bpm * (n1 + n2);
+    const int64_t pairs_tiles = n >= 2 ? (n - 2) * full_pair + blocks(n - 1) * n1 + bpm * n2 : 0;
+    if (t < pairs_tiles) {
+      const int32_t j = min(int32_t(1 + t / full_pair), n - 1);
+      const int64_t within = t - int64_t(j - 1) * full_pair;
+      const int64_t g1 = blocks(j) * n1;
+      if (within < g1) return locate(0, j, within, gemm, m_block, n_block), true;
+      return locate(1, j - 1, within - g1, gemm, m_block, n_block), true;
+    }
+    return locate(1, n - 1, t - pairs_tiles, gemm, m_block, n_block), true;
+  }
+
+  // Local expert of an m-block: the last expert starting at or before it (empty experts share their
+  // start with the next one, and "last" skips them).
+  __device__ int32_t expert_of(int32_t m_block) const {
+    const int32_t row = m_block * 128;
+    int32_t lo = 0, hi = p_.local_experts - 1;
+    while (lo < hi) {
+      const int32_t mid = (lo + hi + 1) / 2;
+      if (rs_.expert_offsets[mid] <= row) lo = mid;
+      else hi = mid - 1;
+    }
+    return lo;
+  }
+
+  const FusedParams& p_;
+  const RankState& rs_;
+  int lr_;
+  planner::DeviceScheduleSizes sizes_;
+  int32_t n_blocks_[2];
+  gemm::pipeline::GemmOperands ops_[2];
+};
+
+}  // namespace pounce::moe

@@ -1,0 +1,56 @@
+// Weighted sum on the source rank: y[t] = sum_k w[t, k] * slot[t, k], k in order, fp32 accumulation,
+// as soon as all k output rows of token t have arrived. Warp-level: a warp takes the next token from the
+// rank's ticket, waits (bounded) for its arrivals and sums it. Warps join once their own queue is empty
+// (they only wait on combine work that other CTAs do), so waiting here never blocks that work.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "common/bounded_wait.cuh"
+#include "moe/fused_params.h"
+
+namespace pounce::moe {
+
+__device__ inline void run_weighted_sums(const FusedParams& p, const RankState& rs) {
+  const int lane = threadIdx.x % 32;
+  const WaitSite site{p.error, DeviceRole::kWeightedSum, p.wait_timeout_ns, rs.rank};
+  const uint32_t* arrivals = p.peers.arrivals[rs.rank];
+  const uint4* slots = reinterpret_cast<const uint4*>(p.peers.slots[rs.rank]);
+  const int64_t vecs = p.hidden / 8;  // 16-byte vectors of 8 bf16 per row
+  for (;;) {
+    int32_t t = 0;
+    if (lane == 0) t = int32_t(atomicAdd(&rs.control[kSumTicket], 1u));
+    t = __shfl_sync(0xFFFFFFFFu, t, 0);
+    if (t >= rs.tokens) return;
+    bool ok = true;
+    if (lane == 0)
+      ok = counter_wait_bounded<Scope::kSystem>(&arrivals[t], p.epoch * uint32_t(p.topk), site,
+                                                WaitTarget::kTokenArrivals, t);
+    ok = __shfl_sync(0xFFFFFFFFu, ok, 0);
+    __syncwarp();  // orders lane 0's acquire before every lane's reads of the slots
+    if (!ok) return;
+
+    const float* w = rs.topk_weights + int64_t(t) * p.topk;
+    for (int64_t v = lane; v < vecs; v += 32) {
+      float acc[8] = {};
+      for (int k = 0; k < p.topk; ++k) {
+        const float wk = w[k];
+        const uint4 bits = slots[(int64_t(t) * p.topk + k) * vecs + v];
+        const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(&bits);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(o[q]);
+          acc[2 * q] = fmaf(wk, f.x, acc[2 * q]);
+          acc[2 * q + 1] = fmaf(wk, f.y, acc[2 * q + 1]);
+        }
+      }
+      uint4 result;
+      __nv_bfloat162* r = reinterpret_cast<__nv_bfloat162*>(&result);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) r[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+      reinterpret_cast<uint4*>(rs.y)[int64_t(t) * vecs + v] = result;
+    }
+  }
+}
+
+}  // namespace pounce::moe

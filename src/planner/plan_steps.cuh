@@ -1,0 +1,185 @@
+// The device planner's steps as CTA- and warp-level functions, so that one code path serves both the
+// stand-alone planner kernels (planner/device_planner.cu) and the fused MoE kernel's planning phase.
+// The schedule they build is planner::build_schedule's, bit for bit (see device_planner.h).
+//
+//   count:  per chunk of kChunkTokens tokens (CTA-level): routes per local expert; reports bad ids.
+//   scan:   one CTA: chunk counts become chunk bases, expert totals become padded expert offsets.
+//   place:  per chunk (warp-level): the chunk's routes go to their rows in (source rank, token, k) order.
+// count must finish on every chunk before scan, and scan before place: callers put a grid-wide (or
+// rank-wide) barrier between them.
+#pragma once
+
+#include <cstdint>
+
+#include "common/device_error.h"
+#include "planner/device_planner.h"
+
+namespace pounce::planner::steps {
+
+constexpr int kChunkTokens = kPlannerChunkTokens;
+constexpr int kMaxLocalExperts = kPlannerMaxLocalExperts;  // bounds the shared-memory tables below
+
+struct Routing {
+  const int32_t* const* topk_ids;  // [P] device pointers to [tokens, k]
+  const int32_t* tokens;           // [P]
+  int32_t ranks, experts, topk, first_local, local_experts, chunks_per_rank, max_tokens;
+  __host__ __device__ int32_t chunks() const { return ranks * chunks_per_rank; }
+};
+
+struct Outputs {
+  int32_t* chunk_counts;  // [chunks, E_local]: counts, then bases
+  int32_t* expert_routes;
+  int32_t* expert_offsets;
+  int32_t* row_source_rank;
+  int32_t* row_token;
+  int32_t* row_k;
+  int32_t* minibatch_starts;
+  DeviceScheduleSizes* sizes;
+  int64_t capacity_rows;
+  int32_t blocks_per_minibatch;
+};
+
+// Tokens of rank s the planner reads: its count, clamped to [0, max_tokens] (bad counts are reported).
+__device__ inline int32_t tokens_of(const Routing& r, int32_t s) { return min(max(r.tokens[s], 0), r.max_tokens); }
+
+// Entry j of a token is planned iff its id is in range and no earlier entry of the token has it. The
+// count and place steps both decide with this function, so they always agree.
+__device__ inline bool entry_is_valid(const int32_t* ids, int32_t j, int32_t experts) {
+  const int32_t id = ids[j];
+  if (id < 0 || id >= experts) return false;
+  for (int32_t i = 0; i < j; ++i)
+    if (ids[i] == id) return false;
+  return true;
+}
+
+// Every row starts as padding; place overwrites the routed ones. `worker` of `workers` threads.
+__device__ inline void clear_rows(const Outputs& o, int64_t worker, int64_t workers) {
+  for (int64_t i = worker; i < o.capacity_rows; i += workers) o.row_source_rank[i] = o.row_token[i] = o.row_k[i] = -1;
+}
+
+// CTA-level (all threads call it). counts: shared [kMaxLocalExperts].
+__device__ inline void count_chunk(const Routing& r, int32_t chunk, const Outputs& o, int32_t* counts,
+                                   DeviceErrorRecord* error) {
+  for (int32_t e = threadIdx.x; e < r.local_experts; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  const int32_t s = chunk / r.chunks_per_rank;
+  const int32_t first_token = (chunk % r.chunks_per_rank) * kChunkTokens;
+  if (threadIdx.x == 0 && chunk % r.chunks_per_rank == 0 && (r.tokens[s] < 0 || r.tokens[s] > r.max_tokens))
+    report_device_error(error, DeviceErrorCode::kBadRouting, DeviceRole::kPlanner, WaitTarget::kTokenCount, 0,
+                        uint64_t(r.max_tokens), uint64_t(int64_t(r.tokens[s])), 0, s);
+  const int32_t end = min(first_token + kChunkTokens, tokens_of(r, s));
+  for (int32_t t = first_token + threadIdx.x; t < end; t += blockDim.x) {
+    const int32_t* ids = r.topk_ids[s] + int64_t(t) * r.topk;
+    for (int32_t j = 0; j < r.topk; ++j) {
+      const int32_t id = ids[j];
+      if (id < 0 || id >= r.experts) {
+        report_device_error(error, DeviceErrorCode::kBadRouting, DeviceRole::kPlanner, WaitTarget::kExpertIdInRange,
+                            t, uint64_t(r.experts), uint64_t(uint32_t(id)), 0, s, j);
+        continue;
+      }
+      bool repeated = false;
+      for (int32_t i = 0; i < j && !repeated; ++i)
+        if (ids[i] == id) {
+          report_device_error(error, DeviceErrorCode::kBadRouting, DeviceRole::kPlanner, WaitTarget::kDistinctExperts,
+                              t, uint64_t(i), uint64_t(id), 0, s, j);
+          repeated = true;
+        }
+      const int32_t e = id - r.first_local;
+      if (!repeated && e >= 0 && e < r.local_experts) atomicAdd(&counts[e], 1);
+    }
+  }
+  __syncthreads();
+  for (int32_t e = threadIdx.x; e < r.local_experts; e += blockDim.x)
+    o.chunk_counts[int64_t(chunk) * r.local_experts + e] = counts[e];
+}
+
+// CTA-level, one CTA. Each thread scans the chunks of its experts (chunks run in (source rank, token)
+// order); warp 0 then scans the padded expert totals, 32 consecutive experts per lane.
+// padded, routed: shared [kMaxLocalExperts].
+__device__ inline void scan_counts(const Routing& r, const Outputs& o, int32_t* padded, int32_t* routed) {
+  const int32_t chunks = r.chunks();
+  for (int32_t e = threadIdx.x; e < kMaxLocalExperts; e += blockDim.x) {
+    int32_t running = 0;
+    if (e < r.local_experts)
+      for (int32_t c = 0; c < chunks; ++c) {
+        int32_t* slot = &o.chunk_counts[int64_t(c) * r.local_experts + e];
+        const int32_t count = *slot;
+        *slot = running;
+        running += count;
+      }
+    routed[e] = running;
+    padded[e] = (running + kBlockM - 1) / kBlockM * kBlockM;
+    if (e < r.local_experts) o.expert_routes[e] = running;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    constexpr int kPerLane = kMaxLocalExperts / 32;
+    const int32_t lane = threadIdx.x, first = lane * kPerLane;
+    int32_t pad_sum = 0, routed_sum = 0;
+    for (int32_t i = 0; i < kPerLane; ++i) pad_sum += padded[first + i], routed_sum += routed[first + i];
+    int32_t pad_before = pad_sum, routed_before = routed_sum;  // inclusive scan over lanes, then exclusive
+    for (int32_t step = 1; step < 32; step *= 2) {
+      const int32_t p = __shfl_up_sync(0xFFFFFFFFu, pad_before, step);
+      const int32_t q = __shfl_up_sync(0xFFFFFFFFu, routed_before, step);
+      if (lane >= step) pad_before += p, routed_before += q;
+    }
+    pad_before -= pad_sum;
+    routed_before -= routed_sum;
+    for (int32_t i = 0; i < kPerLane; ++i) {
+      const int32_t e = first + i;
+      pad_before += padded[e];
+      routed_before += routed[e];
+      if (e < r.local_experts) o.expert_offsets[e + 1] = pad_before;
+    }
+    if (lane == 31) {  // totals: every expert past local_experts adds zero
+      const int32_t m_blocks = pad_before / kBlockM;
+      const int32_t minibatches = (m_blocks + o.blocks_per_minibatch - 1) / o.blocks_per_minibatch;
+      o.expert_offsets[0] = 0;
+      o.minibatch_starts[minibatches] = m_blocks;
+      *o.sizes = {routed_before, pad_before, m_blocks, minibatches};
+    }
+  }
+  __syncthreads();
+  const DeviceScheduleSizes sizes = *o.sizes;
+  for (int32_t i = threadIdx.x; i < sizes.minibatches; i += blockDim.x) o.minibatch_starts[i] = i * o.blocks_per_minibatch;
+}
+
+// Warp-level: one warp walks the chunk's entries in (token, k) order, 32 at a time. Lanes holding the
+// same local expert find each other with match.any; a lane's row is the expert's offset, plus the
+// routes of earlier chunks (the chunk base), plus those of earlier steps (running), plus its rank among
+// its peers. running: shared [kMaxLocalExperts], private to this warp.
+__device__ inline void place_chunk(const Routing& r, int32_t chunk, const Outputs& o, int32_t* running) {
+  const int32_t lane = threadIdx.x % 32;
+  for (int32_t e = lane; e < r.local_experts; e += 32)
+    running[e] = o.expert_offsets[e] + o.chunk_counts[int64_t(chunk) * r.local_experts + e];
+  __syncwarp();
+
+  const int32_t s = chunk / r.chunks_per_rank;
+  const int32_t first_token = (chunk % r.chunks_per_rank) * kChunkTokens;
+  const int32_t chunk_tokens = min(kChunkTokens, tokens_of(r, s) - first_token);
+  const int32_t entries = max(chunk_tokens, 0) * r.topk;
+  const uint32_t lower_lanes = (1u << lane) - 1;
+  for (int32_t step = 0; step < entries; step += 32) {
+    const int32_t i = step + lane;
+    int32_t e = -1, t = 0, j = 0;
+    if (i < entries) {
+      t = first_token + i / r.topk;
+      j = i % r.topk;
+      const int32_t* ids = r.topk_ids[s] + int64_t(t) * r.topk;
+      if (entry_is_valid(ids, j, r.experts) && ids[j] - r.first_local >= 0 && ids[j] - r.first_local < r.local_experts)
+        e = ids[j] - r.first_local;
+    }
+    const uint32_t peers = __match_any_sync(0xFFFFFFFFu, e);
+    if (e >= 0) {
+      const int32_t row = running[e] + __popc(peers & lower_lanes);
+      o.row_source_rank[row] = s;
+      o.row_token[row] = t;
+      o.row_k[row] = j;
+    }
+    __syncwarp();  // every peer has read running[e] before the last of them advances it
+    if (e >= 0 && lane == 31 - __clz(peers)) running[e] += __popc(peers);
+    __syncwarp();
+  }
+}
+
+}  // namespace pounce::planner::steps
