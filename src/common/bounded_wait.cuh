@@ -26,7 +26,11 @@ __device__ __forceinline__ void mbarrier_wait_bounded(uint64_t* bar, uint32_t pa
                                                       WaitTarget target, int index) {
   if (ptx::mbarrier_try_wait(bar, parity)) return;
   const uint64_t start = ptx::globaltimer_ns();
-  while (!ptx::mbarrier_try_wait(bar, parity)) {
+  for (uint32_t spins = 1; !ptx::mbarrier_try_wait(bar, parity); ++spins) {
+    // A wait that outlasts a few dozen polls is a starved pipeline (a GEMM waiting for its input), not
+    // a hot loop: back off, and read the clock only now and then.
+    if (spins > 32) __nanosleep(256);
+    if (spins % 64 != 0) continue;
     const uint64_t waited = ptx::globaltimer_ns() - start;
     if (waited > site.timeout_ns) {
       report_device_error(site.record, DeviceErrorCode::kWaitTimeout, site.role, target, index, parity, parity ^ 1,
@@ -36,22 +40,33 @@ __device__ __forceinline__ void mbarrier_wait_bounded(uint64_t* bar, uint32_t pa
   }
 }
 
-// Waits until *counter >= target (wrap-safe, acquire at GPU scope). Returns false, having reported,
-// when the deadline passes; also returns false early once another CTA has reported an error, so one
-// failure stops the whole kernel instead of every waiter timing out in turn.
+// Waits until *counter >= target (wrap-safe), then acquires at the counter's scope. Returns false,
+// having reported, when the deadline passes; also returns false early once another CTA has reported an
+// error, so one failure stops the whole kernel instead of every waiter timing out in turn.
+// NOTES: polls with relaxed loads and acquires once with a fence (the acquire pattern): an ld.acquire
+// per poll would invalidate the SM's L1 on every iteration, slowing every other warp on the SM.
 template <Scope kScope = Scope::kGpu>
 __device__ __forceinline__ bool counter_wait_bounded(const uint32_t* counter, uint32_t target, const WaitSite& site,
                                                      WaitTarget what, int64_t index) {
   const auto load = [counter] {
-    return kScope == Scope::kGpu ? ptx::ld_acquire_gpu(counter) : ptx::ld_acquire_sys(counter);
+    return kScope == Scope::kGpu ? ptx::ld_relaxed_gpu(counter) : ptx::ld_relaxed_sys(counter);
+  };
+  const auto acquire = [] {
+    if constexpr (kScope == Scope::kGpu) ptx::fence_acq_rel_gpu();
+    else ptx::fence_acq_rel_sys();
   };
   uint32_t seen = load();
-  if (int32_t(seen - target) >= 0) return true;
+  if (int32_t(seen - target) >= 0) return acquire(), true;
   const uint64_t start = ptx::globaltimer_ns();
+  uint32_t backoff_ns = 32;
   for (uint32_t spins = 1;; ++spins) {
+    // NOTES: exponential backoff. Up to ~130 CTAs may wait on the same counter, and polling one address
+    // flat out loads a single L2 slice that every copy crosses (docs/fused_moe.md: what it cost).
+    __nanosleep(backoff_ns);
+    if (backoff_ns < 2048) backoff_ns *= 2;
     seen = load();
-    if (int32_t(seen - target) >= 0) return true;
-    if (spins % 256 == 0) {
+    if (int32_t(seen - target) >= 0) return acquire(), true;
+    if (spins % 64 == 0) {
       const uint64_t waited = ptx::globaltimer_ns() - start;
       if (waited > site.timeout_ns) {
         report_device_error(site.record, DeviceErrorCode::kWaitTimeout, site.role, what, index, target, seen, waited,
@@ -60,7 +75,6 @@ __device__ __forceinline__ bool counter_wait_bounded(const uint32_t* counter, ui
       }
       if (site.record && *reinterpret_cast<volatile uint32_t*>(&site.record->claimed) != 0) return false;
     }
-    __nanosleep(64);
   }
 }
 

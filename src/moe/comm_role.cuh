@@ -35,53 +35,85 @@ __device__ inline int64_t ring_row(const FusedParams& p, int lr, int32_t m_block
   return (int64_t(lr) * p.ring_blocks + m_block % p.ring_blocks) * 128 + r;
 }
 
-// Runs on one thread of each communication CTA until the queue is empty or a wait gave up.
-__device__ inline void run_comm_items(const FusedParams& p, const RankState& rs, int lr, CopyEngine& engine) {
+// Shared memory of a communication CTA.
+struct CommShared {
+  CopyEngine::Shared engine;
+  const void* src[128];  // the item's row copies (null: padding row)
+  void* dst[128];
+  CommItem item;
+  int32_t go;            // 0: the queue is empty or a wait gave up
+};
+
+// Runs on every thread of a communication CTA until the queue is empty or a wait gave up. Thread 0
+// takes items, waits and drives the copy engine; all threads first resolve the item's 128 row
+// addresses into shared memory, so the engine thread never stalls on schedule loads.
+__device__ inline void run_comm_items(const FusedParams& p, const RankState& rs, int lr, CommShared& cs) {
   const planner::DeviceScheduleSizes sizes = *rs.sizes;
   const int32_t n2_blocks = (p.hidden + 255) / 256;
   const uint32_t row_bytes = uint32_t(p.hidden) * 2;
   const int64_t items = 2 * int64_t(sizes.m_blocks);
+  const bool stalled = p.stall_rank == rs.rank;  // fault injection: never take an item
+  CopyEngine engine(cs.engine, WaitSite{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank});
   for (;;) {
-    const int64_t i = atomicAdd(&rs.control[kCommTicket], 1u);
-    if (i >= items) return;
-    const CommItem item = comm_item(i, sizes.m_blocks, p.ring_blocks);
-    const int32_t b = item.m_block;
-    if (!item.combine) {
-      const WaitSite site{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank};
-      if (b >= p.ring_blocks &&
-          !counter_wait_bounded(&rs.combined[b - p.ring_blocks], p.epoch, site, WaitTarget::kRingSlotFree, b))
-        return;
-      for (int r = 0; r < 128; ++r) {
-        const int64_t row = int64_t(b) * 128 + r;
-        const int32_t src = rs.row_source_rank[row];
-        if (src < 0) continue;
-        engine.copy(p.peers.x[src] + int64_t(rs.row_token[row]) * p.hidden, p.x_ring + ring_row(p, lr, b, r) * p.hidden,
-                    row_bytes);
+    if (threadIdx.x == 0) {
+      const int64_t i = stalled ? items : atomicAdd(&rs.control[kCommTicket], 1u);
+      bool go = i < items;
+      if (go) {
+        const CommItem item = comm_item(i, sizes.m_blocks, p.ring_blocks);
+        const int32_t b = item.m_block;
+        if (!item.combine) {
+          const WaitSite site{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank};
+          go = b < p.ring_blocks ||
+               counter_wait_bounded(&rs.combined[b - p.ring_blocks], p.epoch, site, WaitTarget::kRingSlotFree, b);
+        } else {
+          const WaitSite site{p.error, DeviceRole::kCombine, p.wait_timeout_ns, rs.rank};
+          go = counter_wait_bounded(&rs.gemm2_done[b], p.epoch * 2 * n2_blocks, site, WaitTarget::kGemm2Done, b);
+          ptx::fence_proxy_async_global();  // GEMM2's TMA stores, acquired above, before our bulk loads
+        }
+        cs.item = item;
       }
-      engine.flush();
-      ptx::red_release_gpu_add(&rs.dispatched[b], 1);
-    } else {
-      const WaitSite site{p.error, DeviceRole::kCombine, p.wait_timeout_ns, rs.rank};
-      if (!counter_wait_bounded(&rs.gemm2_done[b], p.epoch * 2 * n2_blocks, site, WaitTarget::kGemm2Done, b)) return;
-      ptx::fence_proxy_async_global();  // GEMM2's TMA stores, acquired above, before our bulk loads
-      for (int r = 0; r < 128; ++r) {
-        const int64_t row = int64_t(b) * 128 + r;
-        const int32_t dst = rs.row_source_rank[row];
-        if (dst < 0) continue;
-        const int64_t slot = int64_t(rs.row_token[row]) * p.topk + rs.row_k[row];
-        engine.copy(p.out_ring + ring_row(p, lr, b, r) * p.hidden, p.peers.slots[dst] + slot * p.hidden, row_bytes);
-      }
-      engine.flush();
-      // NOTES: release pattern for the arrivals: one system-scope fence orders every pushed row (completed
-      // above) before the relaxed increments; the source rank acquires its arrivals counter.
-      ptx::fence_acq_rel_sys();
-      for (int r = 0; r < 128; ++r) {
-        const int64_t row = int64_t(b) * 128 + r;
-        const int32_t dst = rs.row_source_rank[row];
-        if (dst >= 0) ptx::red_relaxed_sys_add(&p.peers.arrivals[dst][rs.row_token[row]], 1);
-      }
-      ptx::red_release_gpu_add(&rs.combined[b], 1);
+      cs.go = go;
     }
+    __syncthreads();
+    if (!cs.go) return;
+    const CommItem item = cs.item;
+    const int32_t b = item.m_block;
+    if (threadIdx.x < 128) {
+      const int r = threadIdx.x;
+      const int64_t row = int64_t(b) * 128 + r;
+      const int32_t rank = rs.row_source_rank[row];
+      const void* src = nullptr;
+      void* dst = nullptr;
+      if (rank >= 0 && !item.combine) {
+        src = p.peers.x[rank] + int64_t(rs.row_token[row]) * p.hidden;
+        dst = p.x_ring + ring_row(p, lr, b, r) * p.hidden;
+      } else if (rank >= 0) {
+        src = p.out_ring + ring_row(p, lr, b, r) * p.hidden;
+        dst = p.peers.slots[rank] + (int64_t(rs.row_token[row]) * p.topk + rs.row_k[row]) * p.hidden;
+      }
+      cs.src[r] = src;
+      cs.dst[r] = dst;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int r = 0; r < 128; ++r)
+        if (cs.src[r] != nullptr) engine.copy(cs.src[r], cs.dst[r], row_bytes);
+      engine.flush();
+      if (!item.combine) {
+        ptx::red_release_gpu_add(&rs.dispatched[b], 1);
+      } else {
+        // NOTES: release pattern for the arrivals: one system-scope fence orders every pushed row (completed
+        // above) before the relaxed increments; the source rank acquires its arrivals counter.
+        ptx::fence_acq_rel_sys();
+        for (int r = 0; r < 128; ++r) {
+          const int64_t row = int64_t(b) * 128 + r;
+          const int32_t rank = rs.row_source_rank[row];
+          if (rank >= 0) ptx::red_relaxed_sys_add(&p.peers.arrivals[rank][rs.row_token[row]], 1);
+        }
+        ptx::red_release_gpu_add(&rs.combined[b], 1);
+      }
+    }
+    // Next iteration's __syncthreads keeps the address table until the engine thread has used it.
   }
 }
 

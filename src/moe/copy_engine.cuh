@@ -25,10 +25,13 @@ class CopyEngine {
     uint64_t landed[kSlots];
   };
 
-  // Called by the one engine thread; `s` is this CTA's shared memory.
+  // Constructed by every thread of the CTA (a CTA-wide barrier follows before any copy); only one
+  // thread then calls copy() and flush().
   __device__ CopyEngine(Shared& s, const WaitSite& site) : s_(s), site_(site) {
-    for (int i = 0; i < kSlots; ++i) ptx::mbarrier_init(&s_.landed[i], 1);
-    ptx::fence_mbarrier_init();
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < kSlots; ++i) ptx::mbarrier_init(&s_.landed[i], 1);
+      ptx::fence_mbarrier_init();
+    }
   }
 
   // Copies `bytes` (a multiple of 16; 16-byte aligned addresses) from src to dst.

@@ -22,7 +22,7 @@ namespace {
 namespace steps = planner::steps;
 constexpr int kThreads = gemm::pipeline::kThreads;
 constexpr int kWarps = kThreads / 32;
-static_assert(sizeof(CopyEngine::Shared) + 1024 <= gemm::pipeline::kSharedBytes, "copy engine exceeds shared memory");
+static_assert(sizeof(CommShared) + 1024 <= gemm::pipeline::kSharedBytes, "comm CTA state exceeds shared memory");
 static_assert((3 + kWarps) * steps::kMaxLocalExperts * sizeof(int32_t) <= gemm::pipeline::kSharedBytes,
               "planner tables exceed shared memory");
 
@@ -79,12 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (!plan(p, rs, cta, smem, &ok_flag)) return;
 
   if (cta < p.comm_ctas) {
-    if (threadIdx.x == 0 && p.stall_rank != rs.rank) {
-      const WaitSite site{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank};
-      CopyEngine engine(*reinterpret_cast<CopyEngine::Shared*>(smem), site);
-      run_comm_items(p, rs, lr, engine);
-    }
-    __syncwarp();
+    run_comm_items(p, rs, lr, *reinterpret_cast<CommShared*>(smem));
     run_weighted_sums(p, rs);
   } else {
     FusedTiles tiles(p, rs, lr, maps.m);

@@ -1,7 +1,7 @@
 // Weighted sum on the source rank: y[t] = sum_k w[t, k] * slot[t, k], k in order, fp32 accumulation,
-// as soon as all k output rows of token t have arrived. Warp-level: a warp takes the next token from the
-// rank's ticket, waits (bounded) for its arrivals and sums it. Warps join once their own queue is empty
-// (they only wait on combine work that other CTAs do), so waiting here never blocks that work.
+// once all k output rows of token t have arrived. Warp-level: a warp takes the next token from the
+// rank's ticket, waits (bounded) for its arrivals and sums it. CTAs join once their own queue is empty
+// (they then only wait on combine work that other CTAs do), so waiting here never blocks that work.
 #pragma once
 
 #include <cuda_bf16.h>
