@@ -10,7 +10,7 @@
 namespace pounce {
 
 struct WaitSite {
-  DeviceErrorRecord* record;
+  DeviceErrorSink sink;
   DeviceRole role;
   uint64_t timeout_ns;
   int32_t rank = 0;  // reported with the error
@@ -33,7 +33,7 @@ __device__ __forceinline__ void mbarrier_wait_bounded(uint64_t* bar, uint32_t pa
     if (spins % 64 != 0) continue;
     const uint64_t waited = ptx::globaltimer_ns() - start;
     if (waited > site.timeout_ns) {
-      report_device_error(site.record, DeviceErrorCode::kWaitTimeout, site.role, target, index, parity, parity ^ 1,
+      report_device_error(site.sink, DeviceErrorCode::kWaitTimeout, site.role, target, index, parity, parity ^ 1,
                           waited, site.rank);
       __trap();
     }
@@ -69,11 +69,11 @@ __device__ __forceinline__ bool counter_wait_bounded(const uint32_t* counter, ui
     if (spins % 64 == 0) {
       const uint64_t waited = ptx::globaltimer_ns() - start;
       if (waited > site.timeout_ns) {
-        report_device_error(site.record, DeviceErrorCode::kWaitTimeout, site.role, what, index, target, seen, waited,
+        report_device_error(site.sink, DeviceErrorCode::kWaitTimeout, site.role, what, index, target, seen, waited,
                             site.rank);
         return false;
       }
-      if (site.record && *reinterpret_cast<volatile uint32_t*>(&site.record->claimed) != 0) return false;
+      if (device_error_reported(site.sink)) return false;
     }
   }
 }

@@ -11,10 +11,13 @@ DeviceErrorSlot::DeviceErrorSlot() {
   CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(DeviceErrorRecord), cudaHostAllocMapped));
   std::memset(host_, 0, sizeof(DeviceErrorRecord));
   CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_), host_, 0));
+  CUDA_CHECK(cudaMalloc(&reported_, sizeof(uint32_t)));
+  CUDA_CHECK(cudaMemset(reported_, 0, sizeof(uint32_t)));
 }
 
 DeviceErrorSlot::~DeviceErrorSlot() {
   if (host_) cudaFreeHost(host_);
+  if (reported_) cudaFree(reported_);
 }
 
 bool DeviceErrorSlot::has_error() const {
@@ -104,6 +107,10 @@ void DeviceErrorSlot::check() {
   POUNCE_FAIL("kernel stopped: ", what);
 }
 
-void DeviceErrorSlot::reset() { std::memset(host_, 0, sizeof(DeviceErrorRecord)); }
+// After a trap the context is gone and the memset fails; the record is what matters then.
+void DeviceErrorSlot::reset() {
+  std::memset(host_, 0, sizeof(DeviceErrorRecord));
+  cudaMemset(reported_, 0, sizeof(uint32_t));
+}
 
 }  // namespace pounce

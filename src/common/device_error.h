@@ -63,6 +63,14 @@ struct DeviceErrorRecord {
   uint64_t waited_ns;
 };
 
+// Where kernels report: the mapped record (readable by the host even after a trap) and a word in device
+// memory that says "someone reported". Waiters poll the word, never the record: a read of mapped host
+// memory crosses PCIe, and a thousand waiting warps doing that slow the whole GPU down.
+struct DeviceErrorSink {
+  DeviceErrorRecord* record = nullptr;
+  uint32_t* reported = nullptr;  // device memory; nonzero once a record was claimed
+};
+
 // Owns one mapped record. check() throws pounce::Error describing a reported error and clears it.
 class DeviceErrorSlot {
  public:
@@ -71,7 +79,7 @@ class DeviceErrorSlot {
   DeviceErrorSlot(const DeviceErrorSlot&) = delete;
   DeviceErrorSlot& operator=(const DeviceErrorSlot&) = delete;
 
-  DeviceErrorRecord* device_record() const { return device_; }
+  DeviceErrorSink device_sink() const { return {device_, reported_}; }
   bool has_error() const;
   std::string describe() const;  // empty when no error
   void check();                  // throws after a reported error (and resets the record)
@@ -80,14 +88,18 @@ class DeviceErrorSlot {
  private:
   DeviceErrorRecord* host_ = nullptr;
   DeviceErrorRecord* device_ = nullptr;
+  uint32_t* reported_ = nullptr;
 };
 
 #ifdef __CUDACC__
 // Claims the record (first caller wins) and fills it. Visible to the host after the kernel ends or traps.
-__device__ inline void report_device_error(DeviceErrorRecord* rec, DeviceErrorCode code, DeviceRole role,
+__device__ inline void report_device_error(const DeviceErrorSink& sink, DeviceErrorCode code, DeviceRole role,
                                            WaitTarget target, int64_t index, uint64_t expected, uint64_t observed,
                                            uint64_t waited_ns, int32_t rank = 0, int32_t position = 0) {
-  if (rec == nullptr || atomicCAS(&rec->claimed, 0u, 1u) != 0u) return;
+  DeviceErrorRecord* rec = sink.record;
+  if (rec == nullptr) return;
+  if (sink.reported != nullptr) atomicExch(sink.reported, 1u);
+  if (atomicCAS(&rec->claimed, 0u, 1u) != 0u) return;
   rec->rank = rank;
   rec->position = position;
   rec->role = uint32_t(role);
@@ -100,6 +112,11 @@ __device__ inline void report_device_error(DeviceErrorRecord* rec, DeviceErrorCo
   __threadfence_system();  // the fields before the code that announces them
   *reinterpret_cast<volatile uint32_t*>(&rec->code) = uint32_t(code);
   __threadfence_system();
+}
+
+// True once any kernel thread has reported (device memory; cheap to poll).
+__device__ inline bool device_error_reported(const DeviceErrorSink& sink) {
+  return sink.reported != nullptr && *reinterpret_cast<volatile const uint32_t*>(sink.reported) != 0;
 }
 #endif
 

@@ -30,7 +30,7 @@ struct KernelParams {
   uint32_t ready_target;
   int32_t band_m_blocks;
   uint32_t* ticket;
-  DeviceErrorRecord* error;
+  DeviceErrorSink error;
   uint64_t wait_timeout_ns;
 };
 
@@ -136,7 +136,7 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   params.ready_target = args.ready_target;
   params.band_m_blocks = args.tuning.band_m_blocks;
   params.ticket = ticket_.data();
-  params.error = errors_.device_record();
+  params.error = errors_.device_sink();
   params.wait_timeout_ns = args.wait_timeout_ns;
   const int ctas = args.max_ctas > 0 ? args.max_ctas : gpu_info().multiprocessors;
   CUDA_CHECK(cudaMemsetAsync(ticket_.data(), 0, sizeof(uint32_t), stream));

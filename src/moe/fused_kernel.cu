@@ -34,9 +34,6 @@ struct PlannerShared {
   int32_t running[kWarps][steps::kMaxLocalExperts];
 };
 
-__device__ bool error_reported(const FusedParams& p) {
-  return *reinterpret_cast<volatile uint32_t*>(&p.error->claimed) != 0;
-}
 
 // Returns false when the forward must stop (a wait gave up, or the routing is invalid).
 __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t* smem, int32_t* ok_flag) {
@@ -65,7 +62,11 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
   for (int32_t chunk = cta * kWarps + warp; chunk < r.chunks(); chunk += p.ctas_per_rank * kWarps)
     steps::place_chunk(r, chunk, o, ps.running[warp]);
   if (!rank_barrier(p, rs, 4, ok_flag)) return false;
-  return !error_reported(p);  // bad routing: every rank saw it in its own count step
+  // Bad routing: every rank saw it in its own count step, before the barrier.
+  __syncthreads();  // every thread has read the barrier's verdict before it is overwritten
+  if (threadIdx.x == 0) *ok_flag = !device_error_reported(p.error);
+  __syncthreads();
+  return *ok_flag != 0;
 }
 
 __global__ void __launch_bounds__(kThreads, 1)

@@ -82,7 +82,8 @@ FusedMoe::FusedMoe(const planner::EpConfig& config, const FusedMoeOptions& optio
   p.ring_blocks = int32_t(ring);
   p.wait_timeout_ns = options.wait_timeout_ns;
   p.stall_rank = options.stall_rank;
-  p.error = errors_.device_record();
+  p.peers_on_this_gpu = 1;
+  p.error = errors_.device_sink();
 
   // Buffers: P slices each.
   const int64_t E = p.local_experts, rows = capacity_.max_padded_rows, T = config.max_tokens_per_rank;

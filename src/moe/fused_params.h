@@ -68,10 +68,11 @@ struct FusedParams {
   uint32_t epoch;
   uint64_t wait_timeout_ns;
   int32_t stall_rank;          // fault injection for tests: this rank's comm CTAs do nothing (-1: none)
+  int32_t peers_on_this_gpu;   // 1: every rank lives on this GPU (virtual ranks): flags need only GPU scope
   __nv_bfloat16* x_ring;       // [launch_ranks * ring_blocks * 128, H]
   __nv_bfloat16* h_ring;       // [..., I]
   __nv_bfloat16* out_ring;     // [..., H]
-  DeviceErrorRecord* error;
+  DeviceErrorSink error;
   RankState rank_state[kMaxRanks];  // [launch_ranks]
   PeerView peers;
 };

@@ -23,9 +23,12 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
     t = __shfl_sync(0xFFFFFFFFu, t, 0);
     if (t >= rs.tokens) return;
     bool ok = true;
-    if (lane == 0)
-      ok = counter_wait_bounded<Scope::kSystem>(&arrivals[t], p.epoch * uint32_t(p.topk), site,
-                                                WaitTarget::kTokenArrivals, t);
+    if (lane == 0) {
+      const uint32_t target = p.epoch * uint32_t(p.topk);
+      ok = p.peers_on_this_gpu
+               ? counter_wait_bounded<Scope::kGpu>(&arrivals[t], target, site, WaitTarget::kTokenArrivals, t)
+               : counter_wait_bounded<Scope::kSystem>(&arrivals[t], target, site, WaitTarget::kTokenArrivals, t);
+    }
     ok = __shfl_sync(0xFFFFFFFFu, ok, 0);
     __syncwarp();  // orders lane 0's acquire before every lane's reads of the slots
     if (!ok) return;

@@ -11,7 +11,7 @@ namespace {
 using steps::kChunkTokens;
 using steps::kMaxLocalExperts;
 
-__global__ void count_kernel(steps::Routing r, steps::Outputs o, DeviceErrorRecord* error) {
+__global__ void count_kernel(steps::Routing r, steps::Outputs o, DeviceErrorSink error) {
   __shared__ int32_t counts[kMaxLocalExperts];
   steps::clear_rows(o, blockIdx.x * int64_t(blockDim.x) + threadIdx.x, int64_t(gridDim.x) * blockDim.x);
   steps::count_chunk(r, blockIdx.x, o, counts, error);
@@ -65,7 +65,7 @@ void DevicePlanner::plan(int rank, const int32_t* const* topk_ids, const int32_t
                          minibatch_starts_.data(), sizes_.data(),        capacity_.max_padded_rows,
                          blocks_per_minibatch_};
   const int chunks = r.chunks();
-  count_kernel<<<chunks, kChunkTokens, 0, stream>>>(r, o, errors_.device_record());
+  count_kernel<<<chunks, kChunkTokens, 0, stream>>>(r, o, errors_.device_sink());
   CUDA_CHECK_LAUNCH();
   scan_kernel<<<1, 256, 0, stream>>>(r, o);
   CUDA_CHECK_LAUNCH();

@@ -59,7 +59,7 @@ __device__ inline void clear_rows(const Outputs& o, int64_t worker, int64_t work
 
 // CTA-level (all threads call it). counts: shared [kMaxLocalExperts].
 __device__ inline void count_chunk(const Routing& r, int32_t chunk, const Outputs& o, int32_t* counts,
-                                   DeviceErrorRecord* error) {
+                                   const DeviceErrorSink& error) {
   for (int32_t e = threadIdx.x; e < r.local_experts; e += blockDim.x) counts[e] = 0;
   __syncthreads();
   const int32_t s = chunk / r.chunks_per_rank;
