@@ -60,8 +60,7 @@ __device__ __forceinline__ bool counter_wait_bounded(const uint32_t* counter, ui
   const uint64_t start = ptx::globaltimer_ns();
   uint32_t backoff_ns = 32;
   for (uint32_t spins = 1;; ++spins) {
-    // NOTES: exponential backoff. Up to ~130 CTAs may wait on the same counter, and polling one address
-    // flat out loads a single L2 slice that every copy crosses (docs/fused_moe.md: what it cost).
+    // Exponential backoff: up to ~130 CTAs may wait on the same counter.
     __nanosleep(backoff_ns);
     if (backoff_ns < 2048) backoff_ns *= 2;
     seen = load();

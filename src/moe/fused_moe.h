@@ -26,7 +26,7 @@ namespace pounce::moe {
 
 struct FusedMoeOptions {
   int ctas_per_rank = 0;         // 0: the GPU's SMs / P
-  int comm_ctas = 0;             // communication CTAs per rank; 0: ctas_per_rank / 16 (at least 1)
+  int comm_ctas = 0;             // communication CTAs per rank; 0: ctas_per_rank / 11 (at least 1)
   int64_t minibatch_rows = 0;    // 0: the wave model's, two waves of GEMM1 tiles over the compute CTAs
   int64_t ring_blocks = 0;       // ring m-blocks per rank; 0: as many as ring_bytes allows
   int64_t ring_bytes = int64_t(1) << 30;  // per rank, for the default ring (x, h and out rows)

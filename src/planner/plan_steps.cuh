@@ -101,11 +101,16 @@ __device__ inline void scan_counts(const Routing& r, const Outputs& o, int32_t* 
   for (int32_t e = threadIdx.x; e < kMaxLocalExperts; e += blockDim.x) {
     int32_t running = 0;
     if (e < r.local_experts)
-      for (int32_t c = 0; c < chunks; ++c) {
-        int32_t* slot = &o.chunk_counts[int64_t(c) * r.local_experts + e];
-        const int32_t count = *slot;
-        *slot = running;
-        running += count;
+      for (int32_t c0 = 0; c0 < chunks; c0 += 8) {  // 8 loads in flight, then their 8 stores
+        int32_t count[8];
+#pragma unroll
+        for (int32_t i = 0; i < 8; ++i)
+          count[i] = c0 + i < chunks ? o.chunk_counts[int64_t(c0 + i) * r.local_experts + e] : 0;
+#pragma unroll
+        for (int32_t i = 0; i < 8; ++i) {
+          if (c0 + i < chunks) o.chunk_counts[int64_t(c0 + i) * r.local_experts + e] = running;
+          running += count[i];
+        }
       }
     routed[e] = running;
     padded[e] = (running + kBlockM - 1) / kBlockM * kBlockM;
