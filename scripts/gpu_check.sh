@@ -2,19 +2,22 @@
 # The one GPU-machine job: build (ninja, all cores), run the GPU test suite, run the benchmarks and the
 # PyTorch baselines, and leave logs and JSON in OUTDIR. See CONTRIBUTING.md.
 #
-# usage: scripts/gpu_check.sh OUTDIR [--quick] [--sanitize]
+# usage: scripts/gpu_check.sh OUTDIR [--quick] [--sanitize] [--prebuilt]
 #   --quick     benchmarks at the default shape only (uniform routing), no PyTorch eager sweep
 #   --sanitize  also run the grouped-GEMM tests under compute-sanitizer (memcheck, racecheck, synccheck)
+#   --prebuilt  use build/pounce_tests_gpu and build/pounce_bench built on the workstation (carried to
+#               the device) instead of building here: saves the device minutes a build takes
 # The commit recorded in the JSON is $POUNCE_COMMIT, else `git rev-parse HEAD`.
 set -uo pipefail
 
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [--quick] [--sanitize]}
 shift
-quick=0 sanitize=0
+quick=0 sanitize=0 prebuilt=0
 for arg in "$@"; do
   case $arg in
     --quick) quick=1 ;;
     --sanitize) sanitize=1 ;;
+    --prebuilt) prebuilt=1 ;;
     *) echo "unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -27,18 +30,28 @@ export POUNCE_COMMIT=${POUNCE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo u
 # Build against the NCCL we run with: the nvidia-nccl-cu13 wheel next to PyTorch, if present.
 nccl_root=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
 build=build-gpu
-{
-  nvidia-smi
-  echo "commit $POUNCE_COMMIT, NCCL_ROOT=${nccl_root:-<CUDA toolkit>}"
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPOUNCE_PTXAS_VERBOSE=ON ${nccl_root:+-DNCCL_ROOT="$nccl_root"} &&
-    cmake --build "$build" -j "$(nproc)"
-} > "$out/build.log" 2>&1 || { tail -60 "$out/build.log"; echo "BUILD FAILED"; exit 1; }
-echo "build ok ($(grep -c 'bytes spill' "$out/build.log") ptxas reports, $(grep 'bytes spill' "$out/build.log" | grep -vc ' 0 bytes spill stores, 0 bytes spill loads') with spills)"
+if [ $prebuilt = 1 ]; then
+  build=build
+  { nvidia-smi; echo "commit $POUNCE_COMMIT, prebuilt binaries, NCCL at run time: ${nccl_root:-<system>}"; } > "$out/build.log" 2>&1
+else
+  {
+    nvidia-smi
+    echo "commit $POUNCE_COMMIT, NCCL_ROOT=${nccl_root:-<CUDA toolkit>}"
+    cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPOUNCE_PTXAS_VERBOSE=ON ${nccl_root:+-DNCCL_ROOT="$nccl_root"} &&
+      cmake --build "$build" -j "$(nproc)"
+  } > "$out/build.log" 2>&1 || { tail -60 "$out/build.log"; echo "BUILD FAILED"; exit 1; }
+  echo "build ok ($(grep -c 'bytes spill' "$out/build.log") ptxas reports, $(grep 'bytes spill' "$out/build.log" | grep -vc ' 0 bytes spill stores, 0 bytes spill loads') with spills)"
+fi
 [ -n "$nccl_root" ] && export LD_LIBRARY_PATH="$nccl_root/lib:${LD_LIBRARY_PATH:-}"
 
 status=0
-ctest --test-dir "$build" -L gpu --output-on-failure --timeout 300 > "$out/gpu-tests.log" 2>&1 || status=1
-grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(SEGFAULT\)|Exception" "$out/gpu-tests.log"
+if [ $prebuilt = 1 ]; then
+  timeout 600 "$build/pounce_tests_gpu" > "$out/gpu-tests.log" 2>&1 || status=1
+  grep -E "^\[  PASSED|^\[  FAILED|tests ran" "$out/gpu-tests.log"
+else
+  ctest --test-dir "$build" -L gpu --output-on-failure --timeout 300 > "$out/gpu-tests.log" 2>&1 || status=1
+  grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(SEGFAULT\)|Exception" "$out/gpu-tests.log"
+fi
 
 if [ $sanitize = 1 ]; then
   filter='Shapes/GroupedGemmTest.MatchesHost/one_row*:Shapes/GroupedGemmTest.MatchesHost/edges*:GroupedGemm.WaitsFor*:Shapes/UnfusedMoeTest.*T64*'
@@ -54,9 +67,9 @@ fi
 nvidia-smi dmon -s pcu -d 1 > "$out/dmon.log" 2>&1 &
 dmon=$!
 if [ $quick = 1 ]; then
-  timeout 400 "$build/pounce_bench" --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 || status=1
+  timeout 400 "$build/pounce_bench" --sweeps --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 || status=1
 else
-  timeout 400 "$build/pounce_bench" --shapes all --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 || status=1
+  timeout 400 "$build/pounce_bench" --shapes all --sweeps --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 || status=1
   timeout 300 "$build/pounce_bench" --shapes all --routing zipf --reps 10 --json "$out/bench-zipf.json" >> "$out/bench.log" 2>&1 || status=1
 fi
 sed -n '/^shape /,$p' "$out/bench.log"

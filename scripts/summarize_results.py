@@ -36,6 +36,8 @@ def main():
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in bench["shapes"]:
         for title, key, torch_key, ours in steps:
+            if key != "forward" and "grouped_gemms" not in s:
+                continue
             r = rows(s["forward"] if key == "forward" else s["grouped_gemms"][key])
             dense = r[DENSE]["tflops"]
             p = r[ours]["tflops"]
@@ -47,6 +49,44 @@ def main():
                         if t and "speedup_over_cublas_loop" in t else "-")
             print(f"| {s['shape']} | {title} | {p:.0f} | {p / dense:.3f} | {loop:.0f} | {grouped:.0f} | "
                   f"{p / max(loop, grouped):.2f}x | {tcol} | {rel} | {via_loop} |")
+
+    print("\nFused layer (one launch: plan, dispatch, GEMM1+SwiGLU, GEMM2, combine, weighted sum), forward:\n")
+    print("| shape | fused ms | TFLOP/s | of dense | unfused ms | fused vs unfused | fused vs best cuBLAS | "
+          "vs PyTorch eager, via dense | via cuBLAS loop | max rel. L2 vs cuBLAS |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for s in bench["shapes"]:
+        r = rows(s["forward"])
+        if "pounce_fused" not in r:
+            continue
+        f, u, dense = r["pounce_fused"], r["pounce_unfused"], r[DENSE]["tflops"]
+        loop, grouped = r["cublas_loop"], r["cublas_grouped_batched"]
+        best = min(loop["timing"]["median_ms"], grouped["timing"]["median_ms"])
+        t = torch.get(s["shape"], {}).get("eager_forward")
+        via_dense = f"{(f['tflops'] / dense) / t['fraction_of_interleaved_dense']:.2f}x" if t else "-"
+        via_loop = (f"{(f['tflops'] / loop['tflops']) / t['speedup_over_cublas_loop']:.2f}x"
+                    if t and "speedup_over_cublas_loop" in t else "-")
+        fm = f["timing"]["median_ms"]
+        print(f"| {s['shape']} | {fm:.3f} | {f['tflops']:.0f} | {f['tflops'] / dense:.3f} | "
+              f"{u['timing']['median_ms']:.3f} | {u['timing']['median_ms'] / fm:.2f}x | {best / fm:.2f}x | "
+              f"{via_dense} | {via_loop} | {s['relative_l2_difference'].get('y_pounce_fused_vs_cublas', float('nan')):.1e} |")
+
+    for s in bench["shapes"]:
+        if "fused_sweeps" not in s:
+            continue
+        print(f"\nFused layer sweeps, {s['shape']} (each group timed interleaved with pounce_unfused and the dense "
+              "GEMM):\n")
+        print("| sweep | setting | ms | TFLOP/s | of dense | unfused / this |")
+        print("|---|---|---:|---:|---:|---:|")
+        groups = dict(s["fused_sweeps"])
+        ranks = groups.pop("virtual_ranks", {})
+        for name, g in list(groups.items()) + [(f"virtual ranks {k}", v) for k, v in ranks.items()]:
+            r = rows(g["timings"])
+            u, dense = r["pounce_unfused"]["timing"]["median_ms"], r[DENSE]["tflops"]
+            for e in g["timings"]:
+                if e["impl"] in ("pounce_unfused", DENSE):
+                    continue
+                ms = e["timing"]["median_ms"]
+                print(f"| {name} | {e['impl']} | {ms:.3f} | {e['tflops']:.0f} | {e['tflops'] / dense:.3f} | {u / ms:.2f}x |")
 
 
 if __name__ == "__main__":

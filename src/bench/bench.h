@@ -20,7 +20,7 @@ struct Options {
   int warmup = 5;
   int reps = 20;
   bool gemms = true;   // also time each grouped GEMM alone
-  bool sweeps = false; // fused layer sweeps: minibatch, comm CTAs, ring, virtual ranks
+  bool sweeps = false; // fused layer sweeps at the default shape: minibatch, comm CTAs, ring, virtual ranks
 };
 
 // One line of the printed comparison table.

@@ -169,7 +169,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   result["fused_config"]["minibatch_rows"] = fused.minibatch_rows();
   result["fused_config"]["ring_blocks"] = fused.ring_blocks();
 
-  if (o.sweeps) {
+  if (o.sweeps && s.name == default_shape().name) {
     // Each setting is its own layer on the same inputs, timed interleaved with the others and the default.
     auto sweep = [&](const std::string& what, const std::vector<std::pair<std::string, moe::FusedMoeOptions>>& settings,
                      int ranks = 1) {
@@ -224,7 +224,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     }
     sweeps["minibatch"] = sweep("fused: minibatch", settings);
     settings.clear();
-    for (int comm : {2, 4, 6, 8, 12, 16, 24}) {
+    for (int comm : {4, 6, 8, 10, 12, 16, 24}) {
       moe::FusedMoeOptions m;
       m.comm_ctas = comm;
       settings.push_back({"comm CTAs " + std::to_string(comm), m});

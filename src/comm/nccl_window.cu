@@ -53,6 +53,9 @@ NcclWindow::NcclWindow(ncclComm_t comm, size_t bytes) : comm_(comm) {
   POUNCE_REQUIRE(lsa.nRanks >= 1 && lsa.nRanks <= PeerTable::kMaxRanks, "NCCL: the NVLink island has ", lsa.nRanks,
                  " ranks; pounce supports 1 to ", PeerTable::kMaxRanks);
   NCCL_CHECK(ncclMemAlloc(&buffer_, bytes));
+  // Zeroed before the (collective) registration: once any rank is past it, peers may write here.
+  CUDA_CHECK(cudaMemset(buffer_, 0, bytes));
+  CUDA_CHECK(cudaDeviceSynchronize());
   NCCL_CHECK(ncclCommWindowRegister(comm, buffer_, bytes, &window_, NCCL_WIN_COLL_SYMMETRIC));
 
   DeviceBuffer<uint8_t*> pointers(PeerTable::kMaxRanks);

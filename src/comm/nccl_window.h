@@ -32,7 +32,7 @@ void disable_multicast();
 // One communicator per listed device, all in this process (ncclCommInitAll). Caller destroys them.
 std::vector<ncclComm_t> init_single_process_comms(const std::vector<int>& devices);
 
-// A symmetric buffer of `bytes` on every rank of `comm`. Construction and destruction are collective:
+// A symmetric buffer of `bytes` on every rank of `comm`, zeroed. Construction and destruction are collective:
 // every rank must create and destroy its window in the same order.
 class NcclWindow {
  public:

@@ -14,21 +14,94 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Counter words of one rank, in this order inside the rank's slice of counters_.
 struct CounterLayout {
-  int64_t m_blocks, tokens, ranks;
+  int64_t m_blocks;
   int64_t dispatched() const { return 0; }
   int64_t gemm1_done() const { return m_blocks; }
   int64_t gemm2_done() const { return 2 * m_blocks; }
   int64_t combined() const { return 3 * m_blocks; }
   int64_t control() const { return 4 * m_blocks; }
-  int64_t arrivals() const { return control() + kControlWords; }
-  int64_t start_flags() const { return arrivals() + tokens; }
-  int64_t words() const { return start_flags() + ranks; }
+  int64_t words() const { return control() + kControlWords; }
 };
 
 }  // namespace
 
-FusedMoe::FusedMoe(const planner::EpConfig& config, const FusedMoeOptions& options)
-    : config_(config), options_(options) {
+FusedMoe::FusedMoe(const planner::EpConfig& config, const FusedMoeOptions& options) : config_(config) {
+  setup(config, options, /*launch_ranks=*/config.ranks, /*first_rank=*/0);
+  // Virtual ranks: every rank's symmetric buffers in this GPU's memory; x and topk_ids stay the caller's.
+  const int P = config.ranks;
+  const int64_t T = std::max<int64_t>(config.max_tokens_per_rank, 1);
+  peer_words_ = DeviceBuffer<uint32_t>(P * (T + P));
+  token_counts_ = DeviceBuffer<int32_t>(P * P);
+  slots_ = DeviceBuffer<__nv_bfloat16>(P * T * config.topk * config.hidden);
+  CUDA_CHECK(cudaMemset(peer_words_.data(), 0, peer_words_.bytes()));
+  for (int r = 0; r < P; ++r) {
+    params_.peers.arrivals[r] = peer_words_.data() + r * (T + P);
+    params_.peers.start_flags[r] = params_.peers.arrivals[r] + T;
+    params_.peers.token_counts[r] = token_counts_.data() + r * P;
+    params_.peers.slots[r] = slots_.data() + r * T * config.topk * config.hidden;
+  }
+  params_.peers_on_this_gpu = 1;
+}
+
+FusedMoe::FusedMoe(const planner::EpConfig& config, ncclComm_t comm, const FusedMoeOptions& options)
+    : config_(config) {
+  int rank = 0, ranks = 0;
+  NCCL_CHECK(ncclCommUserRank(comm, &rank));
+  NCCL_CHECK(ncclCommCount(comm, &ranks));
+  POUNCE_REQUIRE(ranks == config.ranks, "fused MoE: the communicator has ", ranks, " ranks, the config ",
+                 config.ranks);
+  check_same_config_on_every_rank(config, options, comm);
+  setup(config, options, /*launch_ranks=*/1, /*first_rank=*/rank);
+
+  // One symmetric window per rank: what the other ranks read (x, topk_ids, token counts) and write
+  // (combine slots, arrivals, start flags). NcclWindow hands it out zeroed.
+  const int P = config.ranks;
+  const int64_t T = std::max<int64_t>(config.max_tokens_per_rank, 1), k = config.topk, H = config.hidden;
+  auto region = [offset = size_t(0)](size_t bytes) mutable {
+    const size_t at = offset;
+    offset += (bytes + 255) / 256 * 256;
+    return std::pair{at, offset};
+  };
+  const auto [x_at, x_end] = region(T * H * 2);
+  const auto [ids_at, ids_end] = region(T * k * 4);
+  const auto [slots_at, slots_end] = region(T * k * H * 2);
+  const auto [arrivals_at, arrivals_end] = region(T * 4);
+  const auto [flags_at, flags_end] = region(P * 4);
+  const auto [counts_at, bytes] = region(P * 4);
+  window_ = std::make_unique<comm::NcclWindow>(comm, bytes);
+  const comm::PeerTable& peers = window_->peers();
+  for (int r = 0; r < P; ++r) {
+    params_.peers.x[r] = reinterpret_cast<const __nv_bfloat16*>(peers.at(r, x_at));
+    params_.peers.topk_ids[r] = reinterpret_cast<const int32_t*>(peers.at(r, ids_at));
+    params_.peers.slots[r] = reinterpret_cast<__nv_bfloat16*>(peers.at(r, slots_at));
+    params_.peers.arrivals[r] = reinterpret_cast<uint32_t*>(peers.at(r, arrivals_at));
+    params_.peers.start_flags[r] = reinterpret_cast<uint32_t*>(peers.at(r, flags_at));
+    params_.peers.token_counts[r] = reinterpret_cast<int32_t*>(peers.at(r, counts_at));
+  }
+  params_.peers_on_this_gpu = P == 1;
+}
+
+FusedMoe::~FusedMoe() = default;
+
+// Every rank must run the same layer: a mismatch would size buffers differently and read past them.
+void FusedMoe::check_same_config_on_every_rank(const planner::EpConfig& c, const FusedMoeOptions& o, ncclComm_t comm) {
+  const std::vector<int64_t> mine = {c.ranks, c.experts, c.topk, c.hidden, c.intermediate, c.max_tokens_per_rank,
+                                     o.minibatch_rows, o.ring_blocks, o.ring_bytes};
+  const char* names[] = {"ranks", "experts", "topk", "hidden", "intermediate", "max_tokens_per_rank",
+                         "minibatch_rows", "ring_blocks", "ring_bytes"};
+  const size_t n = mine.size();
+  DeviceBuffer<int64_t> send(mine), all(n * c.ranks);
+  NCCL_CHECK(ncclAllGather(send.data(), all.data(), n, ncclInt64, comm, nullptr));
+  CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  const std::vector<int64_t> got = all.download();
+  for (int r = 0; r < c.ranks; ++r)
+    for (size_t i = 0; i < n; ++i)
+      POUNCE_REQUIRE(got[r * n + i] == mine[i], "fused MoE: rank ", r, " has ", names[i], " = ", got[r * n + i],
+                     ", this rank ", mine[i], ": every rank must build the same layer");
+}
+
+void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& options, int launch_ranks,
+                     int first_rank) {
   capacity_ = planner::worst_case_capacity(config);  // validates the config
   const int P = config.ranks;
   POUNCE_REQUIRE(P <= kMaxRanks, "fused MoE: ", P, " ranks; at most ", kMaxRanks, " (one NVLink node)");
@@ -41,9 +114,9 @@ FusedMoe::FusedMoe(const planner::EpConfig& config, const FusedMoeOptions& optio
                  gpu_info().present ? gpu_info().name : gpu_info().why_absent);
 
   const int sms = gpu_info().multiprocessors;
-  const int ctas = options.ctas_per_rank > 0 ? options.ctas_per_rank : sms / P;
-  POUNCE_REQUIRE(ctas * P <= sms, "fused MoE: ", ctas, " CTAs per rank x ", P, " ranks exceeds the GPU's ", sms,
-                 " multiprocessors (the kernel needs every CTA resident)");
+  const int ctas = options.ctas_per_rank > 0 ? options.ctas_per_rank : sms / launch_ranks;
+  POUNCE_REQUIRE(ctas * launch_ranks <= sms, "fused MoE: ", ctas, " CTAs per rank x ", launch_ranks,
+                 " ranks exceeds the GPU's ", sms, " multiprocessors (the kernel needs every CTA resident)");
   // Default from the H200 comm-CTA sweep (docs/fused_moe.md): 12 of 132 keep dispatch ahead of the GEMMs.
   const int comm = options.comm_ctas > 0 ? options.comm_ctas : std::max(1, ctas / 11);
   POUNCE_REQUIRE(comm >= 1 && comm < ctas, "fused MoE: comm_ctas = ", comm, " must be in [1, ctas_per_rank = ", ctas,
@@ -67,8 +140,8 @@ FusedMoe::FusedMoe(const planner::EpConfig& config, const FusedMoeOptions& optio
 
   FusedParams& p = params_;
   p.ranks = P;
-  p.first_rank = 0;
-  p.launch_ranks = P;
+  p.first_rank = first_rank;
+  p.launch_ranks = launch_ranks;
   p.experts = config.experts;
   p.local_experts = config.local_experts();
   p.topk = config.topk;
@@ -83,26 +156,24 @@ FusedMoe::FusedMoe(const planner::EpConfig& config, const FusedMoeOptions& optio
   p.ring_blocks = int32_t(ring);
   p.wait_timeout_ns = options.wait_timeout_ns;
   p.stall_rank = options.stall_rank;
-  p.peers_on_this_gpu = 1;
   p.error = errors_.device_sink();
 
-  // Buffers: P slices each.
-  const int64_t E = p.local_experts, rows = capacity_.max_padded_rows, T = config.max_tokens_per_rank;
+  // This launch's ranks' private buffers: L slices each.
+  const int L = launch_ranks;
+  const int64_t E = p.local_experts, rows = capacity_.max_padded_rows;
   const int64_t chunks = int64_t(P) * p.chunks_per_rank;
-  chunk_counts_ = DeviceBuffer<int32_t>(P * chunks * E);
-  expert_routes_ = DeviceBuffer<int32_t>(P * E);
-  expert_offsets_ = DeviceBuffer<int32_t>(P * (E + 1));
-  row_source_rank_ = DeviceBuffer<int32_t>(P * rows);
-  row_token_ = DeviceBuffer<int32_t>(P * rows);
-  row_k_ = DeviceBuffer<int32_t>(P * rows);
-  minibatch_starts_ = DeviceBuffer<int32_t>(P * (capacity_.max_m_blocks + 2));
-  token_counts_ = DeviceBuffer<int32_t>(P * P);
-  sizes_ = DeviceBuffer<planner::DeviceScheduleSizes>(P);
-  topk_tables_ = DeviceBuffer<const int32_t*>(P * P);
-  const CounterLayout layout{capacity_.max_m_blocks, std::max<int64_t>(T, 1), P};
-  counters_ = DeviceBuffer<uint32_t>(P * layout.words());
-  slots_ = DeviceBuffer<__nv_bfloat16>(P * std::max<int64_t>(T, 1) * config.topk * config.hidden);
-  const int64_t ring_rows = P * ring * planner::kBlockM;
+  chunk_counts_ = DeviceBuffer<int32_t>(L * chunks * E);
+  expert_routes_ = DeviceBuffer<int32_t>(L * E);
+  expert_offsets_ = DeviceBuffer<int32_t>(L * (E + 1));
+  row_source_rank_ = DeviceBuffer<int32_t>(L * rows);
+  row_token_ = DeviceBuffer<int32_t>(L * rows);
+  row_k_ = DeviceBuffer<int32_t>(L * rows);
+  minibatch_starts_ = DeviceBuffer<int32_t>(L * (capacity_.max_m_blocks + 2));
+  sizes_ = DeviceBuffer<planner::DeviceScheduleSizes>(L);
+  topk_tables_ = DeviceBuffer<const int32_t*>(L * P);
+  const CounterLayout layout{capacity_.max_m_blocks};
+  counters_ = DeviceBuffer<uint32_t>(L * layout.words());
+  const int64_t ring_rows = L * ring * planner::kBlockM;
   x_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.hidden);
   h_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.intermediate);
   out_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.hidden);
@@ -111,30 +182,26 @@ FusedMoe::FusedMoe(const planner::EpConfig& config, const FusedMoeOptions& optio
   p.h_ring = h_ring_.data();
   p.out_ring = out_ring_.data();
 
-  for (int r = 0; r < P; ++r) {
-    RankState& rs = p.rank_state[r];
-    rs.rank = r;
-    rs.chunk_counts = chunk_counts_.data() + r * chunks * E;
-    rs.expert_routes = expert_routes_.data() + r * E;
-    rs.expert_offsets = expert_offsets_.data() + r * (E + 1);
-    rs.row_source_rank = row_source_rank_.data() + r * rows;
-    rs.row_token = row_token_.data() + r * rows;
-    rs.row_k = row_k_.data() + r * rows;
-    rs.minibatch_starts = minibatch_starts_.data() + r * (capacity_.max_m_blocks + 2);
-    rs.sizes = sizes_.data() + r;
-    rs.topk_table = topk_tables_.data() + r * P;
-    uint32_t* c = counters_.data() + r * layout.words();
+  for (int lr = 0; lr < L; ++lr) {
+    RankState& rs = p.rank_state[lr];
+    rs.rank = first_rank + lr;
+    rs.chunk_counts = chunk_counts_.data() + lr * chunks * E;
+    rs.expert_routes = expert_routes_.data() + lr * E;
+    rs.expert_offsets = expert_offsets_.data() + lr * (E + 1);
+    rs.row_source_rank = row_source_rank_.data() + lr * rows;
+    rs.row_token = row_token_.data() + lr * rows;
+    rs.row_k = row_k_.data() + lr * rows;
+    rs.minibatch_starts = minibatch_starts_.data() + lr * (capacity_.max_m_blocks + 2);
+    rs.sizes = sizes_.data() + lr;
+    rs.topk_table = topk_tables_.data() + lr * P;
+    uint32_t* c = counters_.data() + lr * layout.words();
     rs.dispatched = c + layout.dispatched();
     rs.gemm1_done = c + layout.gemm1_done();
     rs.gemm2_done = c + layout.gemm2_done();
     rs.combined = c + layout.combined();
     rs.control = c + layout.control();
-    p.peers.arrivals[r] = c + layout.arrivals();
-    p.peers.start_flags[r] = c + layout.start_flags();
-    p.peers.token_counts[r] = token_counts_.data() + r * P;
-    p.peers.slots[r] = slots_.data() + r * std::max<int64_t>(T, 1) * config.topk * config.hidden;
   }
-  reset_counters();
+  CUDA_CHECK(cudaMemset(counters_.data(), 0, counters_.bytes()));
 
   const uint64_t H = config.hidden, I = config.intermediate;
   maps_.m[0] = gemm::make_bf16_tensor_map(x_ring_.data(), H, ring_rows, gemm::kBlockK, gemm::kBlockM);
@@ -143,8 +210,15 @@ FusedMoe::FusedMoe(const planner::EpConfig& config, const FusedMoeOptions& optio
   maps_.m[5] = gemm::make_bf16_tensor_map(out_ring_.data(), H, ring_rows, 64, 64);
 }
 
+// After a device error: counters start over. Across GPUs the other ranks' words are theirs to clear:
+// a failed multi-GPU group is rebuilt (collectively), not reset.
 void FusedMoe::reset_counters() {
   CUDA_CHECK(cudaMemset(counters_.data(), 0, counters_.bytes()));
+  if (peer_words_.size() > 0) CUDA_CHECK(cudaMemset(peer_words_.data(), 0, peer_words_.bytes()));
+  if (window_ && config_.ranks == 1) {
+    CUDA_CHECK(cudaMemset(params_.peers.arrivals[0], 0, config_.max_tokens_per_rank * sizeof(uint32_t)));
+    CUDA_CHECK(cudaMemset(params_.peers.start_flags[0], 0, sizeof(uint32_t)));
+  }
   params_.epoch = 0;
 }
 
@@ -158,20 +232,31 @@ void FusedMoe::set_weights(const __nv_bfloat16* w13, const __nv_bfloat16* w2) {
 
 void FusedMoe::forward(std::span<const RankIO> ranks, cudaStream_t stream) {
   POUNCE_REQUIRE(has_weights_, "FusedMoe::forward: call set_weights first");
-  POUNCE_REQUIRE(int64_t(ranks.size()) == config_.ranks, "FusedMoe::forward: got ", ranks.size(),
-                 " ranks' tensors, the layer has ", config_.ranks, " ranks");
-  for (int r = 0; r < config_.ranks; ++r) {
-    const RankIO& io = ranks[r];
+  const int L = params_.launch_ranks;
+  POUNCE_REQUIRE(int64_t(ranks.size()) == L, "FusedMoe::forward: got ", ranks.size(), " ranks' tensors, the layer has ",
+                 L, L == config_.ranks ? " ranks" : " rank on this GPU");
+  for (int lr = 0; lr < L; ++lr) {
+    const RankIO& io = ranks[lr];
+    const int r = params_.first_rank + lr;
     POUNCE_REQUIRE(io.tokens >= 0 && io.tokens <= config_.max_tokens_per_rank, "FusedMoe::forward: rank ", r, " has ",
                    io.tokens, " tokens, outside [0, max_tokens_per_rank = ", config_.max_tokens_per_rank, "]");
     POUNCE_REQUIRE(io.tokens == 0 || (io.x && io.topk_ids && io.topk_weights && io.y), "FusedMoe::forward: rank ", r,
                    " has ", io.tokens, " tokens but a null x, topk_ids, topk_weights or y");
-    RankState& rs = params_.rank_state[r];
+    RankState& rs = params_.rank_state[lr];
     rs.tokens = int32_t(io.tokens);
     rs.topk_weights = io.topk_weights;
     rs.y = io.y;
-    params_.peers.x[r] = io.x;
-    params_.peers.topk_ids[r] = io.topk_ids;
+    if (window_) {  // peers read this rank's tokens from its symmetric window
+      if (io.tokens > 0) {
+        CUDA_CHECK(cudaMemcpyAsync(const_cast<__nv_bfloat16*>(params_.peers.x[r]), io.x,
+                                   io.tokens * config_.hidden * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice, stream));
+        CUDA_CHECK(cudaMemcpyAsync(const_cast<int32_t*>(params_.peers.topk_ids[r]), io.topk_ids,
+                                   io.tokens * config_.topk * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream));
+      }
+    } else {
+      params_.peers.x[r] = io.x;
+      params_.peers.topk_ids[r] = io.topk_ids;
+    }
   }
   ++params_.epoch;
   launch_fused_moe(params_, maps_, stream);
@@ -185,9 +270,10 @@ void FusedMoe::check_device_errors() {
 }
 
 int64_t FusedMoe::routed_rows(int rank) const {
-  POUNCE_REQUIRE(rank >= 0 && rank < config_.ranks, "FusedMoe::routed_rows: rank ", rank, " out of range");
+  const int lr = rank - params_.first_rank;
+  POUNCE_REQUIRE(lr >= 0 && lr < params_.launch_ranks, "FusedMoe::routed_rows: rank ", rank, " is not on this GPU");
   planner::DeviceScheduleSizes s{};
-  CUDA_CHECK(cudaMemcpy(&s, sizes_.data() + rank, sizeof(s), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(&s, sizes_.data() + lr, sizeof(s), cudaMemcpyDeviceToHost));
   return s.padded_rows;
 }
 

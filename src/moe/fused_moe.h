@@ -3,9 +3,12 @@
 // per-m-block counters, push-based combine into each source rank's [token, k] slots and the weighted
 // sum, for an expert-parallel group of P ranks (DESIGN.md §1, §3, §4).
 //
-// This class runs all P ranks on ONE GPU ("virtual ranks"): one launch whose CTAs are partitioned by
-// rank, each rank with its own schedule, ring and counters, talking through the same protocol (and
-// the same peer pointers) a multi-GPU group uses. P = 1 is the plain single-GPU layer.
+// Two transports, one kernel:
+//   virtual ranks: all P ranks on ONE GPU, one launch whose CTAs are partitioned by rank, each rank with
+//                  its own schedule, ring and counters, talking through the same protocol and peer
+//                  pointers a multi-GPU group uses. P = 1 is the plain single-GPU layer.
+//   NCCL:          one rank per GPU (one process per GPU, or one process driving several), peers
+//                  reached through an NCCL 2.28 symmetric window's LSA (NVLink load/store) pointers.
 //
 // Weights: w13 [E, 2I, H] (gate and up interleaved in groups of 8 rows, reference::w13_row), w2
 // [E, H, I], bf16, all experts; rank r uses experts [r E/P, (r+1) E/P).
@@ -17,6 +20,11 @@
 #include <cstdint>
 #include <span>
 
+#include <nccl.h>
+
+#include <memory>
+
+#include "comm/nccl_window.h"
 #include "common/device_buffer.h"
 #include "common/device_error.h"
 #include "moe/fused_kernel.h"
@@ -45,14 +53,20 @@ struct RankIO {
 
 class FusedMoe {
  public:
-  // Throws pounce::Error on an invalid config or options, naming the first problem.
+  // Virtual ranks: all config.ranks ranks on the current GPU. Throws pounce::Error on an invalid config
+  // or options, naming the first problem.
   FusedMoe(const planner::EpConfig& config, const FusedMoeOptions& options = {});
+  // This GPU's rank of `comm` (config.ranks ranks, one per GPU). Collective: every rank constructs its
+  // layer with the same config and options (checked: a mismatch throws, naming the field and rank).
+  FusedMoe(const planner::EpConfig& config, ncclComm_t comm, const FusedMoeOptions& options = {});
+  ~FusedMoe();
 
   void set_weights(const __nv_bfloat16* w13, const __nv_bfloat16* w2);
 
-  // Enqueues one forward of every rank on `stream` (one launch; no host synchronization). Throws on
-  // host-visible bad input (rank count, token counts, null pointers); bad routing ids are found on the
-  // device and reported by check_device_errors(), with y left untouched.
+  // Enqueues one forward of every rank on this GPU (all P virtual ranks, or the one NCCL rank) on
+  // `stream`: one launch, no host synchronization (the NCCL layer first copies x and topk_ids into its
+  // window). Throws on host-visible bad input (rank count, token counts, null pointers); bad routing ids
+  // are found on the device and reported by check_device_errors(), with y left untouched.
   void forward(std::span<const RankIO> ranks, cudaStream_t stream);
 
   // After the stream has synchronized: throws pounce::Error describing a device-side failure (bad
@@ -70,22 +84,29 @@ class FusedMoe {
   int64_t routed_rows(int rank) const;
 
  private:
+  void setup(const planner::EpConfig& config, const FusedMoeOptions& options, int launch_ranks, int first_rank);
+  static void check_same_config_on_every_rank(const planner::EpConfig& config, const FusedMoeOptions& options,
+                                              ncclComm_t comm);
   void reset_counters();
 
   planner::EpConfig config_;
-  FusedMoeOptions options_;
   planner::Capacity capacity_;
   FusedParams params_{};
   FusedMaps maps_{};
   bool has_weights_ = false;
   DeviceErrorSlot errors_;
-  // Per rank, P slices each.
+  // This launch's ranks' private buffers, a slice per rank.
   DeviceBuffer<int32_t> chunk_counts_, expert_routes_, expert_offsets_, row_source_rank_, row_token_, row_k_,
-      minibatch_starts_, token_counts_;
+      minibatch_starts_;
   DeviceBuffer<planner::DeviceScheduleSizes> sizes_;
   DeviceBuffer<const int32_t*> topk_tables_;
-  DeviceBuffer<uint32_t> counters_;  // dispatched, gemm1_done, gemm2_done, combined, control, arrivals, start flags
-  DeviceBuffer<__nv_bfloat16> slots_, x_ring_, h_ring_, out_ring_;
+  DeviceBuffer<uint32_t> counters_;  // dispatched, gemm1_done, gemm2_done, combined, control
+  DeviceBuffer<__nv_bfloat16> x_ring_, h_ring_, out_ring_;
+  // Symmetric buffers: virtual ranks keep them here; the NCCL transport in its window.
+  DeviceBuffer<uint32_t> peer_words_;  // per rank: arrivals [T_max], start flags [P]
+  DeviceBuffer<int32_t> token_counts_;
+  DeviceBuffer<__nv_bfloat16> slots_;
+  std::unique_ptr<comm::NcclWindow> window_;
 };
 
 }  // namespace pounce::moe

@@ -224,6 +224,34 @@ TEST(FusedMoe, BadRoutingIsReportedAndCorruptsNothing) {
   expect_matches(p.outputs(), want);
 }
 
+// The NCCL transport at one rank (NCCL allows one rank per GPU, and this machine has one): the same
+// kernel reading and writing through the symmetric window's LSA pointers must give the virtual-rank
+// layer's output bit for bit, forward after forward.
+TEST(FusedMoe, NcclOneRankMatchesVirtualRanksBitwise) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, Case{1, 333, 256, 128, 8, 3, RoutingPattern::kZipf});
+  FusedMoe virtual_layer(p.config);
+  virtual_layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+  run_and_check(virtual_layer, p);
+  const auto want = p.outputs();
+  expect_matches(want, reference_forward(p));
+
+  std::vector<ncclComm_t> comms = comm::init_single_process_comms({0});
+  {
+    FusedMoe nccl_layer(p.config, comms[0]);
+    nccl_layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+    for (int repeat = 0; repeat < 3; ++repeat) {
+      run_and_check(nccl_layer, p);
+      EXPECT_EQ(p.outputs(), want) << "forward " << repeat;
+    }
+    auto io = p.io();
+    testing::expect_error([&] { nccl_layer.forward(std::vector<RankIO>(2, io[0]), nullptr); },
+                          "got 2 ranks' tensors, the layer has 1 ranks");
+  }
+  for (ncclComm_t c : comms) NCCL_CHECK(ncclCommDestroy(c));
+}
+
 TEST(FusedMoe, RejectsBadHostInputWithClearErrors) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
