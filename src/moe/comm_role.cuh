@@ -53,8 +53,7 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
   const uint32_t row_bytes = uint32_t(p.hidden) * 2;
   const int64_t items = 2 * int64_t(sizes.m_blocks);
   const bool stalled = p.stall_rank == rs.rank;  // fault injection: never take an item
-  const uint32_t piece_bytes = row_bytes < CopyEngine::kMaxPieceBytes ? row_bytes : CopyEngine::kMaxPieceBytes;
-  CopyEngine engine(cs.engine, piece_bytes, WaitSite{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank});
+  CopyEngine engine(cs.engine, WaitSite{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank});
   for (;;) {
     if (threadIdx.x == 0) {
       const int64_t i = stalled ? items : atomicAdd(&rs.control[kCommTicket], 1u);

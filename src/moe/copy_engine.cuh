@@ -2,9 +2,9 @@
 // bulk copies (TMA without tensor maps), many pieces in flight. Sources and destinations may be on peer
 // GPUs (NVLink load/store addresses) or local.
 //
-// Pieces go through the shared-memory slots in order: piece p loads into slot p % slots, and is stored
-// once it has landed. A slot is refilled only after the store that read it has finished reading
-// (bulk_wait_group_read), keeping up to slots - kStoreLag - 1 loads in flight.
+// Pieces go through kSlots shared-memory slots in order: piece p loads into slot p % kSlots, and is
+// stored once it has landed. A slot is refilled only after the store that read it has finished reading
+// (bulk_wait_group_read), keeping up to kSlots - kStoreLag - 1 loads in flight.
 #pragma once
 
 #include "common/bounded_wait.cuh"
@@ -14,34 +14,30 @@ namespace pounce::moe {
 
 class CopyEngine {
  public:
-  static constexpr uint32_t kBufferBytes = 192 * 1024;
-  static constexpr uint32_t kMaxPieceBytes = 16384;
-  static constexpr int kMaxSlots = 48;
+  static constexpr int kSlots = 12;
+  static constexpr uint32_t kPieceBytes = 16384;
   static constexpr int kStoreLag = 2;  // stores allowed to still read shared memory when a slot is refilled
 
   struct Shared {
-    alignas(128) uint8_t data[kBufferBytes];
-    uint8_t* dst[kMaxSlots];
-    uint32_t bytes[kMaxSlots];
-    uint64_t landed[kMaxSlots];
+    alignas(128) uint8_t data[kSlots][kPieceBytes];
+    uint8_t* dst[kSlots];
+    uint32_t bytes[kSlots];
+    uint64_t landed[kSlots];
   };
 
   // Constructed by every thread of the CTA (a CTA-wide barrier follows before any copy); only one
-  // thread then calls copy() and flush(). Copies move pieces of up to piece_bytes (a multiple of 128, at
-  // most kMaxPieceBytes); the buffer holds as many slots of that size as fit: what bounds the engine is
-  // the number of bytes in flight, so short rows get more slots.
-  __device__ CopyEngine(Shared& s, uint32_t piece_bytes, const WaitSite& site)
-      : s_(s), site_(site), piece_bytes_(piece_bytes), slots_(min(kMaxSlots, int(kBufferBytes / piece_bytes))) {
+  // thread then calls copy() and flush().
+  __device__ CopyEngine(Shared& s, const WaitSite& site) : s_(s), site_(site) {
     if (threadIdx.x == 0) {
-      for (int i = 0; i < slots_; ++i) ptx::mbarrier_init(&s_.landed[i], 1);
+      for (int i = 0; i < kSlots; ++i) ptx::mbarrier_init(&s_.landed[i], 1);
       ptx::fence_mbarrier_init();
     }
   }
 
   // Copies `bytes` (a multiple of 16; 16-byte aligned addresses) from src to dst.
   __device__ void copy(const void* src, void* dst, uint32_t bytes) {
-    for (uint32_t done = 0; done < bytes; done += piece_bytes_) {
-      const uint32_t piece = bytes - done < piece_bytes_ ? bytes - done : piece_bytes_;
+    for (uint32_t done = 0; done < bytes; done += kPieceBytes) {
+      const uint32_t piece = bytes - done < kPieceBytes ? bytes - done : kPieceBytes;
       load_piece(static_cast<const uint8_t*>(src) + done, static_cast<uint8_t*>(dst) + done, piece);
     }
   }
@@ -55,35 +51,31 @@ class CopyEngine {
   }
 
  private:
-  __device__ uint8_t* slot_data(int slot) { return s_.data + uint32_t(slot) * piece_bytes_; }
-
   __device__ void load_piece(const uint8_t* src, uint8_t* dst, uint32_t bytes) {
-    const int slot = int(issued_ % slots_);
-    if (issued_ >= uint32_t(slots_)) {
-      // The slot last held piece issued_ - slots_: it must be stored, and that store must be done reading.
-      while (stored_ < issued_ - slots_ + 1 + kStoreLag) store_oldest();
+    const int slot = int(issued_ % kSlots);
+    if (issued_ >= uint32_t(kSlots)) {
+      // The slot last held piece issued_ - kSlots: it must be stored, and that store must be done reading.
+      while (stored_ < issued_ - kSlots + 1 + kStoreLag) store_oldest();
       ptx::bulk_wait_group_read<kStoreLag>();
     }
     s_.dst[slot] = dst;
     s_.bytes[slot] = bytes;
     ptx::mbarrier_arrive_expect_tx(&s_.landed[slot], bytes);
-    ptx::bulk_load(slot_data(slot), src, bytes, &s_.landed[slot]);
+    ptx::bulk_load(s_.data[slot], src, bytes, &s_.landed[slot]);
     ++issued_;
   }
 
   __device__ void store_oldest() {
-    const int slot = int(stored_ % slots_);
-    const uint32_t parity = (stored_ / slots_) & 1;
+    const int slot = int(stored_ % kSlots);
+    const uint32_t parity = (stored_ / kSlots) & 1;
     mbarrier_wait_bounded(&s_.landed[slot], parity, site_, WaitTarget::kCopyLanded, slot);
-    ptx::bulk_store(s_.dst[slot], slot_data(slot), s_.bytes[slot]);
+    ptx::bulk_store(s_.dst[slot], s_.data[slot], s_.bytes[slot]);
     ptx::bulk_commit_group();
     ++stored_;
   }
 
   Shared& s_;
   WaitSite site_;
-  uint32_t piece_bytes_;
-  int slots_;
   uint32_t issued_ = 0, stored_ = 0;
 };
 
