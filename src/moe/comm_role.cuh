@@ -11,24 +11,10 @@
 #include "common/bounded_wait.cuh"
 #include "moe/copy_engine.cuh"
 #include "moe/fused_params.h"
+#include "moe/work_queues.h"
 #include "ptx/ptx.cuh"
 
 namespace pounce::moe {
-
-struct CommItem {
-  bool combine;
-  int32_t m_block;
-};
-
-// Item i of a queue with M m-blocks and R ring blocks; 2M items in all.
-__device__ inline CommItem comm_item(int64_t i, int32_t m_blocks, int32_t ring_blocks) {
-  const int32_t head = min(ring_blocks, m_blocks);
-  if (i < head) return {false, int32_t(i)};
-  const int64_t u = i - head;
-  const int64_t pairs = m_blocks - head;  // C(b), D(b + R) for b < M - R
-  if (u < 2 * pairs) return {u % 2 == 0, int32_t(u % 2 == 0 ? u / 2 : u / 2 + ring_blocks)};
-  return {true, int32_t(pairs + (u - 2 * pairs))};
-}
 
 // Ring row of row r of m-block b (rows of launch-local rank lr).
 __device__ inline int64_t ring_row(const FusedParams& p, int lr, int32_t m_block, int r) {
