@@ -9,6 +9,7 @@
 #pragma once
 
 #include "common/bounded_wait.cuh"
+#include "gemm/grouped_gemm.h"
 #include "moe/copy_engine.cuh"
 #include "moe/fused_params.h"
 #include "moe/work_queues.h"
@@ -35,7 +36,7 @@ struct CommShared {
 // addresses into shared memory, so the engine thread never stalls on schedule loads.
 __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs, int lr, CommShared& cs) {
   const planner::DeviceScheduleSizes sizes = *rs.sizes;
-  const int32_t n2_blocks = (p.hidden + 255) / 256;
+  const int32_t n2_blocks = (p.hidden + gemm::kBlockN - 1) / gemm::kBlockN;
   const uint32_t row_bytes = uint32_t(p.hidden) * 2;
   const int64_t items = 2 * int64_t(sizes.m_blocks);
   const bool stalled = p.stall_rank == rs.rank;  // fault injection: never take an item

@@ -93,9 +93,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-size_t fused_moe_shared_bytes() { return gemm::pipeline::kSharedBytes; }
-int fused_moe_threads() { return kThreads; }
-
 void launch_fused_moe(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream) {
   static const bool configured = [] {
     CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

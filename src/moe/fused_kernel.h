@@ -18,8 +18,4 @@ struct FusedMaps {  // CUtensorMap is 64-byte aligned
 // than run CTAs that are not co-resident, which the kernel's barriers need).
 void launch_fused_moe(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream);
 
-// Shared memory per CTA and threads per CTA of the kernel.
-size_t fused_moe_shared_bytes();
-int fused_moe_threads();
-
 }  // namespace pounce::moe

@@ -269,12 +269,4 @@ void FusedMoe::check_device_errors() {
   errors_.check();
 }
 
-int64_t FusedMoe::routed_rows(int rank) const {
-  const int lr = rank - params_.first_rank;
-  POUNCE_REQUIRE(lr >= 0 && lr < params_.launch_ranks, "FusedMoe::routed_rows: rank ", rank, " is not on this GPU");
-  planner::DeviceScheduleSizes s{};
-  CUDA_CHECK(cudaMemcpy(&s, sizes_.data() + lr, sizeof(s), cudaMemcpyDeviceToHost));
-  return s.padded_rows;
-}
-
 }  // namespace pounce::moe

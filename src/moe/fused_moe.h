@@ -80,8 +80,6 @@ class FusedMoe {
   int64_t minibatch_rows() const { return int64_t(params_.blocks_per_minibatch) * planner::kBlockM; }
   int64_t ring_blocks() const { return params_.ring_blocks; }
   int64_t max_m_blocks() const { return capacity_.max_m_blocks; }
-  // Routed rows of `rank`'s last schedule (copies from the device; for tests and reports).
-  int64_t routed_rows(int rank) const;
 
  private:
   void setup(const planner::EpConfig& config, const FusedMoeOptions& options, int launch_ranks, int first_rank);

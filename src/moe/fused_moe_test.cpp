@@ -198,14 +198,10 @@ TEST(FusedMoe, BadRoutingIsReportedAndCorruptsNothing) {
   Problem p = make_problem(rng, Case{2, 100, 128, 64, 8, 3, RoutingPattern::kUniform});
   FusedMoe layer(p.config);
   layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
-  const auto io = p.io();
 
   auto forward_with_ids = [&](std::vector<int32_t> bad_ids) {
     p.d_ids[1].upload(bad_ids);
-    p.poison_outputs();
-    layer.forward(io, nullptr);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    layer.check_device_errors();
+    run_and_check(layer, p);
   };
   auto out_of_range = p.ids[1];
   out_of_range[7 * 3 + 2] = 8;
