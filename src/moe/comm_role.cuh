@@ -51,6 +51,9 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
           const WaitSite site{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank};
           go = b < p.ring_blocks ||
                counter_wait_bounded(&rs.combined[b - p.ring_blocks], p.epoch, site, WaitTarget::kRingSlotFree, b);
+          // The slot's last readers (bulk loads of its combine) and this item's bulk writes are both
+          // async proxy, but they are ordered through a generic-proxy counter.
+          ptx::fence_proxy_async_global();
         } else {
           const WaitSite site{p.error, DeviceRole::kCombine, p.wait_timeout_ns, rs.rank};
           go = counter_wait_bounded(&rs.gemm2_done[b], p.epoch * 2 * n2_blocks, site, WaitTarget::kGemm2Done, b);
