@@ -124,12 +124,9 @@ size_t fused_moe_shared_bytes() { return gemm::pipeline::kSharedBytes; }
 int fused_moe_threads() { return kThreads; }
 
 void launch_fused_moe(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream) {
-  static const bool configured = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(gemm::pipeline::kSharedBytes)));
-    return true;
-  }();
-  (void)configured;
+  // Per device (one process may drive several GPUs): a host call of a microsecond, every launch.
+  CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  int(gemm::pipeline::kSharedBytes)));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(unsigned(p.launch_ranks * p.ctas_per_rank));
   config.blockDim = dim3(kThreads);
