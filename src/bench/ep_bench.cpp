@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -81,29 +82,50 @@ int run(int argc, char** argv) {
   std::vector<Timing> timings(P);
   std::vector<std::string> failures(P);
   std::barrier sync(P);
+  auto any_failed = [&] {
+    for (const std::string& f : failures)
+      if (!f.empty()) return true;
+    return false;
+  };
   std::vector<std::thread> threads;
   for (int r = 0; r < P; ++r)
     threads.emplace_back([&, r] {
+      std::optional<DeviceBuffer<__nv_bfloat16>> w13, w2, x, y;
+      std::optional<DeviceBuffer<int32_t>> d_ids;
+      std::optional<DeviceBuffer<float>> d_weights;
+      std::optional<moe::FusedMoe> layer;
       try {
         CUDA_CHECK(cudaSetDevice(r));
-        DeviceBuffer<__nv_bfloat16> w13(E * 2 * I * H), w2(E * H * I), x(T * H), y(T * H);
-        fill_random_bf16(w13.data(), w13.size(), 11, 1.0f / std::sqrt(float(H)), nullptr);
-        fill_random_bf16(w2.data(), w2.size(), 12, 1.0f / std::sqrt(float(H)), nullptr);
-        fill_random_bf16(x.data(), x.size(), 100 + r, 1.0f, nullptr);
-        DeviceBuffer<int32_t> d_ids(ids[r]);
-        DeviceBuffer<float> d_weights(weights[r]);
-        moe::FusedMoe layer(config, comms[r]);
-        layer.set_weights(w13.data(), w2.data());
-        const moe::RankIO io{x.data(), d_ids.data(), d_weights.data(), T, y.data()};
-        // Every rank launches its forwards back to back; each forward's start handshake lines them up.
-        timings[r] = time_on_stream([&](int) { layer.forward(std::span(&io, 1), nullptr); }, nullptr, warmup, reps);
-        CUDA_CHECK(cudaDeviceSynchronize());
-        layer.check_device_errors();
-        sync.arrive_and_wait();
+        w13.emplace(E * 2 * I * H);
+        w2.emplace(E * H * I);
+        x.emplace(T * H);
+        y.emplace(T * H);
+        fill_random_bf16(w13->data(), w13->size(), 11, 1.0f / std::sqrt(float(H)), nullptr);
+        fill_random_bf16(w2->data(), w2->size(), 12, 1.0f / std::sqrt(float(H)), nullptr);
+        fill_random_bf16(x->data(), x->size(), 100 + r, 1.0f, nullptr);
+        d_ids.emplace(ids[r]);
+        d_weights.emplace(weights[r]);
       } catch (const std::exception& e) {
         failures[r] = e.what();
-        sync.arrive_and_drop();
       }
+      // Construction is collective (an all-gather, the window registration): every rank starts it or none.
+      sync.arrive_and_wait();
+      if (any_failed()) return;
+      try {
+        layer.emplace(config, comms[r]);
+        layer->set_weights(w13->data(), w2->data());
+        const moe::RankIO io{x->data(), d_ids->data(), d_weights->data(), T, y->data()};
+        // Every rank launches its forwards back to back; each forward's start handshake lines them up.
+        timings[r] = time_on_stream([&](int) { layer->forward(std::span(&io, 1), nullptr); }, nullptr, warmup, reps);
+        const cudaError_t synced = cudaDeviceSynchronize();
+        layer->check_device_errors();
+        CUDA_CHECK(synced);
+      } catch (const std::exception& e) {
+        failures[r] = e.what();
+        cudaDeviceSynchronize();  // this rank's kernels are done before anything of it is freed
+      }
+      // No rank frees its window while a peer may still read or push into it.
+      sync.arrive_and_wait();
     });
   for (auto& t : threads) t.join();
   for (ncclComm_t c : comms) NCCL_CHECK(ncclCommDestroy(c));

@@ -79,6 +79,8 @@ ncclComm_t init_rank_from_file(const std::string& id_file, int rank, int ranks, 
   }
   ncclComm_t comm;
   NCCL_CHECK(ncclCommInitRank(&comm, ranks, id, rank));
+  // Every rank has joined, so every rank has read the id: a later run must not find it.
+  if (rank == 0) std::remove(id_file.c_str());
   return comm;
 }
 

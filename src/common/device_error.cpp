@@ -113,6 +113,7 @@ void DeviceErrorSlot::check() {
 void DeviceErrorSlot::reset() {
   std::memset(host_, 0, sizeof(DeviceErrorRecord));
   cudaMemset(reported_, 0, sizeof(uint32_t));
+  cudaDeviceSynchronize();  // cleared before any kernel on any stream can read it
 }
 
 }  // namespace pounce

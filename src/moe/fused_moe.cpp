@@ -114,6 +114,7 @@ void FusedMoe::check_same_config_on_every_rank(const planner::EpConfig& c, const
 
 void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& options, int launch_ranks,
                      int first_rank) {
+  CUDA_CHECK(cudaGetDevice(&device_));
   capacity_ = planner::worst_case_capacity(config);  // validates the config
   const int P = config.ranks;
   POUNCE_REQUIRE(P <= kMaxRanks, "fused MoE: ", P, " ranks; at most ", kMaxRanks, " (one NVLink node)");
@@ -233,6 +234,7 @@ void FusedMoe::reset_counters() {
     CUDA_CHECK(cudaMemset(params_.peers.arrivals[0], 0, config_.max_tokens_per_rank * sizeof(uint32_t)));
     CUDA_CHECK(cudaMemset(params_.peers.start_flags[0], 0, sizeof(uint32_t)));
   }
+  CUDA_CHECK(cudaDeviceSynchronize());  // cleared before a forward on any stream reads them
   params_.epoch = 0;
 }
 
@@ -246,6 +248,10 @@ void FusedMoe::set_weights(const __nv_bfloat16* w13, const __nv_bfloat16* w2) {
 
 void FusedMoe::forward(std::span<const RankIO> ranks, cudaStream_t stream) {
   POUNCE_REQUIRE(has_weights_, "FusedMoe::forward: call set_weights first");
+  int device = -1;
+  CUDA_CHECK(cudaGetDevice(&device));
+  POUNCE_REQUIRE(device == device_, "FusedMoe::forward: the layer lives on GPU ", device_, ", the current device is ",
+                 device, " (cudaSetDevice first)");
   POUNCE_REQUIRE(!errors_.has_error(), "FusedMoe::forward: an earlier forward reported a device error that "
                  "check_device_errors() has not collected: ", errors_.describe());
   POUNCE_REQUIRE(!failed_, "FusedMoe::forward: this layer failed in an earlier forward (", failed_reason_,

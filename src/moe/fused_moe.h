@@ -113,6 +113,7 @@ class FusedMoe {
   __nv_bfloat16* window_x_[2][kMaxRanks] = {};  // [forward parity][rank]
   int32_t* window_ids_[2][kMaxRanks] = {};
   int32_t* window_counts_[2][kMaxRanks] = {};
+  int device_ = -1;      // the GPU the layer's buffers live on
   bool failed_ = false;  // NCCL, P > 1: a device error ended this layer
   std::string failed_reason_;
 };

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <barrier>
+#include <optional>
 #include <thread>
 
 #include "comm/nccl_window.h"
@@ -31,8 +32,10 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
   const int64_t H = config.hidden, I = config.intermediate, E = config.experts, k = config.topk;
   const auto w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
   const auto w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
-  constexpr int kForwards = 3;
-  const int64_t counts[kForwards] = {50, 200, 7};  // rank r gets counts[f] - r (but at least 0)
+  constexpr int kForwards = 4;
+  // Rank r gets counts[f] - r tokens (at least 0): down, up, down to zero for some ranks, up again, so
+  // counters topped up for unused m-blocks and tokens are read by a later, larger forward.
+  const int64_t counts[kForwards] = {50, 200, 1, 200};
 
   // Inputs of every forward and rank, on the host.
   std::vector<std::vector<int64_t>> tokens(kForwards, std::vector<int64_t>(P));
@@ -51,15 +54,31 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
   std::vector<ncclComm_t> comms = comm::init_single_process_comms(devices);
   std::vector<std::vector<std::vector<uint16_t>>> got(kForwards, std::vector<std::vector<uint16_t>>(P));
   std::vector<std::string> failures(P);
-  std::barrier sync(P);  // layer construction is collective: every rank's thread builds at once
+  std::barrier sync(P);
+  auto any_failed = [&] {
+    for (const std::string& f : failures)
+      if (!f.empty()) return true;
+    return false;
+  };
   std::vector<std::thread> threads;
   for (int r = 0; r < P; ++r)
     threads.emplace_back([&, r] {
+      std::optional<DeviceBuffer<uint16_t>> d_w13, d_w2;
+      std::optional<FusedMoe> layer;
       try {
         CUDA_CHECK(cudaSetDevice(r));
-        DeviceBuffer<uint16_t> d_w13(testing::to_bf16_bits(w13)), d_w2(testing::to_bf16_bits(w2));
-        FusedMoe layer(config, comms[r]);
-        layer.set_weights(reinterpret_cast<__nv_bfloat16*>(d_w13.data()), reinterpret_cast<__nv_bfloat16*>(d_w2.data()));
+        d_w13.emplace(testing::to_bf16_bits(w13));
+        d_w2.emplace(testing::to_bf16_bits(w2));
+      } catch (const std::exception& e) {
+        failures[r] = e.what();
+      }
+      // Construction is collective (an all-gather, the window registration): every rank starts it or none.
+      sync.arrive_and_wait();
+      if (any_failed()) return;
+      try {
+        layer.emplace(config, comms[r]);
+        layer->set_weights(reinterpret_cast<__nv_bfloat16*>(d_w13->data()),
+                           reinterpret_cast<__nv_bfloat16*>(d_w2->data()));
         for (int f = 0; f < kForwards; ++f) {
           DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x[f][r])), d_y(std::max<int64_t>(1, tokens[f][r] * H));
           DeviceBuffer<int32_t> d_ids(ids[f][r]);
@@ -67,17 +86,19 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
           d_y.fill_bytes(0xFF);
           const RankIO io{reinterpret_cast<__nv_bfloat16*>(d_x.data()), d_ids.data(), d_weights.data(), tokens[f][r],
                           reinterpret_cast<__nv_bfloat16*>(d_y.data())};
-          layer.forward(std::span(&io, 1), nullptr);
-          CUDA_CHECK(cudaDeviceSynchronize());
-          layer.check_device_errors();
+          layer->forward(std::span(&io, 1), nullptr);
+          const cudaError_t synced = cudaDeviceSynchronize();
+          layer->check_device_errors();  // first: after a trap its record says more than the CUDA error
+          CUDA_CHECK(synced);
           got[f][r] = d_y.download();
           got[f][r].resize(tokens[f][r] * H);
         }
-        sync.arrive_and_wait();  // nobody tears down its window while a peer may still push into it
       } catch (const std::exception& e) {
         failures[r] = e.what();
-        sync.arrive_and_drop();
+        cudaDeviceSynchronize();  // this rank's kernels are done before anything of it is freed
       }
+      // No rank frees its window while a peer may still read or push into it.
+      sync.arrive_and_wait();
     });
   for (auto& t : threads) t.join();
   for (ncclComm_t c : comms) NCCL_CHECK(ncclCommDestroy(c));

@@ -103,8 +103,9 @@ void run_and_check(FusedMoe& layer, Problem& p) {
   p.poison_outputs();
   const auto io = p.io();
   layer.forward(io, nullptr);
-  CUDA_CHECK(cudaDeviceSynchronize());
-  layer.check_device_errors();
+  const cudaError_t synced = cudaDeviceSynchronize();
+  layer.check_device_errors();  // first: after a trap its record says more than the CUDA error
+  CUDA_CHECK(synced);
 }
 
 void expect_matches(const std::vector<std::vector<uint16_t>>& outputs, const std::vector<reference::EpRankResult>& want) {
