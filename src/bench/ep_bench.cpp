@@ -6,16 +6,15 @@
 //
 // usage: pounce_ep_bench [--shape NAME] [--routing uniform|zipf] [--reps N] [--json PATH]
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <optional>
 #include <random>
-#include <thread>
 
 #include "bench/bench.h"
 #include "bench/device_fill.h"
+#include "comm/gpu_threads.h"
 #include "comm/nccl_window.h"
 #include "common/device_buffer.h"
 #include "moe/fused_moe.h"
@@ -80,54 +79,37 @@ int run(int argc, char** argv) {
     comms = comm::init_single_process_comms(devices);
   }
   std::vector<Timing> timings(P);
-  std::vector<std::string> failures(P);
-  std::barrier sync(P);
-  auto any_failed = [&] {
-    for (const std::string& f : failures)
-      if (!f.empty()) return true;
-    return false;
-  };
-  std::vector<std::thread> threads;
-  for (int r = 0; r < P; ++r)
-    threads.emplace_back([&, r] {
-      std::optional<DeviceBuffer<__nv_bfloat16>> w13, w2, x, y;
-      std::optional<DeviceBuffer<int32_t>> d_ids;
-      std::optional<DeviceBuffer<float>> d_weights;
-      std::optional<moe::FusedMoe> layer;
-      try {
-        CUDA_CHECK(cudaSetDevice(r));
-        w13.emplace(E * 2 * I * H);
-        w2.emplace(E * H * I);
-        x.emplace(T * H);
-        y.emplace(T * H);
-        fill_random_bf16(w13->data(), w13->size(), 11, 1.0f / std::sqrt(float(H)), nullptr);
-        fill_random_bf16(w2->data(), w2->size(), 12, 1.0f / std::sqrt(float(H)), nullptr);
-        fill_random_bf16(x->data(), x->size(), 100 + r, 1.0f, nullptr);
-        d_ids.emplace(ids[r]);
-        d_weights.emplace(weights[r]);
-      } catch (const std::exception& e) {
-        failures[r] = e.what();
-      }
-      // Construction is collective (an all-gather, the window registration): every rank starts it or none.
-      sync.arrive_and_wait();
-      if (any_failed()) return;
-      try {
-        layer.emplace(config, comms[r]);
-        layer->set_weights(w13->data(), w2->data());
-        const moe::RankIO io{x->data(), d_ids->data(), d_weights->data(), T, y->data()};
+  std::vector<std::optional<DeviceBuffer<__nv_bfloat16>>> w13(P), w2(P), x(P), y(P);
+  std::vector<std::optional<DeviceBuffer<int32_t>>> d_ids(P);
+  std::vector<std::optional<DeviceBuffer<float>>> d_weights(P);
+  std::vector<std::optional<moe::FusedMoe>> layers(P);
+  const std::vector<std::string> failures = comm::run_on_every_gpu(
+      P,
+      [&](int r) {
+        w13[r].emplace(E * 2 * I * H);
+        w2[r].emplace(E * H * I);
+        x[r].emplace(T * H);
+        y[r].emplace(T * H);
+        fill_random_bf16(w13[r]->data(), w13[r]->size(), 11, 1.0f / std::sqrt(float(H)), nullptr);
+        fill_random_bf16(w2[r]->data(), w2[r]->size(), 12, 1.0f / std::sqrt(float(H)), nullptr);
+        fill_random_bf16(x[r]->data(), x[r]->size(), 100 + r, 1.0f, nullptr);
+        d_ids[r].emplace(ids[r]);
+        d_weights[r].emplace(weights[r]);
+      },
+      [&](int r) {
+        moe::FusedMoe& layer = layers[r].emplace(config, comms[r]);
+        layer.set_weights(w13[r]->data(), w2[r]->data());
+        const moe::RankIO io{x[r]->data(), d_ids[r]->data(), d_weights[r]->data(), T, y[r]->data()};
         // Every rank launches its forwards back to back; each forward's start handshake lines them up.
-        timings[r] = time_on_stream([&](int) { layer->forward(std::span(&io, 1), nullptr); }, nullptr, warmup, reps);
+        timings[r] = time_on_stream([&](int) { layer.forward(std::span(&io, 1), nullptr); }, nullptr, warmup, reps);
         const cudaError_t synced = cudaDeviceSynchronize();
-        layer->check_device_errors();
+        layer.check_device_errors();
         CUDA_CHECK(synced);
-      } catch (const std::exception& e) {
-        failures[r] = e.what();
-        cudaDeviceSynchronize();  // this rank's kernels are done before anything of it is freed
-      }
-      // No rank frees its window while a peer may still read or push into it.
-      sync.arrive_and_wait();
-    });
-  for (auto& t : threads) t.join();
+      },
+      [&](int r) {
+        layers[r].reset();
+        w13[r].reset(), w2[r].reset(), x[r].reset(), y[r].reset(), d_ids[r].reset(), d_weights[r].reset();
+      });
   for (ncclComm_t c : comms) NCCL_CHECK(ncclCommDestroy(c));
   for (int r = 0; r < P; ++r) POUNCE_REQUIRE(failures[r].empty(), "rank ", r, ": ", failures[r]);
 

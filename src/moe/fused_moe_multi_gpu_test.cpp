@@ -3,10 +3,9 @@
 // token counts and routings change. Skips with fewer than two Hopper GPUs.
 #include <gtest/gtest.h>
 
-#include <barrier>
 #include <optional>
-#include <thread>
 
+#include "comm/gpu_threads.h"
 #include "comm/nccl_window.h"
 #include "common/gpu.h"
 #include "common/testing.h"
@@ -53,32 +52,18 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
   for (int d = 0; d < P; ++d) devices[d] = d;
   std::vector<ncclComm_t> comms = comm::init_single_process_comms(devices);
   std::vector<std::vector<std::vector<uint16_t>>> got(kForwards, std::vector<std::vector<uint16_t>>(P));
-  std::vector<std::string> failures(P);
-  std::barrier sync(P);
-  auto any_failed = [&] {
-    for (const std::string& f : failures)
-      if (!f.empty()) return true;
-    return false;
-  };
-  std::vector<std::thread> threads;
-  for (int r = 0; r < P; ++r)
-    threads.emplace_back([&, r] {
-      std::optional<DeviceBuffer<uint16_t>> d_w13, d_w2;
-      std::optional<FusedMoe> layer;
-      try {
-        CUDA_CHECK(cudaSetDevice(r));
-        d_w13.emplace(testing::to_bf16_bits(w13));
-        d_w2.emplace(testing::to_bf16_bits(w2));
-      } catch (const std::exception& e) {
-        failures[r] = e.what();
-      }
-      // Construction is collective (an all-gather, the window registration): every rank starts it or none.
-      sync.arrive_and_wait();
-      if (any_failed()) return;
-      try {
-        layer.emplace(config, comms[r]);
-        layer->set_weights(reinterpret_cast<__nv_bfloat16*>(d_w13->data()),
-                           reinterpret_cast<__nv_bfloat16*>(d_w2->data()));
+  std::vector<std::optional<DeviceBuffer<uint16_t>>> d_w13(P), d_w2(P);
+  std::vector<std::optional<FusedMoe>> layers(P);
+  const std::vector<std::string> failures = comm::run_on_every_gpu(
+      P,
+      [&](int r) {
+        d_w13[r].emplace(testing::to_bf16_bits(w13));
+        d_w2[r].emplace(testing::to_bf16_bits(w2));
+      },
+      [&](int r) {
+        FusedMoe& layer = layers[r].emplace(config, comms[r]);
+        layer.set_weights(reinterpret_cast<__nv_bfloat16*>(d_w13[r]->data()),
+                          reinterpret_cast<__nv_bfloat16*>(d_w2[r]->data()));
         for (int f = 0; f < kForwards; ++f) {
           DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x[f][r])), d_y(std::max<int64_t>(1, tokens[f][r] * H));
           DeviceBuffer<int32_t> d_ids(ids[f][r]);
@@ -86,21 +71,19 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
           d_y.fill_bytes(0xFF);
           const RankIO io{reinterpret_cast<__nv_bfloat16*>(d_x.data()), d_ids.data(), d_weights.data(), tokens[f][r],
                           reinterpret_cast<__nv_bfloat16*>(d_y.data())};
-          layer->forward(std::span(&io, 1), nullptr);
+          layer.forward(std::span(&io, 1), nullptr);
           const cudaError_t synced = cudaDeviceSynchronize();
-          layer->check_device_errors();  // first: after a trap its record says more than the CUDA error
+          layer.check_device_errors();  // first: after a trap its record says more than the CUDA error
           CUDA_CHECK(synced);
           got[f][r] = d_y.download();
           got[f][r].resize(tokens[f][r] * H);
         }
-      } catch (const std::exception& e) {
-        failures[r] = e.what();
-        cudaDeviceSynchronize();  // this rank's kernels are done before anything of it is freed
-      }
-      // No rank frees its window while a peer may still read or push into it.
-      sync.arrive_and_wait();
-    });
-  for (auto& t : threads) t.join();
+      },
+      [&](int r) {
+        layers[r].reset();
+        d_w13[r].reset();
+        d_w2[r].reset();
+      });
   for (ncclComm_t c : comms) NCCL_CHECK(ncclCommDestroy(c));
   for (int r = 0; r < P; ++r) ASSERT_EQ(failures[r], "") << "rank " << r;
 
