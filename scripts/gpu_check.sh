@@ -5,8 +5,8 @@
 # usage: scripts/gpu_check.sh OUTDIR [--quick] [--sanitize] [--prebuilt]
 #   --quick     benchmarks at the default shape only (uniform routing), no PyTorch eager sweep
 #   --sanitize  also run the grouped-GEMM tests under compute-sanitizer (memcheck, racecheck, synccheck)
-#   --prebuilt  use build/pounce_tests_gpu and build/pounce_bench built on the workstation (carried to
-#               the device) instead of building here: saves the device minutes a build takes
+#   --prebuilt  use build/pounce_tests_gpu, build/pounce_bench and build/pounce_ep_bench built on the
+#               workstation (carried to the device) instead of building here: saves the build's minutes
 # The commit recorded in the JSON is $POUNCE_COMMIT, else `git rev-parse HEAD`.
 set -uo pipefail
 
@@ -73,6 +73,11 @@ else
   timeout 300 "$build/pounce_bench" --shapes all --routing zipf --reps 10 --json "$out/bench-zipf.json" >> "$out/bench.log" 2>&1 || status=1
 fi
 sed -n '/^shape /,$p' "$out/bench.log"
+# Expert parallelism across GPUs, when the machine has several.
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  timeout 300 "$build/pounce_ep_bench" --json "$out/ep.json" > "$out/ep.log" 2>&1 || status=1
+  cat "$out/ep.log"
+fi
 echo "== PyTorch baselines" >> "$out/bench.log"
 timeout 300 python3 scripts/torch_baselines.py --bench-json "$out/bench-uniform.json" --out "$out/torch.json" \
   >> "$out/bench.log" 2>&1 || status=1

@@ -3,9 +3,20 @@
 #include <cmath>
 #include <cstdio>
 
+#include "bench/bench.h"
 #include "common/error.h"
 
 namespace pounce::bench {
+
+Json timing_json(const Timing& t) {
+  Json j = Json::object();
+  j["median_ms"] = t.median_ms;
+  j["p10_ms"] = t.p10_ms;
+  j["p90_ms"] = t.p90_ms;
+  j["min_ms"] = t.min_ms;
+  j["reps"] = t.reps;
+  return j;
+}
 
 Json& Json::operator[](const std::string& key) {
   if (kind_ == Kind::kNull) kind_ = Kind::kObject;

@@ -178,16 +178,6 @@ int run_gpu(const Options& o) {
 
 }  // namespace
 
-Json timing_json(const Timing& t) {
-  Json j = Json::object();
-  j["median_ms"] = t.median_ms;
-  j["p10_ms"] = t.p10_ms;
-  j["p90_ms"] = t.p90_ms;
-  j["min_ms"] = t.min_ms;
-  j["reps"] = t.reps;
-  return j;
-}
-
 void print_table(const std::vector<Row>& rows) {
   std::printf("\n%-18s %-14s %-24s %9s %9s %9s %8s\n", "shape", "what", "implementation", "ms", "TFLOP/s", "of dense",
               "speedup");

@@ -2,7 +2,11 @@
 
 #include <nccl_device.h>
 
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <thread>
 
 #include "common/cuda_check.h"
 #include "common/device_buffer.h"
@@ -45,6 +49,39 @@ std::vector<ncclComm_t> init_single_process_comms(const std::vector<int>& device
   std::vector<ncclComm_t> comms(devices.size());
   NCCL_CHECK(ncclCommInitAll(comms.data(), int(devices.size()), devices.data()));
   return comms;
+}
+
+ncclComm_t init_rank_from_file(const std::string& id_file, int rank, int ranks, double timeout_s) {
+  POUNCE_REQUIRE(ranks >= 1 && ranks <= PeerTable::kMaxRanks && rank >= 0 && rank < ranks, "NCCL: rank ", rank,
+                 " of ", ranks, " is not a valid rank of a group of 1 to ", PeerTable::kMaxRanks);
+  checked_nccl_version();
+  disable_multicast();
+  ncclUniqueId id;
+  if (rank == 0) {
+    NCCL_CHECK(ncclGetUniqueId(&id));
+    const std::string partial = id_file + ".partial";
+    {
+      std::ofstream out(partial, std::ios::binary | std::ios::trunc);
+      out.write(reinterpret_cast<const char*>(&id), sizeof(id));
+      POUNCE_REQUIRE(out.good(), "NCCL: cannot write the unique id to ", partial);
+    }
+    POUNCE_REQUIRE(std::rename(partial.c_str(), id_file.c_str()) == 0, "NCCL: cannot rename ", partial, " to ",
+                   id_file);
+  } else {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    for (;;) {
+      std::ifstream in(id_file, std::ios::binary);
+      if (in.read(reinterpret_cast<char*>(&id), sizeof(id))) break;
+      POUNCE_REQUIRE(std::chrono::steady_clock::now() < deadline, "NCCL: rank ", rank, " waited ", timeout_s,
+                     " s for rank 0's unique id in ", id_file);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  ncclComm_t comm;
+  NCCL_CHECK(ncclCommInitRank(&comm, ranks, id, rank));
+  // Every rank has joined, so every rank has read the id: a later run must not find it.
+  if (rank == 0) std::remove(id_file.c_str());
+  return comm;
 }
 
 NcclWindow::NcclWindow(ncclComm_t comm, size_t bytes) : comm_(comm) {

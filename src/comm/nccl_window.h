@@ -32,6 +32,13 @@ void disable_multicast();
 // One communicator per listed device, all in this process (ncclCommInitAll). Caller destroys them.
 std::vector<ncclComm_t> init_single_process_comms(const std::vector<int>& devices);
 
+// One process per GPU: this process's communicator as `rank` of `ranks` on the current device. Rank 0
+// writes the NCCL unique id to `id_file` (a path every rank can read, written atomically by rename);
+// the others wait for it, up to `timeout_s` seconds, then fail naming the file. Rank 0 removes the file
+// once every rank has joined; a run that crashed may leave one behind, so launchers pass a fresh path
+// per run. Caller destroys the communicator.
+ncclComm_t init_rank_from_file(const std::string& id_file, int rank, int ranks, double timeout_s = 60);
+
 // A symmetric buffer of `bytes` on every rank of `comm`, zeroed. Construction and destruction are collective:
 // every rank must create and destroy its window in the same order.
 class NcclWindow {

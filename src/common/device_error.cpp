@@ -8,7 +8,9 @@
 namespace pounce {
 
 DeviceErrorSlot::DeviceErrorSlot() {
-  CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(DeviceErrorRecord), cudaHostAllocMapped));
+  // Portable: one process may drive several GPUs, each with its own layers and records.
+  CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(DeviceErrorRecord),
+                           cudaHostAllocMapped | cudaHostAllocPortable));
   std::memset(host_, 0, sizeof(DeviceErrorRecord));
   CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_), host_, 0));
   CUDA_CHECK(cudaMalloc(&reported_, sizeof(uint32_t)));
@@ -111,6 +113,7 @@ void DeviceErrorSlot::check() {
 void DeviceErrorSlot::reset() {
   std::memset(host_, 0, sizeof(DeviceErrorRecord));
   cudaMemset(reported_, 0, sizeof(uint32_t));
+  cudaDeviceSynchronize();  // cleared before any kernel on any stream can read it
 }
 
 }  // namespace pounce

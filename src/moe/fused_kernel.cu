@@ -35,6 +35,33 @@ struct PlannerShared {
 };
 
 
+// True while no CTA has reported an error. All threads of the CTA call it.
+__device__ bool nobody_reported(const FusedParams& p, int32_t* ok_flag) {
+  __syncthreads();  // every thread has read the previous verdict before it is overwritten
+  if (threadIdx.x == 0) *ok_flag = !device_error_reported(p.error);
+  __syncthreads();
+  return *ok_flag != 0;
+}
+
+// Counters of m-blocks and tokens this forward leaves unused get their per-forward increment too, so
+// every word stays at (forward number) x (increment) and a later forward with more m-blocks or tokens
+// waits for the right values. Nobody else touches these words during this forward: no item, tile or
+// push refers to an m-block past this rank's M or to a token past its token count.
+__device__ void top_up_unused_counters(const FusedParams& p, const RankState& rs, int cta) {
+  const int64_t worker = int64_t(cta) * kThreads + threadIdx.x, workers = int64_t(p.ctas_per_rank) * kThreads;
+  const uint32_t n1_blocks = (2 * p.intermediate + gemm::kBlockN - 1) / gemm::kBlockN;
+  const uint32_t n2_blocks = (p.hidden + gemm::kBlockN - 1) / gemm::kBlockN;
+  const int64_t max_m_blocks = p.capacity_rows / gemm::kBlockM;
+  for (int64_t b = rs.sizes->m_blocks + worker; b < max_m_blocks; b += workers) {
+    rs.dispatched[b] += 1;
+    rs.gemm1_done[b] += 2 * n1_blocks;
+    rs.gemm2_done[b] += 2 * n2_blocks;
+    rs.combined[b] += 1;
+  }
+  uint32_t* arrivals = p.peers.arrivals[rs.rank];
+  for (int64_t t = rs.tokens + worker; t < p.max_tokens; t += workers) arrivals[t] += uint32_t(p.topk);
+}
+
 // Returns false when the forward must stop (a wait gave up, or the routing is invalid).
 __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t* smem, int32_t* ok_flag) {
   PlannerShared& ps = *reinterpret_cast<PlannerShared*>(smem);
@@ -46,11 +73,10 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
   if (cta == 0 && threadIdx.x == 0) {
     for (int w = kGemmTicket; w < kControlWords; ++w) rs.control[w] = 0;
     for (int s = 0; s < p.ranks; ++s) rs.topk_table[s] = p.peers.topk_ids[s];
-    // A failed start is recorded; the barrier below then gives up too, in every CTA of the rank.
-    start_all_ranks(p, rs);
+    start_all_ranks(p, rs);  // a failed start is reported; every CTA sees it after the barrier
   }
   steps::clear_rows(o, int64_t(cta) * kThreads + threadIdx.x, int64_t(p.ctas_per_rank) * kThreads);
-  if (!rank_barrier(p, rs, 1, ok_flag)) return false;
+  if (!rank_barrier(p, rs, 1, ok_flag) || !nobody_reported(p, ok_flag)) return false;
 
   for (int32_t chunk = cta; chunk < r.chunks(); chunk += p.ctas_per_rank) steps::count_chunk(r, chunk, o, ps.counts, p.error);
   if (!rank_barrier(p, rs, 2, ok_flag)) return false;
@@ -61,12 +87,13 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
   const int warp = threadIdx.x / 32;
   for (int32_t chunk = cta * kWarps + warp; chunk < r.chunks(); chunk += p.ctas_per_rank * kWarps)
     steps::place_chunk(r, chunk, o, ps.running[warp]);
-  if (!rank_barrier(p, rs, 4, ok_flag)) return false;
   // Bad routing: every rank saw it in its own count step, before the barrier.
-  __syncthreads();  // every thread has read the barrier's verdict before it is overwritten
-  if (threadIdx.x == 0) *ok_flag = !device_error_reported(p.error);
-  __syncthreads();
-  return *ok_flag != 0;
+  if (!rank_barrier(p, rs, 4, ok_flag) || !nobody_reported(p, ok_flag)) return false;
+  top_up_unused_counters(p, rs, cta);
+  // The planner's tables were written through the generic proxy; TMA and bulk copies (async proxy)
+  // overwrite the same shared memory next.
+  ptx::fence_proxy_async_shared();
+  return true;
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -94,12 +121,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 
 void launch_fused_moe(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream) {
-  static const bool configured = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(gemm::pipeline::kSharedBytes)));
-    return true;
-  }();
-  (void)configured;
+  // Per device (one process may drive several GPUs): a host call of a microsecond, every launch.
+  CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  int(gemm::pipeline::kSharedBytes)));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(unsigned(p.launch_ranks * p.ctas_per_rank));
   config.blockDim = dim3(kThreads);

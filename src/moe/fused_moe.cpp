@@ -1,6 +1,7 @@
 #include "moe/fused_moe.h"
 
 #include <algorithm>
+#include <array>
 
 #include "common/gpu.h"
 #include "gemm/grouped_gemm.h"
@@ -62,21 +63,32 @@ FusedMoe::FusedMoe(const planner::EpConfig& config, ncclComm_t comm, const Fused
     offset += (bytes + 255) / 256 * 256;
     return std::pair{at, offset};
   };
-  const auto [x_at, x_end] = region(T * H * 2);
-  const auto [ids_at, ids_end] = region(T * k * 4);
+  // What peers read (x, topk_ids, token counts) is double-buffered by forward parity: a rank writes
+  // forward e + 1's copy while a slower peer may still read forward e's (nobody can be two forwards
+  // behind: forward e + 1 ends only after every rank has started it).
+  std::array<size_t, 2> x_at, ids_at, counts_at;
+  for (int parity = 0; parity < 2; ++parity) {
+    x_at[parity] = region(T * H * 2).first;
+    ids_at[parity] = region(T * k * 4).first;
+    counts_at[parity] = region(P * 4).first;
+  }
   const auto [slots_at, slots_end] = region(T * k * H * 2);
   const auto [arrivals_at, arrivals_end] = region(T * 4);
-  const auto [flags_at, flags_end] = region(P * 4);
-  const auto [counts_at, bytes] = region(P * 4);
+  const auto [flags_at, bytes] = region(P * 4);
   window_ = std::make_unique<comm::NcclWindow>(comm, bytes);
   const comm::PeerTable& peers = window_->peers();
+  POUNCE_REQUIRE(peers.ranks == P && peers.rank == rank, "fused MoE: the communicator's NVLink (LSA) team has ",
+                 peers.ranks, " ranks and this is its rank ", peers.rank, "; the layer needs all ", P,
+                 " ranks in one NVLink domain, with the same numbering (this is rank ", rank, ")");
   for (int r = 0; r < P; ++r) {
-    params_.peers.x[r] = reinterpret_cast<const __nv_bfloat16*>(peers.at(r, x_at));
-    params_.peers.topk_ids[r] = reinterpret_cast<const int32_t*>(peers.at(r, ids_at));
+    for (int parity = 0; parity < 2; ++parity) {
+      window_x_[parity][r] = reinterpret_cast<__nv_bfloat16*>(peers.at(r, x_at[parity]));
+      window_ids_[parity][r] = reinterpret_cast<int32_t*>(peers.at(r, ids_at[parity]));
+      window_counts_[parity][r] = reinterpret_cast<int32_t*>(peers.at(r, counts_at[parity]));
+    }
     params_.peers.slots[r] = reinterpret_cast<__nv_bfloat16*>(peers.at(r, slots_at));
     params_.peers.arrivals[r] = reinterpret_cast<uint32_t*>(peers.at(r, arrivals_at));
     params_.peers.start_flags[r] = reinterpret_cast<uint32_t*>(peers.at(r, flags_at));
-    params_.peers.token_counts[r] = reinterpret_cast<int32_t*>(peers.at(r, counts_at));
   }
   params_.peers_on_this_gpu = P == 1;
 }
@@ -102,6 +114,7 @@ void FusedMoe::check_same_config_on_every_rank(const planner::EpConfig& c, const
 
 void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& options, int launch_ranks,
                      int first_rank) {
+  CUDA_CHECK(cudaGetDevice(&device_));
   capacity_ = planner::worst_case_capacity(config);  // validates the config
   const int P = config.ranks;
   POUNCE_REQUIRE(P <= kMaxRanks, "fused MoE: ", P, " ranks; at most ", kMaxRanks, " (one NVLink node)");
@@ -113,6 +126,8 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   POUNCE_REQUIRE(gpu_is_hopper(), "fused MoE needs a Hopper GPU (sm_90a); this one is ",
                  gpu_info().present ? gpu_info().name : gpu_info().why_absent);
 
+  POUNCE_REQUIRE(options.wait_timeout_ns > 0 && options.wait_timeout_ns <= 3'600'000'000'000ull,
+                 "fused MoE: wait_timeout_ns = ", options.wait_timeout_ns, " must be in (0, one hour]");
   const int sms = gpu_info().multiprocessors;
   const int ctas = options.ctas_per_rank > 0 ? options.ctas_per_rank : sms / launch_ranks;
   POUNCE_REQUIRE(ctas * launch_ranks <= sms, "fused MoE: ", ctas, " CTAs per rank x ", launch_ranks,
@@ -210,15 +225,16 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   maps_.m[5] = gemm::make_bf16_tensor_map(out_ring_.data(), H, ring_rows, 64, 64);
 }
 
-// After a device error: counters start over. Across GPUs the other ranks' words are theirs to clear:
-// a failed multi-GPU group is rebuilt (collectively), not reset.
+// After a device error on one GPU: counters start over. Across GPUs the other ranks' words are theirs
+// to clear, so a failed multi-GPU layer refuses further forwards and is rebuilt (collectively).
 void FusedMoe::reset_counters() {
   CUDA_CHECK(cudaMemset(counters_.data(), 0, counters_.bytes()));
   if (peer_words_.size() > 0) CUDA_CHECK(cudaMemset(peer_words_.data(), 0, peer_words_.bytes()));
-  if (window_ && config_.ranks == 1) {
+  if (window_) {
     CUDA_CHECK(cudaMemset(params_.peers.arrivals[0], 0, config_.max_tokens_per_rank * sizeof(uint32_t)));
     CUDA_CHECK(cudaMemset(params_.peers.start_flags[0], 0, sizeof(uint32_t)));
   }
+  CUDA_CHECK(cudaDeviceSynchronize());  // cleared before a forward on any stream reads them
   params_.epoch = 0;
 }
 
@@ -232,6 +248,22 @@ void FusedMoe::set_weights(const __nv_bfloat16* w13, const __nv_bfloat16* w2) {
 
 void FusedMoe::forward(std::span<const RankIO> ranks, cudaStream_t stream) {
   POUNCE_REQUIRE(has_weights_, "FusedMoe::forward: call set_weights first");
+  int device = -1;
+  CUDA_CHECK(cudaGetDevice(&device));
+  POUNCE_REQUIRE(device == device_, "FusedMoe::forward: the layer lives on GPU ", device_, ", the current device is ",
+                 device, " (cudaSetDevice first)");
+  POUNCE_REQUIRE(!errors_.has_error(), "FusedMoe::forward: an earlier forward reported a device error that "
+                 "check_device_errors() has not collected: ", errors_.describe());
+  POUNCE_REQUIRE(!failed_, "FusedMoe::forward: this layer failed in an earlier forward (", failed_reason_,
+                 "); across GPUs its counters cannot be reset alone: rebuild the layer on every rank");
+  const int parity = int((params_.epoch + 1) % 2);  // of the forward about to run
+  if (window_) {
+    for (int r = 0; r < config_.ranks; ++r) {
+      params_.peers.x[r] = window_x_[parity][r];
+      params_.peers.topk_ids[r] = window_ids_[parity][r];
+      params_.peers.token_counts[r] = window_counts_[parity][r];
+    }
+  }
   const int L = params_.launch_ranks;
   POUNCE_REQUIRE(int64_t(ranks.size()) == L, "FusedMoe::forward: got ", ranks.size(), " ranks' tensors, the layer has ",
                  L, L == config_.ranks ? " ranks" : " rank on this GPU");
@@ -248,10 +280,10 @@ void FusedMoe::forward(std::span<const RankIO> ranks, cudaStream_t stream) {
     rs.y = io.y;
     if (window_) {  // peers read this rank's tokens from its symmetric window
       if (io.tokens > 0) {
-        CUDA_CHECK(cudaMemcpyAsync(const_cast<__nv_bfloat16*>(params_.peers.x[r]), io.x,
-                                   io.tokens * config_.hidden * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice, stream));
-        CUDA_CHECK(cudaMemcpyAsync(const_cast<int32_t*>(params_.peers.topk_ids[r]), io.topk_ids,
-                                   io.tokens * config_.topk * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream));
+        CUDA_CHECK(cudaMemcpyAsync(window_x_[parity][r], io.x, io.tokens * config_.hidden * sizeof(__nv_bfloat16),
+                                   cudaMemcpyDeviceToDevice, stream));
+        CUDA_CHECK(cudaMemcpyAsync(window_ids_[parity][r], io.topk_ids, io.tokens * config_.topk * sizeof(int32_t),
+                                   cudaMemcpyDeviceToDevice, stream));
       }
     } else {
       params_.peers.x[r] = io.x;
@@ -264,8 +296,17 @@ void FusedMoe::forward(std::span<const RankIO> ranks, cudaStream_t stream) {
 
 void FusedMoe::check_device_errors() {
   if (!errors_.has_error()) return;
-  CUDA_CHECK(cudaDeviceSynchronize());
-  reset_counters();
+  // The record is read before anything else: after a trap the context is gone and every CUDA call fails.
+  const std::string what = errors_.describe();
+  const cudaError_t synced = cudaDeviceSynchronize();
+  POUNCE_REQUIRE(synced == cudaSuccess, "kernel stopped: ", what, "; the CUDA context is lost (",
+                 cudaGetErrorString(synced), "): the kernel trapped after reporting");
+  if (window_ && config_.ranks > 1) {
+    failed_ = true;
+    failed_reason_ = what;
+  } else {
+    reset_counters();
+  }
   errors_.check();
 }
 

@@ -23,6 +23,7 @@
 #include <nccl.h>
 
 #include <memory>
+#include <string>
 
 #include "comm/nccl_window.h"
 #include "common/device_buffer.h"
@@ -70,8 +71,10 @@ class FusedMoe {
   void forward(std::span<const RankIO> ranks, cudaStream_t stream);
 
   // After the stream has synchronized: throws pounce::Error describing a device-side failure (bad
-  // routing, or a wait that gave up: which rank, role, counter, expected and observed values), and
-  // resets the layer's counters so the next forward starts clean.
+  // routing, or a wait that gave up: which rank, role, counter, expected and observed values). On one
+  // GPU it resets the layer's counters so the next forward starts clean; a layer spanning GPUs refuses
+  // further forwards and must be rebuilt on every rank. forward() refuses to run while an error is
+  // pending.
   void check_device_errors();
 
   const planner::EpConfig& config() const { return config_; }
@@ -105,6 +108,12 @@ class FusedMoe {
   DeviceBuffer<int32_t> token_counts_;
   DeviceBuffer<__nv_bfloat16> slots_;
   std::unique_ptr<comm::NcclWindow> window_;
+  __nv_bfloat16* window_x_[2][kMaxRanks] = {};  // [forward parity][rank]
+  int32_t* window_ids_[2][kMaxRanks] = {};
+  int32_t* window_counts_[2][kMaxRanks] = {};
+  int device_ = -1;      // the GPU the layer's buffers live on
+  bool failed_ = false;  // NCCL, P > 1: a device error ended this layer
+  std::string failed_reason_;
 };
 
 }  // namespace pounce::moe

@@ -103,8 +103,9 @@ void run_and_check(FusedMoe& layer, Problem& p) {
   p.poison_outputs();
   const auto io = p.io();
   layer.forward(io, nullptr);
-  CUDA_CHECK(cudaDeviceSynchronize());
-  layer.check_device_errors();
+  const cudaError_t synced = cudaDeviceSynchronize();
+  layer.check_device_errors();  // first: after a trap its record says more than the CUDA error
+  CUDA_CHECK(synced);
 }
 
 void expect_matches(const std::vector<std::vector<uint16_t>>& outputs, const std::vector<reference::EpRankResult>& want) {
@@ -166,6 +167,43 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{8, 257, 256, 128, 16, 4, RoutingPattern::kOneExpert, kMinRing},
                       Case{8, 77, 192, 320, 32, 5, RoutingPattern::kZipf, 0, 8, 12}),
     testing::NameFromPrintTo());
+
+// Forwards on one layer with token counts and routings that change every time (up, down, zero, up):
+// counters carry over from forward to forward, and a forward that uses more m-blocks or tokens than an
+// earlier one must still find every counter where it expects it.
+TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneLayer) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const Case shape{2, 303, 256, 128, 8, 2, RoutingPattern::kUniform};
+  Problem p = make_problem(rng, shape);  // up to 306 tokens per rank; buffers hold at least 303
+  FusedMoeOptions options;
+  options.minibatch_rows = 128;
+  options.ring_blocks = 2;  // slots reused many times over
+  options.wait_timeout_ns = 2'000'000'000;
+  FusedMoe layer(p.config, options);
+  layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+  const RoutingPattern patterns[] = {RoutingPattern::kUniform, RoutingPattern::kZipf, RoutingPattern::kOneExpert};
+  const int64_t counts[][2] = {{20, 7}, {303, 250}, {0, 1}, {150, 303}, {303, 303}, {5, 0}, {280, 299}};
+  int forward = 0;
+  for (const auto& count : counts) {
+    SCOPED_TRACE("forward " + std::to_string(forward));
+    for (int r = 0; r < 2; ++r) {
+      const int64_t t = count[r];
+      p.tokens[r] = t;
+      p.x[r] = testing::random_bf16_values(rng, t * shape.hidden);
+      p.ids[r] = reference::synthetic_topk_ids(patterns[forward % 3], t, shape.experts, shape.topk, rng);
+      p.weights[r] = reference::synthetic_topk_weights(t, shape.topk, rng);
+      p.d_x[r].upload(testing::to_bf16_bits(p.x[r]));
+      p.d_ids[r].upload(p.ids[r]);
+      p.d_weights[r].upload(p.weights[r]);
+    }
+    run_and_check(layer, p);
+    auto outputs = p.outputs();
+    for (int r = 0; r < 2; ++r) outputs[r].resize(p.tokens[r] * shape.hidden);  // rows past the count: unused
+    expect_matches(outputs, reference_forward(p));
+    ++forward;
+  }
+}
 
 // One rank's communication CTAs never move data: its GEMMs and the other ranks' sums wait for it. The
 // forward must end with an error naming the wait, not hang, and the layer must work again afterwards.

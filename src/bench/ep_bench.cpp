@@ -1,0 +1,154 @@
+// pounce_ep_bench: the fused layer expert-parallel across every visible GPU (2 to 8, one NCCL rank per
+// GPU, one process, a thread per GPU), at a catalogue shape with its model's full expert count split
+// over the GPUs and the slice's tokens on every rank. Reports the forward time (the slowest rank's
+// median), per-GPU TFLOP/s, and the NVLink bytes each GPU sent and received per second (rows pulled
+// from and pushed to other GPUs). JSON to --json.
+//
+// usage: pounce_ep_bench [--shape NAME] [--routing uniform|zipf] [--reps N] [--json PATH]
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <optional>
+#include <random>
+
+#include "bench/bench.h"
+#include "bench/device_fill.h"
+#include "comm/gpu_threads.h"
+#include "comm/nccl_window.h"
+#include "common/device_buffer.h"
+#include "moe/fused_moe.h"
+#include "reference/synthetic_routing.h"
+
+namespace pounce::bench {
+namespace {
+
+int run(int argc, char** argv) {
+  std::string shape_name = default_shape().name, routing = "uniform", json_path;
+  int reps = 20, warmup = 5;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&] {
+      POUNCE_REQUIRE(i + 1 < argc, "option ", arg, " needs a value");
+      return std::string(argv[++i]);
+    };
+    if (arg == "--shape") shape_name = value();
+    else if (arg == "--routing") routing = value();
+    else if (arg == "--reps") reps = std::stoi(value());
+    else if (arg == "--json") json_path = value();
+    else POUNCE_FAIL("unknown option '", arg, "'");
+  }
+  comm::disable_multicast();
+  int gpus = 0;
+  CUDA_CHECK(cudaGetDeviceCount(&gpus));
+  const int P = std::min(gpus, 8);
+  POUNCE_REQUIRE(P >= 2, "pounce_ep_bench needs at least two GPUs; this machine has ", gpus);
+  const MoeModelShape s = select_shapes(shape_name).front();
+  POUNCE_REQUIRE(s.model_experts % P == 0, s.name, ": ", s.model_experts, " experts do not split over ", P, " GPUs");
+  const planner::EpConfig config{.ranks = P, .experts = int(s.model_experts), .topk = int(s.topk),
+                                 .hidden = s.hidden, .intermediate = s.intermediate,
+                                 .max_tokens_per_rank = s.slice_tokens};
+  const int64_t T = s.slice_tokens, H = s.hidden, I = s.intermediate, E = s.model_experts, k = s.topk;
+  std::printf("%s over %d GPUs: %ld experts (%ld per GPU), %ld tokens per GPU, top-%ld, %s routing\n", s.name.c_str(),
+              P, long(E), long(E / P), long(T), long(k), routing.c_str());
+
+  // Routing of every rank, and what crosses NVLink: a route whose expert lives on another GPU is pulled
+  // there (H bf16) and its output pushed back (H bf16).
+  std::mt19937_64 rng(42);
+  std::vector<std::vector<int32_t>> ids(P);
+  std::vector<std::vector<float>> weights(P);
+  std::vector<double> sent(P, 0), received(P, 0), routes_in(P, 0);
+  for (int r = 0; r < P; ++r) {
+    ids[r] = reference::synthetic_topk_ids(reference::parse_routing_pattern(routing), T, int(E), int(k), rng);
+    weights[r] = reference::synthetic_topk_weights(T, int(k), rng);
+    for (int32_t e : ids[r]) {
+      const int owner = int(e / (E / P));
+      routes_in[owner] += 1;
+      if (owner == r) continue;
+      sent[r] += 2.0 * H;      // the token row, pulled by the owner
+      received[owner] += 2.0 * H;
+      received[r] += 2.0 * H;  // its output, pushed back
+      sent[owner] += 2.0 * H;
+    }
+  }
+
+  std::vector<ncclComm_t> comms;
+  {
+    std::vector<int> devices(P);
+    for (int d = 0; d < P; ++d) devices[d] = d;
+    comms = comm::init_single_process_comms(devices);
+  }
+  std::vector<Timing> timings(P);
+  std::vector<std::optional<DeviceBuffer<__nv_bfloat16>>> w13(P), w2(P), x(P), y(P);
+  std::vector<std::optional<DeviceBuffer<int32_t>>> d_ids(P);
+  std::vector<std::optional<DeviceBuffer<float>>> d_weights(P);
+  std::vector<std::optional<moe::FusedMoe>> layers(P);
+  const std::vector<std::string> failures = comm::run_on_every_gpu(
+      P,
+      [&](int r) {
+        w13[r].emplace(E * 2 * I * H);
+        w2[r].emplace(E * H * I);
+        x[r].emplace(T * H);
+        y[r].emplace(T * H);
+        fill_random_bf16(w13[r]->data(), w13[r]->size(), 11, 1.0f / std::sqrt(float(H)), nullptr);
+        fill_random_bf16(w2[r]->data(), w2[r]->size(), 12, 1.0f / std::sqrt(float(H)), nullptr);
+        fill_random_bf16(x[r]->data(), x[r]->size(), 100 + r, 1.0f, nullptr);
+        d_ids[r].emplace(ids[r]);
+        d_weights[r].emplace(weights[r]);
+      },
+      [&](int r) {
+        moe::FusedMoe& layer = layers[r].emplace(config, comms[r]);
+        layer.set_weights(w13[r]->data(), w2[r]->data());
+        const moe::RankIO io{x[r]->data(), d_ids[r]->data(), d_weights[r]->data(), T, y[r]->data()};
+        // Every rank launches its forwards back to back; each forward's start handshake lines them up.
+        timings[r] = time_on_stream([&](int) { layer.forward(std::span(&io, 1), nullptr); }, nullptr, warmup, reps);
+        const cudaError_t synced = cudaDeviceSynchronize();
+        layer.check_device_errors();
+        CUDA_CHECK(synced);
+      },
+      [&](int r) {
+        layers[r].reset();
+        w13[r].reset(), w2[r].reset(), x[r].reset(), y[r].reset(), d_ids[r].reset(), d_weights[r].reset();
+      });
+  for (ncclComm_t c : comms) NCCL_CHECK(ncclCommDestroy(c));
+  for (int r = 0; r < P; ++r) POUNCE_REQUIRE(failures[r].empty(), "rank ", r, ": ", failures[r]);
+
+  double slowest = 0;
+  for (const Timing& t : timings) slowest = std::max(slowest, t.median_ms);
+  Json out = Json::object();
+  out["shape"] = s.name;
+  out["gpus"] = P;
+  out["routing"] = routing;
+  out["tokens_per_gpu"] = T;
+  out["forward_ms_slowest_rank"] = slowest;
+  Json ranks = Json::array();
+  std::printf("rank  median ms  TFLOP/s  NVLink GB/s out  in\n");
+  for (int r = 0; r < P; ++r) {
+    const double ms = timings[r].median_ms;
+    const double tflops = 6.0 * routes_in[r] * double(H) * double(I) / (slowest * 1e-3) / 1e12;
+    const double out_gbps = sent[r] / (slowest * 1e-3) / 1e9, in_gbps = received[r] / (slowest * 1e-3) / 1e9;
+    std::printf("%4d  %9.3f  %7.1f  %15.1f  %5.1f\n", r, ms, tflops, out_gbps, in_gbps);
+    Json j = Json::object();
+    j["rank"] = r;
+    j["timing"] = timing_json(timings[r]);
+    j["tflops_at_slowest"] = tflops;
+    j["nvlink_out_gbps"] = out_gbps;
+    j["nvlink_in_gbps"] = in_gbps;
+    ranks.push_back(j);
+  }
+  out["ranks"] = ranks;
+  if (!json_path.empty()) std::ofstream(json_path) << out.dump() << "\n";
+  return 0;
+}
+
+}  // namespace
+}  // namespace pounce::bench
+
+int main(int argc, char** argv) {
+  try {
+    return pounce::bench::run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "pounce_ep_bench: %s\n", e.what());
+    return 1;
+  }
+}
