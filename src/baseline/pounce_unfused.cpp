@@ -24,12 +24,11 @@ void PounceUnfusedMoe::set_routing(std::span<const int32_t> topk_ids, int64_t to
   has_routing_ = true;
 }
 
-gemm::GroupedGemmArgs PounceUnfusedMoe::gemm_args(Gemm which) const {
-  POUNCE_REQUIRE(w13_ && has_routing_, "PounceUnfusedMoe: call set_weights and set_routing first");
+gemm::GroupedGemmArgs PounceUnfusedMoe::gemm_args(Gemm which, const int32_t* expert_offsets) const {
   gemm::GroupedGemmArgs g;
   g.a_rows = capacity_rows_;
   g.experts = int(dims_.experts);
-  g.expert_offsets = plan_.expert_offsets_dev.data();
+  g.expert_offsets = expert_offsets;
   if (which == Gemm::kGateUp) {
     g.a = pool_.data();
     g.b = w13_;
@@ -49,19 +48,53 @@ gemm::GroupedGemmArgs PounceUnfusedMoe::gemm_args(Gemm which) const {
 }
 
 void PounceUnfusedMoe::run_gemm(Gemm which, cudaStream_t stream, const gemm::GemmTuning& tuning) {
-  gemm::GroupedGemmArgs args = gemm_args(which);
+  POUNCE_REQUIRE(w13_ && has_routing_, "PounceUnfusedMoe: call set_weights and set_routing first");
+  gemm::GroupedGemmArgs args = gemm_args(which, plan_.expert_offsets_dev.data());
   args.tuning = tuning;
   gemm_.run(args, stream);
 }
 
 void PounceUnfusedMoe::forward(const __nv_bfloat16* x, const float* topk_weights, __nv_bfloat16* y,
                                cudaStream_t stream) {
-  const gemm::GroupedGemmArgs gate_up = gemm_args(Gemm::kGateUp);  // checks the set-up before any launch
+  POUNCE_REQUIRE(w13_ && has_routing_, "PounceUnfusedMoe: call set_weights and set_routing first");
   permute_rows(x, plan_.row_token.data(), plan_.padded_rows, dims_.hidden, pool_.data(), stream);
-  gemm_.run(gate_up, stream);
-  gemm_.run(gemm_args(Gemm::kDown), stream);
+  gemm_.run(gemm_args(Gemm::kGateUp, plan_.expert_offsets_dev.data()), stream);
+  gemm_.run(gemm_args(Gemm::kDown, plan_.expert_offsets_dev.data()), stream);
   weighted_combine(out_.data(), plan_.route_row.data(), topk_weights, plan_.tokens, dims_.topk, dims_.hidden, y,
                    stream);
+}
+
+void PounceUnfusedMoe::forward_with_device_schedule(const __nv_bfloat16* x, const int32_t* topk_ids, int64_t tokens,
+                                                    const float* topk_weights, __nv_bfloat16* y,
+                                                    cudaStream_t stream) {
+  POUNCE_REQUIRE(w13_, "PounceUnfusedMoe: call set_weights first");
+  POUNCE_REQUIRE(tokens >= 0 && tokens <= dims_.max_tokens && (tokens == 0 || topk_ids), "PounceUnfusedMoe: ",
+                 tokens, " tokens (at most ", dims_.max_tokens, ") with topk_ids ", topk_ids ? "set" : "null");
+  if (!device_planner_) {
+    // One minibatch row count is as good as another: the unfused GEMMs ignore minibatches.
+    device_planner_ = std::make_unique<planner::DevicePlanner>(single_rank_config(dims_), planner::kBlockM);
+    planner_ids_ = DeviceBuffer<const int32_t*>(1);
+    planner_tokens_ = DeviceBuffer<int32_t>(1);
+  }
+  if (topk_ids != planned_ids_ || tokens != planned_tokens_) {
+    planner_ids_.upload(std::vector<const int32_t*>{topk_ids});
+    planner_tokens_.upload(std::vector<int32_t>{int32_t(tokens)});
+    planned_ids_ = topk_ids;
+    planned_tokens_ = tokens;
+  }
+  const planner::DevicePlanner& plan = *device_planner_;
+  device_planner_->plan(0, planner_ids_.data(), planner_tokens_.data(), stream);
+  // The schedule's length is on the device: permute every row the capacity allows (padding rows and
+  // rows past the schedule become zeros).
+  permute_rows(x, plan.row_token(), capacity_rows_, dims_.hidden, pool_.data(), stream);
+  gemm_.run(gemm_args(Gemm::kGateUp, plan.expert_offsets()), stream);
+  gemm_.run(gemm_args(Gemm::kDown, plan.expert_offsets()), stream);
+  weighted_combine(out_.data(), plan.route_row(), topk_weights, tokens, dims_.topk, dims_.hidden, y, stream);
+}
+
+void PounceUnfusedMoe::check_device_errors() {
+  if (device_planner_) device_planner_->check_device_errors();
+  gemm_.check_device_errors();
 }
 
 }  // namespace pounce::baseline

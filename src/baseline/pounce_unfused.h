@@ -1,16 +1,23 @@
 // pounce's own unfused MoE forward: the steps of the cuBLAS baseline with pounce's grouped GEMM engine,
 // SwiGLU fused into GEMM1's epilogue: permute, GEMM1 + SwiGLU, GEMM2, weighted combine, four launches
 // back to back. The fused megakernel must never be slower than this chain.
+//
+// Two ways to get the schedule: set_routing() plans on the host, once, outside the forward (free for
+// the timed chain; routing copied to the host every step in training); forward_with_device_schedule()
+// plans on the GPU as the first step of every forward (planner::DevicePlanner, three launches), from
+// routing in device memory, as the fused layer does.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <memory>
 #include <span>
 
 #include "baseline/cublas_moe.h"
 #include "baseline/routing_plan.h"
 #include "gemm/grouped_gemm.h"
+#include "planner/device_planner.h"
 
 namespace pounce::baseline {
 
@@ -21,16 +28,21 @@ class PounceUnfusedMoe {
   void set_weights(const __nv_bfloat16* w13, const __nv_bfloat16* w2);
   void set_routing(std::span<const int32_t> topk_ids, int64_t tokens);
   void forward(const __nv_bfloat16* x, const float* topk_weights, __nv_bfloat16* y, cudaStream_t stream);
+  // The whole chain from device routing: schedule (device planner), permute, GEMM1, GEMM2, combine; no
+  // host sync (topk_ids [tokens, k] in device memory; the first call with a new pointer or count
+  // uploads them to the planner synchronously).
+  void forward_with_device_schedule(const __nv_bfloat16* x, const int32_t* topk_ids, int64_t tokens,
+                                    const float* topk_weights, __nv_bfloat16* y, cudaStream_t stream);
   // One GEMM alone on the buffers the last forward() filled (GEMM benchmarks).
   void run_gemm(Gemm gemm, cudaStream_t stream, const gemm::GemmTuning& tuning = {});
   // After synchronizing: throws if a GEMM reported a device-side error.
-  void check_device_errors() { gemm_.check_device_errors(); }
+  void check_device_errors();
 
   const RoutingPlan& plan() const { return plan_; }
   const __nv_bfloat16* hidden() const { return hidden_.data(); }
 
  private:
-  gemm::GroupedGemmArgs gemm_args(Gemm which) const;
+  gemm::GroupedGemmArgs gemm_args(Gemm which, const int32_t* expert_offsets) const;
 
   MoeDims dims_;
   int64_t capacity_rows_ = 0;
@@ -40,6 +52,12 @@ class PounceUnfusedMoe {
   bool has_routing_ = false;
   DeviceBuffer<__nv_bfloat16> pool_, hidden_, out_;
   gemm::GroupedGemm gemm_;
+  // forward_with_device_schedule's planner and its inputs (a table of one pointer, one token count).
+  std::unique_ptr<planner::DevicePlanner> device_planner_;
+  DeviceBuffer<const int32_t*> planner_ids_;
+  DeviceBuffer<int32_t> planner_tokens_;
+  const int32_t* planned_ids_ = nullptr;
+  int64_t planned_tokens_ = -1;
 };
 
 }  // namespace pounce::baseline

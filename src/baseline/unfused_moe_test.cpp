@@ -72,6 +72,19 @@ TEST_P(UnfusedMoeTest, MatchesHostReference) {
     CUDA_CHECK(cudaDeviceSynchronize());
     unfused.check_device_errors();
   });
+  const auto host_scheduled = d_y.download();
+
+  // Scheduled on the GPU from device routing: the same schedule, so the same bits.
+  DeviceBuffer<int32_t> d_ids(ids);
+  PounceUnfusedMoe device_scheduled(dims);
+  device_scheduled.set_weights(bf16(d_w13), bf16(d_w2));
+  check("pounce_unfused, device schedule", [&] {
+    device_scheduled.forward_with_device_schedule(bf16(d_x), d_ids.data(), p.tokens, d_weights.data(), bf16(d_y),
+                                                  nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    device_scheduled.check_device_errors();
+  });
+  EXPECT_EQ(d_y.download(), host_scheduled);
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -5,7 +5,8 @@
 // One CTA per SM, 384 threads:
 //   warpgroup 0: producer. One thread takes tiles from a TileSource (which also waits, bounded, for the
 //                tile's inputs to be ready), publishes each to the consumers and streams A/B K-slices
-//                with TMA into a kStages-deep mbarrier ring.
+//                with TMA into a kStages-deep mbarrier ring. With a gathering tile source the whole
+//                warpgroup streams: each A row then comes from a row table (cp.async), B still by TMA.
 //   warpgroups 1-2: consumers. Each owns 64 of the tile's 128 rows: wgmma m64n256k16 from shared memory,
 //                fp32 accumulators in registers, then the epilogue (SwiGLU, row scale) writes bf16 into
 //                a swizzled staging box that a TMA store copies out while the next tile's mainloop runs.
@@ -40,7 +41,7 @@ constexpr uint32_t kConsumerRegisters = 232;
 
 // Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue, one for
 // all consumer threads (callers use it after the GEMM role, when the producer warpgroup has left).
-enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1, kConsumersBarrier = 3 };
+enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1, kConsumersBarrier = 3, kProducerBarrier = 4 };
 
 struct TileInfo {
   int32_t gemm;     // which GemmOperands
@@ -57,7 +58,7 @@ struct SharedStorage {
   alignas(1024) __nv_bfloat16 a[kStages][kBlockM * kBlockK];
   alignas(1024) __nv_bfloat16 b[kStages][kBlockN * kBlockK];
   alignas(1024) __nv_bfloat16 c[kConsumerWarpgroups][kStoreSlots][kStoreBoxRows * kStoreBoxCols];
-  uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes)
+  uint64_t full[kStages];   // A and B landed            (producer arrivals + TMA transaction bytes)
   uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer warp)
   uint64_t tile_full[kTileSlots];
   uint64_t tile_empty[kTileSlots];
@@ -79,8 +80,17 @@ __device__ __forceinline__ SharedStorage& shared_storage(uint8_t* smem_raw) {
 //   bool next(TileInfo& tile)  takes the next tile, waits (bounded) until its A rows are ready and fences
 //                              them for TMA; false when there are no more tiles or a wait gave up.
 //   const GemmOperands& operands(int gemm) const
+//   static constexpr bool kGathers   true if an operand set may gather A (GemmOperands::gather): the
+//                                    whole producer warpgroup then streams, for every tile
+// A gathered A: row i of the GEMM's A is row row_index[i] of `rows` (-1: a padding row, read as zeros).
+struct RowGather {
+  const __nv_bfloat16* rows;
+  const int32_t* row_index;
+  int64_t row_stride;  // elements between consecutive rows
+};
+
 struct GemmOperands {
-  const CUtensorMap* a;  // [rows, k] bf16, box kBlockK x kBlockM
+  const CUtensorMap* a;  // [rows, k] bf16, box kBlockK x kBlockM (unused when gather is set)
   const CUtensorMap* b;  // [experts * n, k] bf16, box kBlockK x kBlockN
   const CUtensorMap* c;  // [rows, out cols] bf16, box kStoreBoxCols x kStoreBoxRows
   int32_t k_blocks;
@@ -89,6 +99,7 @@ struct GemmOperands {
   // Optional per-m-block completion counters: each consumer adds 1 once its half of a tile is in global
   // memory (so a finished m-block has 2 * n-blocks arrivals). Without them stores stay asynchronous.
   uint32_t* done;
+  const RowGather* gather;  // optional: A rows gathered by the producer warpgroup (Tiles::kGathers)
 };
 
 // Waits inside the CTA must outlast the producer's readiness wait, which they may sit behind.
@@ -98,26 +109,71 @@ __device__ __forceinline__ uint64_t pipeline_timeout_ns(uint64_t ready_timeout_n
 
 // ---- producer ---------------------------------------------------------------------------------------
 
+// Threads that arrive on a stage's `full` barrier: the one streaming thread, or the warpgroup.
+template <class Tiles>
+constexpr uint32_t producer_threads() {
+  return Tiles::kGathers ? 128 : 1;
+}
+
+// A gathered A slice: 128 rows x 128 bytes, 16 bytes per cp.async; thread t copies unit t % 8 of rows
+// t / 8 + 16 i into the 128-byte swizzle TMA would have produced (unit u of row r at u ^ (r % 8)).
+__device__ __forceinline__ void gather_a_slice(uint32_t a_stage, const RowGather& g, const int32_t (&rows)[8],
+                                               int kb, int thread) {
+  const int unit = thread % 8, r0 = thread / 8;  // r0 + 16 i has the same r % 8 for every i
+  const uint32_t dst = a_stage + r0 * 128 + ((unit ^ (r0 % 8)) * 16);
+  const int64_t column = int64_t(kb) * kBlockK + unit * 8;
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    ptx::cp_async_16(dst + i * 16 * 128, g.rows + int64_t(max(rows[i], 0)) * g.row_stride + column, rows[i] >= 0);
+}
+
+// Runs on producer_threads<Tiles>() threads of warpgroup 0.
 template <class Tiles>
 __device__ void run_producer(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site) {
+  constexpr uint32_t kBBytes = kBlockN * kBlockK * sizeof(__nv_bfloat16);
+  const int thread = threadIdx.x;
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
   for (;;) {
-    TileInfo info{};
-    info.valid = tiles.next(info) ? 1 : 0;
-    mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
-    s.tiles[slot] = info;
-    ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the consumers' wait makes `info` visible
+    if (thread == 0) {
+      TileInfo info{};
+      info.valid = tiles.next(info) ? 1 : 0;
+      mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
+      s.tiles[slot] = info;
+      ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the consumers' wait makes `info` visible
+    }
+    // The other producer threads read the slot after this barrier, before the next one; thread 0
+    // rewrites it two tiles later, after that next barrier.
+    if constexpr (Tiles::kGathers) ptx::named_barrier_sync(kProducerBarrier, 128);
+    const TileInfo info = s.tiles[slot];
     if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
     if (!info.valid) return;
 
     const GemmOperands& op = tiles.operands(info.gemm);
+    const RowGather* gather = Tiles::kGathers ? op.gather : nullptr;
+    int32_t rows[8] = {};
+    if (gather != nullptr) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) rows[i] = gather->row_index[info.a_row + thread / 8 + 16 * i];
+    }
     for (int kb = 0; kb < op.k_blocks; ++kb) {
       mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
-      ptx::mbarrier_arrive_expect_tx(&s.full[stage], kStageBytes);
-      ptx::tma_load_2d(s.a[stage], op.a, &s.full[stage], kb * kBlockK, info.a_row);
-      // B rows past the last expert are out of bounds and zero-filled; rows past this expert's N belong
-      // to the next expert and only feed output columns the clipped store never writes.
-      ptx::tma_load_2d(s.b[stage], op.b, &s.full[stage], kb * kBlockK, info.b_row);
+      if (gather != nullptr) {
+        // Thread 0 announces B's bytes before its own arrival, so the phase cannot complete without them.
+        if (thread == 0) {
+          ptx::mbarrier_expect_tx(&s.full[stage], kBBytes);
+          ptx::tma_load_2d(s.b[stage], op.b, &s.full[stage], kb * kBlockK, info.b_row);
+        }
+        gather_a_slice(ptx::smem_addr(s.a[stage]), *gather, rows, kb, thread);
+        ptx::cp_async_mbarrier_arrive_noinc(&s.full[stage]);
+      } else if (thread == 0) {
+        ptx::mbarrier_arrive_expect_tx(&s.full[stage], kStageBytes);
+        ptx::tma_load_2d(s.a[stage], op.a, &s.full[stage], kb * kBlockK, info.a_row);
+        // B rows past the last expert are out of bounds and zero-filled; rows past this expert's N belong
+        // to the next expert and only feed output columns the clipped store never writes.
+        ptx::tma_load_2d(s.b[stage], op.b, &s.full[stage], kb * kBlockK, info.b_row);
+      } else {
+        ptx::mbarrier_arrive(&s.full[stage]);
+      }
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
   }
@@ -216,6 +272,8 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
     uint32_t previous_stage = 0;
     for (int kb = 0; kb < op.k_blocks; ++kb) {
       mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+      // Gathered A rows were written by cp.async (generic proxy); wgmma reads through the async proxy.
+      if constexpr (Tiles::kGathers) ptx::fence_proxy_async_shared();
       const uint32_t a_base = ptx::smem_addr(s.a[stage]) + consumer * kRowsPerConsumer * 128;
       const uint32_t b_base = ptx::smem_addr(s.b[stage]);
       ptx::fence_registers(acc);
@@ -251,7 +309,7 @@ template <class Tiles>
 __device__ void run_gemm_cta(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
-      ptx::mbarrier_init(&s.full[i], 1);
+      ptx::mbarrier_init(&s.full[i], producer_threads<Tiles>());
       ptx::mbarrier_init(&s.empty[i], kConsumerWarps);
     }
     for (int i = 0; i < kTileSlots; ++i) {
@@ -267,11 +325,11 @@ __device__ void run_gemm_cta(SharedStorage& s, Tiles& tiles, const WaitSite& pip
     ptx::setmaxnreg_dec<kProducerRegisters>();
     if (threadIdx.x == 0) {
       for (int g = 0; g < 2; ++g) {
-        ptx::prefetch_tensormap(tiles.operands(g).a);
+        if (tiles.operands(g).a != nullptr) ptx::prefetch_tensormap(tiles.operands(g).a);
         ptx::prefetch_tensormap(tiles.operands(g).b);
       }
-      run_producer(s, tiles, pipe_site);
     }
+    if (threadIdx.x < producer_threads<Tiles>()) run_producer(s, tiles, pipe_site);
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();
     run_consumer(s, tiles, pipe_site, warpgroup - 1);

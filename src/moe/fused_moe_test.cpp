@@ -30,6 +30,7 @@ struct Case {
   int ring_blocks = 0;     // 0: default; kMinRing: two one-m-block minibatches
   int comm_ctas = 0;       // 0: default
   int ctas_per_rank = 0;   // 0: default
+  bool in_place = true;    // P = 1: rows stay where they are (false: through ring and slots)
 };
 
 void PrintTo(const Case& c, std::ostream* out) {
@@ -38,6 +39,7 @@ void PrintTo(const Case& c, std::ostream* out) {
   if (c.ring_blocks == kMinRing) *out << "_ringmin";
   if (c.comm_ctas) *out << "_comm" << c.comm_ctas;
   if (c.ctas_per_rank) *out << "_ctas" << c.ctas_per_rank;
+  if (c.ranks == 1 && !c.in_place) *out << "_moved";
 }
 
 __nv_bfloat16* bf16(const DeviceBuffer<uint16_t>& b) { return reinterpret_cast<__nv_bfloat16*>(b.data()); }
@@ -130,6 +132,7 @@ TEST_P(FusedMoeTest, MatchesHostReferenceAndRepeatsBitwise) {
   FusedMoeOptions options;
   options.comm_ctas = c.comm_ctas;
   options.ctas_per_rank = c.ctas_per_rank;
+  options.in_place = c.in_place;
   if (c.ring_blocks == kMinRing) {
     options.minibatch_rows = 128;
     options.ring_blocks = 2;
@@ -142,7 +145,8 @@ TEST_P(FusedMoeTest, MatchesHostReferenceAndRepeatsBitwise) {
   run_and_check(layer, p);
   const auto first = p.outputs();
   expect_matches(first, reference_forward(p));
-  if (c.ring_blocks == kMinRing && layer.max_m_blocks() > 2) {
+  EXPECT_EQ(layer.in_place(), c.ranks == 1 && c.in_place);
+  if (c.ring_blocks == kMinRing && layer.max_m_blocks() > 2 && !layer.in_place()) {
     EXPECT_EQ(layer.ring_blocks(), 2);
   }
 
@@ -156,7 +160,12 @@ TEST_P(FusedMoeTest, MatchesHostReferenceAndRepeatsBitwise) {
 INSTANTIATE_TEST_SUITE_P(
     VirtualRanks, FusedMoeTest,
     ::testing::Values(Case{1, 300, 256, 128, 8, 2, RoutingPattern::kUniform},
-                      Case{1, 2000, 1024, 512, 16, 6, RoutingPattern::kZipf, kMinRing, 4},
+                      Case{1, 2000, 1024, 512, 16, 6, RoutingPattern::kZipf, kMinRing, 4, 0, false},
+                      Case{1, 2000, 1024, 512, 16, 6, RoutingPattern::kZipf},
+                      Case{1, 700, 256, 192, 8, 4, RoutingPattern::kOneExpert, 0, 0, 40},
+                      Case{1, 333, 384, 128, 16, 3, RoutingPattern::kHalfEmpty},
+                      Case{1, 0, 256, 128, 8, 2, RoutingPattern::kUniform},
+                      Case{1, 300, 256, 128, 8, 2, RoutingPattern::kUniform, 0, 0, 0, false},
                       Case{1, 1, 128, 64, 4, 1, RoutingPattern::kUniform},
                       Case{2, 129, 512, 192, 16, 4, RoutingPattern::kZipf, kMinRing, 1},
                       Case{2, 0, 256, 128, 8, 2, RoutingPattern::kUniform},
@@ -171,14 +180,13 @@ INSTANTIATE_TEST_SUITE_P(
 // Forwards on one layer with token counts and routings that change every time (up, down, zero, up):
 // counters carry over from forward to forward, and a forward that uses more m-blocks or tokens than an
 // earlier one must still find every counter where it expects it.
-TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneLayer) {
-  POUNCE_REQUIRE_HOPPER();
+void run_changing_forwards(int ranks) {
   auto rng = testing::fresh_rng();
-  const Case shape{2, 303, 256, 128, 8, 2, RoutingPattern::kUniform};
+  const Case shape{ranks, 303, 256, 128, 8, 2, RoutingPattern::kUniform};
   Problem p = make_problem(rng, shape);  // up to 306 tokens per rank; buffers hold at least 303
   FusedMoeOptions options;
   options.minibatch_rows = 128;
-  options.ring_blocks = 2;  // slots reused many times over
+  options.ring_blocks = 2;  // P > 1: slots reused many times over
   options.wait_timeout_ns = 2'000'000'000;
   FusedMoe layer(p.config, options);
   layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
@@ -187,7 +195,7 @@ TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneLayer) {
   int forward = 0;
   for (const auto& count : counts) {
     SCOPED_TRACE("forward " + std::to_string(forward));
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < ranks; ++r) {
       const int64_t t = count[r];
       p.tokens[r] = t;
       p.x[r] = testing::random_bf16_values(rng, t * shape.hidden);
@@ -199,10 +207,20 @@ TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneLayer) {
     }
     run_and_check(layer, p);
     auto outputs = p.outputs();
-    for (int r = 0; r < 2; ++r) outputs[r].resize(p.tokens[r] * shape.hidden);  // rows past the count: unused
+    for (int r = 0; r < ranks; ++r) outputs[r].resize(p.tokens[r] * shape.hidden);  // rows past the count: unused
     expect_matches(outputs, reference_forward(p));
     ++forward;
   }
+}
+
+TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneLayer) {
+  POUNCE_REQUIRE_HOPPER();
+  run_changing_forwards(2);
+}
+
+TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneLayerInPlace) {
+  POUNCE_REQUIRE_HOPPER();
+  run_changing_forwards(1);
 }
 
 // One rank's communication CTAs never move data: its GEMMs and the other ranks' sums wait for it. The
@@ -259,8 +277,8 @@ TEST(FusedMoe, BadRoutingIsReportedAndCorruptsNothing) {
 }
 
 // The NCCL transport at one rank (NCCL allows one rank per GPU, and this machine has one): the same
-// kernel reading and writing through the symmetric window's LSA pointers must give the virtual-rank
-// layer's output bit for bit, forward after forward.
+// kernel reading and writing through the symmetric window's LSA pointers, rows moved or in place, must
+// give the virtual-rank layer's output bit for bit, forward after forward.
 TEST(FusedMoe, NcclOneRankMatchesVirtualRanksBitwise) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
@@ -273,6 +291,13 @@ TEST(FusedMoe, NcclOneRankMatchesVirtualRanksBitwise) {
 
   std::vector<ncclComm_t> comms = comm::init_single_process_comms({0});
   {
+    // Rows in place and rows through the window's ring and slots: the same bits.
+    FusedMoeOptions moved;
+    moved.in_place = false;
+    FusedMoe nccl_moved(p.config, comms[0], moved);
+    nccl_moved.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+    run_and_check(nccl_moved, p);
+    EXPECT_EQ(p.outputs(), want) << "rows moved";
     FusedMoe nccl_layer(p.config, comms[0]);
     nccl_layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
     for (int repeat = 0; repeat < 3; ++repeat) {
@@ -300,7 +325,17 @@ TEST(FusedMoe, RejectsBadHostInputWithClearErrors) {
   io[0].y = nullptr;
   testing::expect_error([&] { layer.forward(io, nullptr); }, "null x, topk_ids, topk_weights or y");
 
+  planner::EpConfig one_rank = p.config;
+  one_rank.ranks = 1;
   FusedMoeOptions options;
+  options.comm_ctas = 4;
+  testing::expect_error([&] { FusedMoe bad(one_rank, options); },
+                        "comm_ctas = 4, but a one-rank layer in place moves no rows");
+  options.in_place = false;
+  FusedMoe moved(one_rank, options);
+  EXPECT_FALSE(moved.in_place());
+  EXPECT_EQ(moved.comm_ctas(), 4);
+  options = {};
   options.comm_ctas = 20;
   options.ctas_per_rank = 20;
   testing::expect_error([&] { FusedMoe bad(p.config, options); }, "comm_ctas = 20 must be in [1, ctas_per_rank = 20)");

@@ -6,6 +6,8 @@
 // stored. Inside a minibatch tiles run m-fastest (the ~130 tiles in flight share a few weight n-blocks).
 // Every wait points at earlier queue entries or at dispatch items that only wait on earlier GEMM2
 // tiles (the ring holds at least two minibatches), so the queue cannot deadlock.
+// In place (p.in_place), GEMM1 gathers its rows from x, ready once planned, and the ring holds every
+// m-block: its A row of schedule row i is x[row_token[i]], and ring rows equal schedule rows (one rank).
 #pragma once
 
 #include "common/bounded_wait.cuh"
@@ -17,14 +19,17 @@ namespace pounce::moe {
 
 class FusedTiles {
  public:
+  static constexpr bool kGathers = true;  // GEMM1 in place
   // maps: x_ring (A of GEMM1), w13, h_ring store box, h_ring load box (A of GEMM2), w2, out_ring store box.
   __device__ FusedTiles(const FusedParams& p, const RankState& rs, int lr, const CUtensorMap* maps)
       : p_(p), rs_(rs), lr_(lr), sizes_(*rs.sizes) {
     n_blocks_[0] = (2 * p.intermediate + gemm::kBlockN - 1) / gemm::kBlockN;
     n_blocks_[1] = (p.hidden + gemm::kBlockN - 1) / gemm::kBlockN;
-    ops_[0] = {&maps[0], &maps[1], &maps[2], p.hidden / gemm::kBlockK, gemm::Epilogue::kSwiGLU, nullptr, rs.gemm1_done};
+    gather_ = {p.peers.x[rs.rank], rs.row_token, p.hidden};
+    ops_[0] = {p.in_place ? nullptr : &maps[0], &maps[1], &maps[2], p.hidden / gemm::kBlockK, gemm::Epilogue::kSwiGLU,
+               nullptr, rs.gemm1_done, p.in_place ? &gather_ : nullptr};
     ops_[1] = {&maps[3], &maps[4], &maps[5], p.intermediate / gemm::kBlockK, gemm::Epilogue::kStore, nullptr,
-               rs.gemm2_done};
+               rs.gemm2_done, nullptr};
   }
 
   __device__ bool next(gemm::pipeline::TileInfo& info) {
@@ -33,7 +38,8 @@ class FusedTiles {
     if (!decode(ticket, gemm, m_block, n_block)) return false;
     const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
     const bool ready =
-        gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], p_.epoch, site, WaitTarget::kMBlockReady, m_block)
+        gemm == 0 ? p_.in_place ||
+                        counter_wait_bounded(&rs_.dispatched[m_block], p_.epoch, site, WaitTarget::kMBlockReady, m_block)
                   : counter_wait_bounded(&rs_.gemm1_done[m_block], p_.epoch * 2 * uint32_t(n_blocks_[0]), site,
                                          WaitTarget::kGemm1Done, m_block);
     if (!ready) return false;
@@ -99,6 +105,7 @@ class FusedTiles {
   int lr_;
   planner::DeviceScheduleSizes sizes_;
   int32_t n_blocks_[2];
+  gemm::pipeline::RowGather gather_;
   gemm::pipeline::GemmOperands ops_[2];
 };
 

@@ -44,6 +44,7 @@ DevicePlanner::DevicePlanner(const EpConfig& config, int64_t minibatch_rows) : c
   row_token_ = DeviceBuffer<int32_t>(capacity_.max_padded_rows);
   row_k_ = DeviceBuffer<int32_t>(capacity_.max_padded_rows);
   minibatch_starts_ = DeviceBuffer<int32_t>(capacity_.max_m_blocks + 2);
+  route_row_ = DeviceBuffer<int32_t>(std::max<int64_t>(1, config.ranks * config.max_tokens_per_rank * config.topk));
   sizes_ = DeviceBuffer<DeviceScheduleSizes>(1);
 }
 
@@ -63,7 +64,7 @@ void DevicePlanner::plan(int rank, const int32_t* const* topk_ids, const int32_t
   const steps::Outputs o{chunk_counts_.data(),    expert_routes_.data(), expert_offsets_.data(),
                          row_source_rank_.data(), row_token_.data(),     row_k_.data(),
                          minibatch_starts_.data(), sizes_.data(),        capacity_.max_padded_rows,
-                         blocks_per_minibatch_};
+                         blocks_per_minibatch_,   route_row_.data()};
   const int chunks = r.chunks();
   count_kernel<<<chunks, kChunkTokens, 0, stream>>>(r, o, errors_.device_sink());
   CUDA_CHECK_LAUNCH();

@@ -51,6 +51,8 @@ class DevicePlanner {
   const int32_t* row_token() const { return row_token_.data(); }
   const int32_t* row_k() const { return row_k_.data(); }
   const int32_t* minibatch_starts() const { return minibatch_starts_.data(); }  // [minibatches + 1]
+  // [P, max_tokens, k]: the row of route (s, t, j) when it came to this rank (other entries stale).
+  const int32_t* route_row() const { return route_row_.data(); }
   const DeviceScheduleSizes* sizes() const { return sizes_.data(); }
   const Capacity& capacity() const { return capacity_; }
 
@@ -60,7 +62,8 @@ class DevicePlanner {
   int32_t blocks_per_minibatch_ = 0;
   int32_t chunks_per_rank_ = 0;
   DeviceBuffer<int32_t> chunk_counts_;  // [P * chunks_per_rank, E_local]: counts, then bases
-  DeviceBuffer<int32_t> expert_routes_, expert_offsets_, row_source_rank_, row_token_, row_k_, minibatch_starts_;
+  DeviceBuffer<int32_t> expert_routes_, expert_offsets_, row_source_rank_, row_token_, row_k_, minibatch_starts_,
+      route_row_;
   DeviceBuffer<DeviceScheduleSizes> sizes_;
   DeviceErrorSlot errors_;
 };

@@ -99,6 +99,16 @@ TEST_P(DevicePlannerTest, MatchesHostPlannerBitForBit) {
     expect_rows(planner.row_source_rank(), want.row_source_rank, "row_source_rank");
     expect_rows(planner.row_token(), want.row_token, "row_token");
     expect_rows(planner.row_k(), want.row_k, "row_k");
+    // The inverse map: every routed row is where route_row says its route went.
+    const auto route_row = download_prefix(planner.route_row(), c.ranks * c.max_tokens * c.topk);
+    int64_t mismatches = 0;
+    for (int64_t row = 0; row < want.padded_rows(); ++row) {
+      if (want.row_token[row] < 0) continue;
+      const int64_t route = (int64_t(want.row_source_rank[row]) * c.max_tokens + want.row_token[row]) * c.topk +
+                            want.row_k[row];
+      mismatches += route_row[route] != row;
+    }
+    EXPECT_EQ(mismatches, 0) << "route_row disagrees with the placed rows";
   }
 }
 

@@ -37,6 +37,7 @@ struct Outputs {
   DeviceScheduleSizes* sizes;
   int64_t capacity_rows;
   int32_t blocks_per_minibatch;
+  int32_t* route_row = nullptr;  // optional [P, max_tokens, k]: the row each placed route went to
 };
 
 // Tokens of rank s the planner reads: its count, clamped to [0, max_tokens] (bad counts are reported).
@@ -180,6 +181,7 @@ __device__ inline void place_chunk(const Routing& r, int32_t chunk, const Output
       o.row_source_rank[row] = s;
       o.row_token[row] = t;
       o.row_k[row] = j;
+      if (o.route_row != nullptr) o.route_row[(int64_t(s) * r.max_tokens + t) * r.topk + j] = row;
     }
     __syncwarp();  // every peer has read running[e] before the last of them advances it
     if (e >= 0 && lane == 31 - __clz(peers)) running[e] += __popc(peers);
