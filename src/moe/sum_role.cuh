@@ -50,11 +50,16 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
     if (!__all_sync(0xFFFFFFFFu, ok)) return;
 
     const float* w = rs.topk_weights + int64_t(t) * p.topk;
-    for (int64_t v = lane; v < vecs; v += 32) {
+    // Warp-uniform trip count: every lane takes part in every shuffle (rows need not be a multiple of
+    // 32 vectors long).
+    for (int64_t first = 0; first < vecs; first += 32) {
+      const int64_t v = first + lane;
       float acc[8] = {};
       for (int k = 0; k < p.topk; ++k) {
+        const uint4* source = reinterpret_cast<const uint4*>(__shfl_sync(0xFFFFFFFFu, uintptr_t(row), k));
+        if (v >= vecs) continue;
         const float wk = w[k];
-        const uint4 bits = reinterpret_cast<const uint4*>(__shfl_sync(0xFFFFFFFFu, uintptr_t(row), k))[v];
+        const uint4 bits = source[v];
         const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(&bits);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -63,6 +68,7 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
           acc[2 * q + 1] = fmaf(wk, f.y, acc[2 * q + 1]);
         }
       }
+      if (v >= vecs) continue;
       uint4 result;
       __nv_bfloat162* r = reinterpret_cast<__nv_bfloat162*>(&result);
 #pragma unroll
