@@ -63,6 +63,7 @@ struct SharedStorage {
   uint64_t tile_full[kTileSlots];
   uint64_t tile_empty[kTileSlots];
   TileInfo tiles[kTileSlots];
+  int32_t gather_rows[kBlockM];  // a gathered tile's A row table, for the producer warpgroup
 };
 constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;  // + slack to align the dynamic base
 static_assert(kSharedBytes <= 232448, "shared memory exceeds the sm_90 per-block limit");
@@ -116,15 +117,18 @@ constexpr uint32_t producer_threads() {
 }
 
 // A gathered A slice: 128 rows x 128 bytes, 16 bytes per cp.async; thread t copies unit t % 8 of rows
-// t / 8 + 16 i into the 128-byte swizzle TMA would have produced (unit u of row r at u ^ (r % 8)).
-__device__ __forceinline__ void gather_a_slice(uint32_t a_stage, const RowGather& g, const int32_t (&rows)[8],
-                                               int kb, int thread) {
+// t / 8 + 16 i into the 128-byte swizzle TMA would have produced (unit u of row r at u ^ (r % 8)). The
+// row table is in shared memory: the producer keeps only 40 registers, and rows held in registers spilled.
+__device__ __forceinline__ void gather_a_slice(uint32_t a_stage, const __nv_bfloat16* rows, int64_t row_stride,
+                                               const int32_t* tile_rows, int kb, int thread) {
   const int unit = thread % 8, r0 = thread / 8;  // r0 + 16 i has the same r % 8 for every i
   const uint32_t dst = a_stage + r0 * 128 + ((unit ^ (r0 % 8)) * 16);
-  const int64_t column = int64_t(kb) * kBlockK + unit * 8;
+  const __nv_bfloat16* column = rows + kb * kBlockK + unit * 8;
 #pragma unroll
-  for (int i = 0; i < 8; ++i)
-    ptx::cp_async_16(dst + i * 16 * 128, g.rows + int64_t(max(rows[i], 0)) * g.row_stride + column, rows[i] >= 0);
+  for (int i = 0; i < 8; ++i) {
+    const int32_t row = tile_rows[r0 + 16 * i];
+    ptx::cp_async_16(dst + i * 16 * 128, column + int64_t(max(row, 0)) * row_stride, row >= 0);
+  }
 }
 
 // Runs on producer_threads<Tiles>() threads of warpgroup 0.
@@ -149,13 +153,25 @@ __device__ void run_producer(SharedStorage& s, Tiles& tiles, const WaitSite& pip
     if (!info.valid) return;
 
     const GemmOperands& op = tiles.operands(info.gemm);
+    const int k_blocks = op.k_blocks;
     const RowGather* gather = Tiles::kGathers ? op.gather : nullptr;
-    int32_t rows[8] = {};
+    const __nv_bfloat16* gather_base = nullptr;
+    int64_t gather_stride = 0;
     if (gather != nullptr) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) rows[i] = gather->row_index[info.a_row + thread / 8 + 16 * i];
+      // Every producer thread finished the previous tile's copies before the barrier above.
+      s.gather_rows[thread] = gather->row_index[info.a_row + thread];
+      gather_base = gather->rows;
+      gather_stride = gather->row_stride;
+      ptx::named_barrier_sync(kProducerBarrier, 128);
     }
-    for (int kb = 0; kb < op.k_blocks; ++kb) {
+    if (gather == nullptr && thread != 0) {
+      // A TMA tile: thread 0 streams it and arrives for everyone; the others only keep count of stages.
+      const uint32_t end = stage + uint32_t(k_blocks);
+      stage = end % kStages;
+      phase ^= (end / kStages) & 1;
+      continue;
+    }
+    for (int kb = 0; kb < k_blocks; ++kb) {
       mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
       if (gather != nullptr) {
         // Thread 0 announces B's bytes before its own arrival, so the phase cannot complete without them.
@@ -163,16 +179,16 @@ __device__ void run_producer(SharedStorage& s, Tiles& tiles, const WaitSite& pip
           ptx::mbarrier_expect_tx(&s.full[stage], kBBytes);
           ptx::tma_load_2d(s.b[stage], op.b, &s.full[stage], kb * kBlockK, info.b_row);
         }
-        gather_a_slice(ptx::smem_addr(s.a[stage]), *gather, rows, kb, thread);
+        gather_a_slice(ptx::smem_addr(s.a[stage]), gather_base, gather_stride, s.gather_rows, kb, thread);
         ptx::cp_async_mbarrier_arrive_noinc(&s.full[stage]);
-      } else if (thread == 0) {
+      } else {
         ptx::mbarrier_arrive_expect_tx(&s.full[stage], kStageBytes);
         ptx::tma_load_2d(s.a[stage], op.a, &s.full[stage], kb * kBlockK, info.a_row);
         // B rows past the last expert are out of bounds and zero-filled; rows past this expert's N belong
         // to the next expert and only feed output columns the clipped store never writes.
         ptx::tma_load_2d(s.b[stage], op.b, &s.full[stage], kb * kBlockK, info.b_row);
-      } else {
-        ptx::mbarrier_arrive(&s.full[stage]);
+        // The other producer threads' arrivals (after the bytes are announced, so none can complete it).
+        if constexpr (Tiles::kGathers) ptx::mbarrier_arrive(&s.full[stage], producer_threads<Tiles>() - 1);
       }
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
@@ -273,7 +289,8 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
     for (int kb = 0; kb < op.k_blocks; ++kb) {
       mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
       // Gathered A rows were written by cp.async (generic proxy); wgmma reads through the async proxy.
-      if constexpr (Tiles::kGathers) ptx::fence_proxy_async_shared();
+      if constexpr (Tiles::kGathers)
+        if (op.gather != nullptr) ptx::fence_proxy_async_shared();
       const uint32_t a_base = ptx::smem_addr(s.a[stage]) + consumer * kRowsPerConsumer * 128;
       const uint32_t b_base = ptx::smem_addr(s.b[stage]);
       ptx::fence_registers(acc);
