@@ -162,6 +162,7 @@ __device__ void run_producer(SharedStorage& s, Tiles& tiles, const WaitSite& pip
       s.gather_rows[thread] = gather->row_index[info.a_row + thread];
       gather_base = gather->rows;
       gather_stride = gather->row_stride;
+      if constexpr (Tiles::kGathers) tiles.prefetch(info, thread);
       ptx::named_barrier_sync(kProducerBarrier, 128);
     }
     if (gather == nullptr && thread != 0) {
@@ -288,9 +289,6 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
     uint32_t previous_stage = 0;
     for (int kb = 0; kb < op.k_blocks; ++kb) {
       mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-      // Gathered A rows were written by cp.async (generic proxy); wgmma reads through the async proxy.
-      if constexpr (Tiles::kGathers)
-        if (op.gather != nullptr) ptx::fence_proxy_async_shared();
       const uint32_t a_base = ptx::smem_addr(s.a[stage]) + consumer * kRowsPerConsumer * 128;
       const uint32_t b_base = ptx::smem_addr(s.b[stage]);
       ptx::fence_registers(acc);

@@ -15,6 +15,10 @@
 #include "moe/comm_role.cuh"
 #include "moe/fused_params.h"
 
+#ifndef POUNCE_PREFETCH_AHEAD
+#define POUNCE_PREFETCH_AHEAD 1
+#endif
+
 namespace pounce::moe {
 
 class FusedTiles {
@@ -53,6 +57,17 @@ class FusedTiles {
   }
 
   __device__ const gemm::pipeline::GemmOperands& operands(int gemm) const { return ops_[gemm]; }
+
+  // Producer thread `thread` of a gathered GEMM1 tile: the first n-block of an m-block pulls the rows of
+  // the m-block PREFETCH_AHEAD minibatches later into L2, whole rows at a time (the gather itself reads
+  // 128-byte pieces of 128 scattered rows, which HBM serves poorly).
+  __device__ void prefetch(const gemm::pipeline::TileInfo& info, int thread) const {
+    if (info.n_block != 0) return;
+    const int32_t ahead = info.m_block + POUNCE_PREFETCH_AHEAD * p_.blocks_per_minibatch;
+    if (ahead >= sizes_.m_blocks) return;
+    const int32_t token = rs_.row_token[int64_t(ahead) * gemm::kBlockM + thread];
+    if (token >= 0) ptx::prefetch_l2(gather_.rows + int64_t(token) * p_.hidden, uint32_t(p_.hidden) * 2);
+  }
 
  private:
   // Tiles of minibatch j of GEMM g.
