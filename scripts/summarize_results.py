@@ -50,20 +50,19 @@ def main():
             print(f"| {s['shape']} | {title} | {p:.0f} | {p / dense:.3f} | {loop:.0f} | {grouped:.0f} | "
                   f"{p / max(loop, grouped):.2f}x | {tcol} | {rel} | {via_loop} |")
 
-    print("\nFused layer (one launch: plan, GEMM1+SwiGLU, GEMM2, weighted sum; one rank reads rows in place), "
-          "forward. Unfused: host schedule (free, outside the timing) / device schedule (the chain from device "
-          "routing, as the fused layer runs):\n")
+    print("\nFused layer (one launch: plan, dispatch, GEMM1+SwiGLU, GEMM2, combine, weighted sum), forward. "
+          "Unfused: host schedule (free, outside the timing) / device schedule (the chain from device routing, "
+          "as the fused layer runs):\n")
     print("| shape | fused ms | TFLOP/s | of dense | unfused ms, host / device schedule | fused vs unfused, "
-          "host / device schedule | fused, rows moved ms | fused vs best cuBLAS | vs PyTorch eager, via dense | "
+          "host / device schedule | fused vs best cuBLAS | vs PyTorch eager, via dense | "
           "via cuBLAS loop | rel. L2 vs cuBLAS y |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in bench["shapes"]:
         r = rows(s["forward"])
         if "pounce_fused" not in r:
             continue
         f, u, dense = r["pounce_fused"], r["pounce_unfused"], r[DENSE]["tflops"]
         ud = r.get("pounce_unfused, device schedule")
-        moved = r.get("pounce_fused, rows moved")
         loop, grouped = r["cublas_loop"], r["cublas_grouped_batched"]
         best = min(loop["timing"]["median_ms"], grouped["timing"]["median_ms"])
         t = torch.get(s["shape"], {}).get("eager_forward")
@@ -72,9 +71,8 @@ def main():
                     if t and "speedup_over_cublas_loop" in t else "-")
         fm, um = f["timing"]["median_ms"], u["timing"]["median_ms"]
         udm = ud["timing"]["median_ms"] if ud else float("nan")
-        mm = f"{moved['timing']['median_ms']:.3f}" if moved else "-"
         print(f"| {s['shape']} | {fm:.3f} | {f['tflops']:.0f} | {f['tflops'] / dense:.3f} | {um:.3f} / {udm:.3f} | "
-              f"{um / fm:.2f}x / {udm / fm:.2f}x | {mm} | {best / fm:.2f}x | "
+              f"{um / fm:.2f}x / {udm / fm:.2f}x | {best / fm:.2f}x | "
               f"{via_dense} | {via_loop} | {s['relative_l2_difference'].get('y_pounce_fused_vs_cublas', float('nan')):.1e} |")
 
     for s in bench["shapes"]:

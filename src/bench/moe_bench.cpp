@@ -113,10 +113,6 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                                    .max_tokens_per_rank = T};
   moe::FusedMoe fused(one_rank);
   fused.set_weights(w13.data(), w2.data());
-  moe::FusedMoeOptions moved_options;  // one rank, rows through the ring and slots as for P > 1
-  moved_options.in_place = false;
-  moe::FusedMoe fused_moved(one_rank, moved_options);
-  fused_moved.set_weights(w13.data(), w2.data());
   auto fused_forward = [&](moe::FusedMoe& layer, int set, __nv_bfloat16* y) {
     const moe::RankIO io{x[set].data(), d_ids.data(), d_weights.data(), T, y};
     layer.forward(std::span(&io, 1), stream);
@@ -170,9 +166,6 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                                                             y_pounce.data(), stream);
                      }});
   forward.push_back({"pounce_fused", [&](int rep) { fused_forward(fused, rep % kSets, y_fused.data()); }});
-  forward.push_back({"pounce_fused, rows moved", [&](int rep) {
-                       fused_forward(fused_moved, rep % kSets, y_fused.data());
-                     }});
   forward.push_back(dense_reference);
   result["forward"] = compare(s.name, "forward", s.forward_flops(), forward, o, dense_tflops, table, stream);
   result["fused_config"] = Json::object();
@@ -180,11 +173,6 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   result["fused_config"]["ctas_per_rank"] = fused.ctas_per_rank();
   result["fused_config"]["minibatch_rows"] = fused.minibatch_rows();
   result["fused_config"]["ring_blocks"] = fused.ring_blocks();
-  result["fused_config"]["in_place"] = fused.in_place();
-  result["fused_moved_config"] = Json::object();
-  result["fused_moved_config"]["comm_ctas"] = fused_moved.comm_ctas();
-  result["fused_moved_config"]["minibatch_rows"] = fused_moved.minibatch_rows();
-  result["fused_moved_config"]["ring_blocks"] = fused_moved.ring_blocks();
 
   if (o.sweeps && s.name == default_shape().name) {
     // Each setting is its own layer on the same inputs, timed interleaved with the others and the default.
@@ -227,7 +215,6 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
         c["comm_ctas"] = layers[i]->comm_ctas();
         c["ring_blocks"] = layers[i]->ring_blocks();
         c["ctas_per_rank"] = layers[i]->ctas_per_rank();
-        c["in_place"] = layers[i]->in_place();
         configs.push_back(c);
       }
       j["layers"] = configs;
@@ -242,22 +229,19 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     }
     sweeps["minibatch"] = sweep("fused: minibatch", settings);
     settings.clear();
-    // Communication CTAs and the ring matter where rows move: one rank with in_place = false.
     for (int comm : {4, 6, 8, 10, 12, 16, 24}) {
-      moe::FusedMoeOptions m = moved_options;
+      moe::FusedMoeOptions m;
       m.comm_ctas = comm;
       settings.push_back({"comm CTAs " + std::to_string(comm), m});
     }
-    sweeps["comm_ctas"] = sweep("fused, rows moved: comm CTAs", settings);
+    sweeps["comm_ctas"] = sweep("fused: comm CTAs", settings);
     settings.clear();
-    moe::FusedMoeOptions min_ring = moved_options;
-    min_ring.ring_blocks = 2 * ((fused_moved.minibatch_rows() + planner::kBlockM - 1) / planner::kBlockM);
-    settings.push_back(
-        {std::string("ring default, ") + std::to_string(fused_moved.ring_blocks()) + " m-blocks", moved_options});
+    moe::FusedMoeOptions min_ring;
+    min_ring.ring_blocks = 2 * ((fused.minibatch_rows() + planner::kBlockM - 1) / planner::kBlockM);
+    settings.push_back({std::string("ring default, ") + std::to_string(fused.ring_blocks()) + " m-blocks", {}});
     settings.push_back({std::string("ring minimum, ") + std::to_string(min_ring.ring_blocks) + " m-blocks", min_ring});
-    sweeps["ring"] = sweep("fused, rows moved: ring", settings);
+    sweeps["ring"] = sweep("fused: ring", settings);
     Json ranks = Json::object();
-    ranks["P1_moved"] = sweep("fused: virtual ranks", {{"P=1 rows moved", moved_options}});
     for (const char* P : {"1", "2", "4", "8"})
       ranks[std::string("P") + P] = sweep("fused: virtual ranks", {{std::string("P=") + P, {}}}, std::atoi(P));
     sweeps["virtual_ranks"] = ranks;

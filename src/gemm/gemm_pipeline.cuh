@@ -5,8 +5,7 @@
 // One CTA per SM, 384 threads:
 //   warpgroup 0: producer. One thread takes tiles from a TileSource (which also waits, bounded, for the
 //                tile's inputs to be ready), publishes each to the consumers and streams A/B K-slices
-//                with TMA into a kStages-deep mbarrier ring. With a gathering tile source the whole
-//                warpgroup streams: each A row then comes from a row table (cp.async), B still by TMA.
+//                with TMA into a kStages-deep mbarrier ring.
 //   warpgroups 1-2: consumers. Each owns 64 of the tile's 128 rows: wgmma m64n256k16 from shared memory,
 //                fp32 accumulators in registers, then the epilogue (SwiGLU, row scale) writes bf16 into
 //                a swizzled staging box that a TMA store copies out while the next tile's mainloop runs.
@@ -41,7 +40,7 @@ constexpr uint32_t kConsumerRegisters = 232;
 
 // Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue, one for
 // all consumer threads (callers use it after the GEMM role, when the producer warpgroup has left).
-enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1, kConsumersBarrier = 3, kProducerBarrier = 4 };
+enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1, kConsumersBarrier = 3 };
 
 struct TileInfo {
   int32_t gemm;     // which GemmOperands
@@ -58,12 +57,11 @@ struct SharedStorage {
   alignas(1024) __nv_bfloat16 a[kStages][kBlockM * kBlockK];
   alignas(1024) __nv_bfloat16 b[kStages][kBlockN * kBlockK];
   alignas(1024) __nv_bfloat16 c[kConsumerWarpgroups][kStoreSlots][kStoreBoxRows * kStoreBoxCols];
-  uint64_t full[kStages];   // A and B landed            (producer arrivals + TMA transaction bytes)
+  uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes)
   uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer warp)
   uint64_t tile_full[kTileSlots];
   uint64_t tile_empty[kTileSlots];
   TileInfo tiles[kTileSlots];
-  int32_t gather_rows[kBlockM];  // a gathered tile's A row table, for the producer warpgroup
 };
 constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;  // + slack to align the dynamic base
 static_assert(kSharedBytes <= 232448, "shared memory exceeds the sm_90 per-block limit");
@@ -81,17 +79,8 @@ __device__ __forceinline__ SharedStorage& shared_storage(uint8_t* smem_raw) {
 //   bool next(TileInfo& tile)  takes the next tile, waits (bounded) until its A rows are ready and fences
 //                              them for TMA; false when there are no more tiles or a wait gave up.
 //   const GemmOperands& operands(int gemm) const
-//   static constexpr bool kGathers   true if an operand set may gather A (GemmOperands::gather): the
-//                                    whole producer warpgroup then streams, for every tile
-// A gathered A: row i of the GEMM's A is row row_index[i] of `rows` (-1: a padding row, read as zeros).
-struct RowGather {
-  const __nv_bfloat16* rows;
-  const int32_t* row_index;
-  int64_t row_stride;  // elements between consecutive rows
-};
-
 struct GemmOperands {
-  const CUtensorMap* a;  // [rows, k] bf16, box kBlockK x kBlockM (unused when gather is set)
+  const CUtensorMap* a;  // [rows, k] bf16, box kBlockK x kBlockM
   const CUtensorMap* b;  // [experts * n, k] bf16, box kBlockK x kBlockN
   const CUtensorMap* c;  // [rows, out cols] bf16, box kStoreBoxCols x kStoreBoxRows
   int32_t k_blocks;
@@ -100,7 +89,6 @@ struct GemmOperands {
   // Optional per-m-block completion counters: each consumer adds 1 once its half of a tile is in global
   // memory (so a finished m-block has 2 * n-blocks arrivals). Without them stores stay asynchronous.
   uint32_t* done;
-  const RowGather* gather;  // optional: A rows gathered by the producer warpgroup (Tiles::kGathers)
 };
 
 // Waits inside the CTA must outlast the producer's readiness wait, which they may sit behind.
@@ -110,87 +98,26 @@ __device__ __forceinline__ uint64_t pipeline_timeout_ns(uint64_t ready_timeout_n
 
 // ---- producer ---------------------------------------------------------------------------------------
 
-// Threads that arrive on a stage's `full` barrier: the one streaming thread, or the warpgroup.
-template <class Tiles>
-constexpr uint32_t producer_threads() {
-  return Tiles::kGathers ? 128 : 1;
-}
-
-// A gathered A slice: 128 rows x 128 bytes, 16 bytes per cp.async; thread t copies unit t % 8 of rows
-// t / 8 + 16 i into the 128-byte swizzle TMA would have produced (unit u of row r at u ^ (r % 8)). The
-// row table is in shared memory: the producer keeps only 40 registers, and rows held in registers spilled.
-__device__ __forceinline__ void gather_a_slice(uint32_t a_stage, const __nv_bfloat16* rows, int64_t row_stride,
-                                               const int32_t* tile_rows, int kb, int thread) {
-  const int unit = thread % 8, r0 = thread / 8;  // r0 + 16 i has the same r % 8 for every i
-  const uint32_t dst = a_stage + r0 * 128 + ((unit ^ (r0 % 8)) * 16);
-  const __nv_bfloat16* column = rows + kb * kBlockK + unit * 8;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int32_t row = tile_rows[r0 + 16 * i];
-    ptx::cp_async_16(dst + i * 16 * 128, column + int64_t(max(row, 0)) * row_stride, row >= 0);
-  }
-}
-
-// Runs on producer_threads<Tiles>() threads of warpgroup 0.
 template <class Tiles>
 __device__ void run_producer(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site) {
-  constexpr uint32_t kBBytes = kBlockN * kBlockK * sizeof(__nv_bfloat16);
-  const int thread = threadIdx.x;
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
   for (;;) {
-    if (thread == 0) {
-      TileInfo info{};
-      info.valid = tiles.next(info) ? 1 : 0;
-      mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
-      s.tiles[slot] = info;
-      ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the consumers' wait makes `info` visible
-    }
-    // The other producer threads read the slot after this barrier, before the next one; thread 0
-    // rewrites it two tiles later, after that next barrier.
-    if constexpr (Tiles::kGathers) ptx::named_barrier_sync(kProducerBarrier, 128);
-    const TileInfo info = s.tiles[slot];
+    TileInfo info{};
+    info.valid = tiles.next(info) ? 1 : 0;
+    mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
+    s.tiles[slot] = info;
+    ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the consumers' wait makes `info` visible
     if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
     if (!info.valid) return;
 
     const GemmOperands& op = tiles.operands(info.gemm);
-    const int k_blocks = op.k_blocks;
-    const RowGather* gather = Tiles::kGathers ? op.gather : nullptr;
-    const __nv_bfloat16* gather_base = nullptr;
-    int64_t gather_stride = 0;
-    if (gather != nullptr) {
-      // Every producer thread finished the previous tile's copies before the barrier above.
-      s.gather_rows[thread] = gather->row_index[info.a_row + thread];
-      gather_base = gather->rows;
-      gather_stride = gather->row_stride;
-      if constexpr (Tiles::kGathers) tiles.prefetch(info, thread);
-      ptx::named_barrier_sync(kProducerBarrier, 128);
-    }
-    if (gather == nullptr && thread != 0) {
-      // A TMA tile: thread 0 streams it and arrives for everyone; the others only keep count of stages.
-      const uint32_t end = stage + uint32_t(k_blocks);
-      stage = end % kStages;
-      phase ^= (end / kStages) & 1;
-      continue;
-    }
-    for (int kb = 0; kb < k_blocks; ++kb) {
+    for (int kb = 0; kb < op.k_blocks; ++kb) {
       mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
-      if (gather != nullptr) {
-        // Thread 0 announces B's bytes before its own arrival, so the phase cannot complete without them.
-        if (thread == 0) {
-          ptx::mbarrier_expect_tx(&s.full[stage], kBBytes);
-          ptx::tma_load_2d(s.b[stage], op.b, &s.full[stage], kb * kBlockK, info.b_row);
-        }
-        gather_a_slice(ptx::smem_addr(s.a[stage]), gather_base, gather_stride, s.gather_rows, kb, thread);
-        ptx::cp_async_mbarrier_arrive_noinc(&s.full[stage]);
-      } else {
-        ptx::mbarrier_arrive_expect_tx(&s.full[stage], kStageBytes);
-        ptx::tma_load_2d(s.a[stage], op.a, &s.full[stage], kb * kBlockK, info.a_row);
-        // B rows past the last expert are out of bounds and zero-filled; rows past this expert's N belong
-        // to the next expert and only feed output columns the clipped store never writes.
-        ptx::tma_load_2d(s.b[stage], op.b, &s.full[stage], kb * kBlockK, info.b_row);
-        // The other producer threads' arrivals (after the bytes are announced, so none can complete it).
-        if constexpr (Tiles::kGathers) ptx::mbarrier_arrive(&s.full[stage], producer_threads<Tiles>() - 1);
-      }
+      ptx::mbarrier_arrive_expect_tx(&s.full[stage], kStageBytes);
+      ptx::tma_load_2d(s.a[stage], op.a, &s.full[stage], kb * kBlockK, info.a_row);
+      // B rows past the last expert are out of bounds and zero-filled; rows past this expert's N belong
+      // to the next expert and only feed output columns the clipped store never writes.
+      ptx::tma_load_2d(s.b[stage], op.b, &s.full[stage], kb * kBlockK, info.b_row);
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
   }
@@ -324,7 +251,7 @@ template <class Tiles>
 __device__ void run_gemm_cta(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
-      ptx::mbarrier_init(&s.full[i], producer_threads<Tiles>());
+      ptx::mbarrier_init(&s.full[i], 1);
       ptx::mbarrier_init(&s.empty[i], kConsumerWarps);
     }
     for (int i = 0; i < kTileSlots; ++i) {
@@ -340,11 +267,11 @@ __device__ void run_gemm_cta(SharedStorage& s, Tiles& tiles, const WaitSite& pip
     ptx::setmaxnreg_dec<kProducerRegisters>();
     if (threadIdx.x == 0) {
       for (int g = 0; g < 2; ++g) {
-        if (tiles.operands(g).a != nullptr) ptx::prefetch_tensormap(tiles.operands(g).a);
+        ptx::prefetch_tensormap(tiles.operands(g).a);
         ptx::prefetch_tensormap(tiles.operands(g).b);
       }
+      run_producer(s, tiles, pipe_site);
     }
-    if (threadIdx.x < producer_threads<Tiles>()) run_producer(s, tiles, pipe_site);
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();
     run_consumer(s, tiles, pipe_site, warpgroup - 1);

@@ -37,7 +37,6 @@ struct KernelParams {
 // Tiles of one grouped GEMM from the shared ticket, in TileScheduler order.
 class QueueTiles {
  public:
-  static constexpr bool kGathers = false;
   __device__ QueueTiles(const KernelParams& p, const GemmOperands& op)
       : p_(p),
         op_(op),

@@ -68,8 +68,7 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
   const steps::Routing r{rs.topk_table, p.peers.token_counts[rs.rank], p.ranks, p.experts, p.topk,
                          p.local_experts * rs.rank, p.local_experts, p.chunks_per_rank, p.max_tokens};
   const steps::Outputs o{rs.chunk_counts, rs.expert_routes, rs.expert_offsets, rs.row_source_rank, rs.row_token,
-                         rs.row_k, rs.minibatch_starts, rs.sizes, p.capacity_rows, p.blocks_per_minibatch,
-                         p.in_place ? rs.route_row : nullptr};
+                         rs.row_k, rs.minibatch_starts, rs.sizes, p.capacity_rows, p.blocks_per_minibatch};
 
   if (cta == 0 && threadIdx.x == 0) {
     for (int w = kGemmTicket; w < kControlWords; ++w) rs.control[w] = 0;
@@ -109,13 +108,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (cta < p.comm_ctas) {
     run_comm_items(p, rs, lr, *reinterpret_cast<CommShared*>(smem));
-    run_weighted_sums(p, rs, lr);
+    run_weighted_sums(p, rs);
   } else {
     FusedTiles tiles(p, rs, lr, maps.m);
     const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, gemm::pipeline::pipeline_timeout_ns(p.wait_timeout_ns),
                              rs.rank};
     gemm::pipeline::run_gemm_cta(gemm::pipeline::shared_storage(smem_raw), tiles, pipe_site);
-    if (threadIdx.x >= 128) run_weighted_sums(p, rs, lr);  // the producer warpgroup kept too few registers
+    if (threadIdx.x >= 128) run_weighted_sums(p, rs);  // the producer warpgroup kept too few registers
   }
 }
 

@@ -123,7 +123,6 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   POUNCE_REQUIRE(config.hidden <= 65536 && config.intermediate <= 65536 && config.max_tokens_per_rank < (1 << 24),
                  "fused MoE: hidden ", config.hidden, ", intermediate ", config.intermediate, " or max tokens ",
                  config.max_tokens_per_rank, " too large");
-  POUNCE_REQUIRE(config.topk <= 32, "fused MoE: topk = ", config.topk, "; at most 32 (a warp sums a token)");
   POUNCE_REQUIRE(gpu_is_hopper(), "fused MoE needs a Hopper GPU (sm_90a); this one is ",
                  gpu_info().present ? gpu_info().name : gpu_info().why_absent);
 
@@ -133,14 +132,10 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   const int ctas = options.ctas_per_rank > 0 ? options.ctas_per_rank : sms / launch_ranks;
   POUNCE_REQUIRE(ctas * launch_ranks <= sms, "fused MoE: ", ctas, " CTAs per rank x ", launch_ranks,
                  " ranks exceeds the GPU's ", sms, " multiprocessors (the kernel needs every CTA resident)");
-  const bool in_place = options.in_place && P == 1;
-  POUNCE_REQUIRE(!in_place || options.comm_ctas == 0, "fused MoE: comm_ctas = ", options.comm_ctas,
-                 ", but a one-rank layer in place moves no rows and has no communication CTAs (in_place = false "
-                 "moves them)");
   // Default from the H200 comm-CTA sweep (docs/fused_moe.md): 12 of 132 keep dispatch ahead of the GEMMs.
-  const int comm = in_place ? 0 : options.comm_ctas > 0 ? options.comm_ctas : std::max(1, ctas / 11);
-  POUNCE_REQUIRE(in_place || (comm >= 1 && comm < ctas), "fused MoE: comm_ctas = ", comm,
-                 " must be in [1, ctas_per_rank = ", ctas, ")");
+  const int comm = options.comm_ctas > 0 ? options.comm_ctas : std::max(1, ctas / 11);
+  POUNCE_REQUIRE(comm >= 1 && comm < ctas, "fused MoE: comm_ctas = ", comm, " must be in [1, ctas_per_rank = ", ctas,
+                 ")");
   const int gemm_ctas = ctas - comm;
 
   // Minibatch: two waves of GEMM1 tiles over the compute CTAs (planner/wave_model.h).
@@ -153,8 +148,7 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   const int64_t min_ring = std::min(2 * bpm, capacity_.max_m_blocks);
   int64_t ring = options.ring_blocks > 0 ? options.ring_blocks
                                          : std::max(min_ring, std::min(capacity_.max_m_blocks, options.ring_bytes / block_bytes));
-  // In place nothing frees a slot before the weighted sums: the ring holds everything.
-  ring = in_place ? capacity_.max_m_blocks : std::min(ring, capacity_.max_m_blocks);
+  ring = std::min(ring, capacity_.max_m_blocks);
   POUNCE_REQUIRE(ring >= min_ring, "fused MoE: ring_blocks = ", options.ring_blocks, " is below the minimum ", min_ring,
                  " (two minibatches of ", bpm, " m-blocks)");
   ring = std::max<int64_t>(ring, 1);
@@ -177,7 +171,6 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   p.ring_blocks = int32_t(ring);
   p.wait_timeout_ns = options.wait_timeout_ns;
   p.stall_rank = options.stall_rank;
-  p.in_place = in_place;
   p.error = errors_.device_sink();
 
   // This launch's ranks' private buffers: L slices each.
@@ -191,16 +184,15 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   row_token_ = DeviceBuffer<int32_t>(L * rows);
   row_k_ = DeviceBuffer<int32_t>(L * rows);
   minibatch_starts_ = DeviceBuffer<int32_t>(L * (capacity_.max_m_blocks + 2));
-  route_row_ = DeviceBuffer<int32_t>(in_place ? config.max_tokens_per_rank * config.topk : 0);
   sizes_ = DeviceBuffer<planner::DeviceScheduleSizes>(L);
   topk_tables_ = DeviceBuffer<const int32_t*>(L * P);
   const CounterLayout layout{capacity_.max_m_blocks};
   counters_ = DeviceBuffer<uint32_t>(L * layout.words());
   const int64_t ring_rows = L * ring * planner::kBlockM;
-  x_ring_ = DeviceBuffer<__nv_bfloat16>(in_place ? 0 : ring_rows * config.hidden);
+  x_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.hidden);
   h_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.intermediate);
   out_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.hidden);
-  if (!in_place) x_ring_.fill_bytes(0);  // padding rows are never written: start them at zero
+  x_ring_.fill_bytes(0);  // padding rows are never written: start them at zero
   p.x_ring = x_ring_.data();
   p.h_ring = h_ring_.data();
   p.out_ring = out_ring_.data();
@@ -215,7 +207,6 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
     rs.row_token = row_token_.data() + lr * rows;
     rs.row_k = row_k_.data() + lr * rows;
     rs.minibatch_starts = minibatch_starts_.data() + lr * (capacity_.max_m_blocks + 2);
-    rs.route_row = route_row_.data();  // in place: one rank
     rs.sizes = sizes_.data() + lr;
     rs.topk_table = topk_tables_.data() + lr * P;
     uint32_t* c = counters_.data() + lr * layout.words();
@@ -228,7 +219,7 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   CUDA_CHECK(cudaMemset(counters_.data(), 0, counters_.bytes()));
 
   const uint64_t H = config.hidden, I = config.intermediate;
-  if (!in_place) maps_.m[0] = gemm::make_bf16_tensor_map(x_ring_.data(), H, ring_rows, gemm::kBlockK, gemm::kBlockM);
+  maps_.m[0] = gemm::make_bf16_tensor_map(x_ring_.data(), H, ring_rows, gemm::kBlockK, gemm::kBlockM);
   maps_.m[2] = gemm::make_bf16_tensor_map(h_ring_.data(), I, ring_rows, 64, 64);
   maps_.m[3] = gemm::make_bf16_tensor_map(h_ring_.data(), I, ring_rows, gemm::kBlockK, gemm::kBlockM);
   maps_.m[5] = gemm::make_bf16_tensor_map(out_ring_.data(), H, ring_rows, 64, 64);
@@ -287,7 +278,7 @@ void FusedMoe::forward(std::span<const RankIO> ranks, cudaStream_t stream) {
     rs.tokens = int32_t(io.tokens);
     rs.topk_weights = io.topk_weights;
     rs.y = io.y;
-    if (window_ && !params_.in_place) {  // peers read this rank's tokens from its symmetric window
+    if (window_) {  // peers read this rank's tokens from its symmetric window
       if (io.tokens > 0) {
         CUDA_CHECK(cudaMemcpyAsync(window_x_[parity][r], io.x, io.tokens * config_.hidden * sizeof(__nv_bfloat16),
                                    cudaMemcpyDeviceToDevice, stream));

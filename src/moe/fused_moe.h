@@ -41,11 +41,6 @@ struct FusedMoeOptions {
   int64_t ring_bytes = int64_t(1) << 30;  // per rank, for the default ring (x, h and out rows)
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait
   int stall_rank = -1;           // fault injection (tests): this rank's communication CTAs do nothing
-  // One rank (P = 1): move no rows. GEMM1 reads token rows straight from x, GEMM2's output rows stay
-  // where they were written (the ring then holds every m-block) and the weighted sums read them there;
-  // no communication CTAs (comm_ctas must stay 0). false: rows travel through the ring and the combine
-  // slots as they do for P > 1 (tests, comparisons). Ignored for P > 1.
-  bool in_place = true;
 };
 
 // One rank's tensors for a forward, device pointers on this GPU.
@@ -85,7 +80,6 @@ class FusedMoe {
   const planner::EpConfig& config() const { return config_; }
   int ctas_per_rank() const { return params_.ctas_per_rank; }
   int comm_ctas() const { return params_.comm_ctas; }
-  bool in_place() const { return params_.in_place != 0; }
   int64_t minibatch_rows() const { return int64_t(params_.blocks_per_minibatch) * planner::kBlockM; }
   int64_t ring_blocks() const { return params_.ring_blocks; }
   int64_t max_m_blocks() const { return capacity_.max_m_blocks; }
@@ -104,7 +98,7 @@ class FusedMoe {
   DeviceErrorSlot errors_;
   // This launch's ranks' private buffers, a slice per rank.
   DeviceBuffer<int32_t> chunk_counts_, expert_routes_, expert_offsets_, row_source_rank_, row_token_, row_k_,
-      minibatch_starts_, route_row_;
+      minibatch_starts_;
   DeviceBuffer<planner::DeviceScheduleSizes> sizes_;
   DeviceBuffer<const int32_t*> topk_tables_;
   DeviceBuffer<uint32_t> counters_;  // dispatched, gemm1_done, gemm2_done, combined, control

@@ -30,7 +30,6 @@ struct Case {
   int ring_blocks = 0;     // 0: default; kMinRing: two one-m-block minibatches
   int comm_ctas = 0;       // 0: default
   int ctas_per_rank = 0;   // 0: default
-  bool in_place = true;    // P = 1: rows stay where they are (false: through ring and slots)
 };
 
 void PrintTo(const Case& c, std::ostream* out) {
@@ -39,7 +38,6 @@ void PrintTo(const Case& c, std::ostream* out) {
   if (c.ring_blocks == kMinRing) *out << "_ringmin";
   if (c.comm_ctas) *out << "_comm" << c.comm_ctas;
   if (c.ctas_per_rank) *out << "_ctas" << c.ctas_per_rank;
-  if (c.ranks == 1 && !c.in_place) *out << "_moved";
 }
 
 __nv_bfloat16* bf16(const DeviceBuffer<uint16_t>& b) { return reinterpret_cast<__nv_bfloat16*>(b.data()); }
@@ -132,7 +130,6 @@ TEST_P(FusedMoeTest, MatchesHostReferenceAndRepeatsBitwise) {
   FusedMoeOptions options;
   options.comm_ctas = c.comm_ctas;
   options.ctas_per_rank = c.ctas_per_rank;
-  options.in_place = c.in_place;
   if (c.ring_blocks == kMinRing) {
     options.minibatch_rows = 128;
     options.ring_blocks = 2;
@@ -145,8 +142,7 @@ TEST_P(FusedMoeTest, MatchesHostReferenceAndRepeatsBitwise) {
   run_and_check(layer, p);
   const auto first = p.outputs();
   expect_matches(first, reference_forward(p));
-  EXPECT_EQ(layer.in_place(), c.ranks == 1 && c.in_place);
-  if (c.ring_blocks == kMinRing && layer.max_m_blocks() > 2 && !layer.in_place()) {
+  if (c.ring_blocks == kMinRing && layer.max_m_blocks() > 2) {
     EXPECT_EQ(layer.ring_blocks(), 2);
   }
 
@@ -160,12 +156,11 @@ TEST_P(FusedMoeTest, MatchesHostReferenceAndRepeatsBitwise) {
 INSTANTIATE_TEST_SUITE_P(
     VirtualRanks, FusedMoeTest,
     ::testing::Values(Case{1, 300, 256, 128, 8, 2, RoutingPattern::kUniform},
-                      Case{1, 2000, 1024, 512, 16, 6, RoutingPattern::kZipf, kMinRing, 4, 0, false},
+                      Case{1, 2000, 1024, 512, 16, 6, RoutingPattern::kZipf, kMinRing, 4},
                       Case{1, 2000, 1024, 512, 16, 6, RoutingPattern::kZipf},
                       Case{1, 700, 256, 192, 8, 4, RoutingPattern::kOneExpert, 0, 0, 40},
                       Case{1, 333, 384, 128, 16, 3, RoutingPattern::kHalfEmpty},
                       Case{1, 0, 256, 128, 8, 2, RoutingPattern::kUniform},
-                      Case{1, 300, 256, 128, 8, 2, RoutingPattern::kUniform, 0, 0, 0, false},
                       Case{1, 1, 128, 64, 4, 1, RoutingPattern::kUniform},
                       Case{2, 129, 512, 192, 16, 4, RoutingPattern::kZipf, kMinRing, 1},
                       Case{2, 0, 256, 128, 8, 2, RoutingPattern::kUniform},
@@ -186,7 +181,7 @@ void run_changing_forwards(int ranks) {
   Problem p = make_problem(rng, shape);  // up to 306 tokens per rank; buffers hold at least 303
   FusedMoeOptions options;
   options.minibatch_rows = 128;
-  options.ring_blocks = 2;  // P > 1: slots reused many times over
+  options.ring_blocks = 2;  // slots reused many times over
   options.wait_timeout_ns = 2'000'000'000;
   FusedMoe layer(p.config, options);
   layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
@@ -218,7 +213,7 @@ TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneLayer) {
   run_changing_forwards(2);
 }
 
-TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneLayerInPlace) {
+TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneRank) {
   POUNCE_REQUIRE_HOPPER();
   run_changing_forwards(1);
 }
@@ -277,8 +272,8 @@ TEST(FusedMoe, BadRoutingIsReportedAndCorruptsNothing) {
 }
 
 // The NCCL transport at one rank (NCCL allows one rank per GPU, and this machine has one): the same
-// kernel reading and writing through the symmetric window's LSA pointers, rows moved or in place, must
-// give the virtual-rank layer's output bit for bit, forward after forward.
+// kernel reading and writing through the symmetric window's LSA pointers must give the virtual-rank
+// layer's output bit for bit, forward after forward.
 TEST(FusedMoe, NcclOneRankMatchesVirtualRanksBitwise) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
@@ -291,13 +286,6 @@ TEST(FusedMoe, NcclOneRankMatchesVirtualRanksBitwise) {
 
   std::vector<ncclComm_t> comms = comm::init_single_process_comms({0});
   {
-    // Rows in place and rows through the window's ring and slots: the same bits.
-    FusedMoeOptions moved;
-    moved.in_place = false;
-    FusedMoe nccl_moved(p.config, comms[0], moved);
-    nccl_moved.set_weights(bf16(p.d_w13), bf16(p.d_w2));
-    run_and_check(nccl_moved, p);
-    EXPECT_EQ(p.outputs(), want) << "rows moved";
     FusedMoe nccl_layer(p.config, comms[0]);
     nccl_layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
     for (int repeat = 0; repeat < 3; ++repeat) {
@@ -325,17 +313,7 @@ TEST(FusedMoe, RejectsBadHostInputWithClearErrors) {
   io[0].y = nullptr;
   testing::expect_error([&] { layer.forward(io, nullptr); }, "null x, topk_ids, topk_weights or y");
 
-  planner::EpConfig one_rank = p.config;
-  one_rank.ranks = 1;
   FusedMoeOptions options;
-  options.comm_ctas = 4;
-  testing::expect_error([&] { FusedMoe bad(one_rank, options); },
-                        "comm_ctas = 4, but a one-rank layer in place moves no rows");
-  options.in_place = false;
-  FusedMoe moved(one_rank, options);
-  EXPECT_FALSE(moved.in_place());
-  EXPECT_EQ(moved.comm_ctas(), 4);
-  options = {};
   options.comm_ctas = 20;
   options.ctas_per_rank = 20;
   testing::expect_error([&] { FusedMoe bad(p.config, options); }, "comm_ctas = 20 must be in [1, ctas_per_rank = 20)");

@@ -35,7 +35,6 @@ struct RankState {
   __nv_bfloat16* y;           // [tokens, H]
   // Planner outputs and scratch (planner::steps::Outputs).
   int32_t *chunk_counts, *expert_routes, *expert_offsets, *row_source_rank, *row_token, *row_k, *minibatch_starts;
-  int32_t* route_row;  // [max_tokens, k] (in-place layers): the schedule row of each of this rank's routes
   planner::DeviceScheduleSizes* sizes;
   const int32_t** topk_table;  // [P]: the topk_ids pointers of every rank, for the planner
   // Per-m-block counters [max_m_blocks].
@@ -70,11 +69,7 @@ struct FusedParams {
   uint64_t wait_timeout_ns;
   int32_t stall_rank;          // fault injection for tests: this rank's comm CTAs do nothing (-1: none)
   int32_t peers_on_this_gpu;   // 1: every rank lives on this GPU (virtual ranks): flags need only GPU scope
-  // 1: a one-rank layer that moves no rows. GEMM1 gathers A straight from x, GEMM2 writes into an out
-  // ring that holds every m-block, and the weighted sums read those rows where they are: no
-  // communication CTAs, no dispatch or combine items, no slots.
-  int32_t in_place;
-  __nv_bfloat16* x_ring;       // [launch_ranks * ring_blocks * 128, H] (none when in place)
+  __nv_bfloat16* x_ring;       // [launch_ranks * ring_blocks * 128, H]
   __nv_bfloat16* h_ring;       // [..., I]
   __nv_bfloat16* out_ring;     // [..., H]
   DeviceErrorSink error;

@@ -6,8 +6,6 @@
 // stored. Inside a minibatch tiles run m-fastest (the ~130 tiles in flight share a few weight n-blocks).
 // Every wait points at earlier queue entries or at dispatch items that only wait on earlier GEMM2
 // tiles (the ring holds at least two minibatches), so the queue cannot deadlock.
-// In place (p.in_place), GEMM1 gathers its rows from x, ready once planned, and the ring holds every
-// m-block: its A row of schedule row i is x[row_token[i]], and ring rows equal schedule rows (one rank).
 #pragma once
 
 #include "common/bounded_wait.cuh"
@@ -15,25 +13,18 @@
 #include "moe/comm_role.cuh"
 #include "moe/fused_params.h"
 
-#ifndef POUNCE_PREFETCH_AHEAD
-#define POUNCE_PREFETCH_AHEAD 1
-#endif
-
 namespace pounce::moe {
 
 class FusedTiles {
  public:
-  static constexpr bool kGathers = true;  // GEMM1 in place
   // maps: x_ring (A of GEMM1), w13, h_ring store box, h_ring load box (A of GEMM2), w2, out_ring store box.
   __device__ FusedTiles(const FusedParams& p, const RankState& rs, int lr, const CUtensorMap* maps)
       : p_(p), rs_(rs), lr_(lr), sizes_(*rs.sizes) {
     n_blocks_[0] = (2 * p.intermediate + gemm::kBlockN - 1) / gemm::kBlockN;
     n_blocks_[1] = (p.hidden + gemm::kBlockN - 1) / gemm::kBlockN;
-    gather_ = {p.peers.x[rs.rank], rs.row_token, p.hidden};
-    ops_[0] = {p.in_place ? nullptr : &maps[0], &maps[1], &maps[2], p.hidden / gemm::kBlockK, gemm::Epilogue::kSwiGLU,
-               nullptr, rs.gemm1_done, p.in_place ? &gather_ : nullptr};
+    ops_[0] = {&maps[0], &maps[1], &maps[2], p.hidden / gemm::kBlockK, gemm::Epilogue::kSwiGLU, nullptr, rs.gemm1_done};
     ops_[1] = {&maps[3], &maps[4], &maps[5], p.intermediate / gemm::kBlockK, gemm::Epilogue::kStore, nullptr,
-               rs.gemm2_done, nullptr};
+               rs.gemm2_done};
   }
 
   __device__ bool next(gemm::pipeline::TileInfo& info) {
@@ -42,8 +33,7 @@ class FusedTiles {
     if (!decode(ticket, gemm, m_block, n_block)) return false;
     const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
     const bool ready =
-        gemm == 0 ? p_.in_place ||
-                        counter_wait_bounded(&rs_.dispatched[m_block], p_.epoch, site, WaitTarget::kMBlockReady, m_block)
+        gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], p_.epoch, site, WaitTarget::kMBlockReady, m_block)
                   : counter_wait_bounded(&rs_.gemm1_done[m_block], p_.epoch * 2 * uint32_t(n_blocks_[0]), site,
                                          WaitTarget::kGemm1Done, m_block);
     if (!ready) return false;
@@ -57,17 +47,6 @@ class FusedTiles {
   }
 
   __device__ const gemm::pipeline::GemmOperands& operands(int gemm) const { return ops_[gemm]; }
-
-  // Producer thread `thread` of a gathered GEMM1 tile: the first n-block of an m-block pulls the rows of
-  // the m-block PREFETCH_AHEAD minibatches later into L2, whole rows at a time (the gather itself reads
-  // 128-byte pieces of 128 scattered rows, which HBM serves poorly).
-  __device__ void prefetch(const gemm::pipeline::TileInfo& info, int thread) const {
-    if (info.n_block != 0) return;
-    const int32_t ahead = info.m_block + POUNCE_PREFETCH_AHEAD * p_.blocks_per_minibatch;
-    if (ahead >= sizes_.m_blocks) return;
-    const int32_t token = rs_.row_token[int64_t(ahead) * gemm::kBlockM + thread];
-    if (token >= 0) ptx::prefetch_l2(gather_.rows + int64_t(token) * p_.hidden, uint32_t(p_.hidden) * 2);
-  }
 
  private:
   // Tiles of minibatch j of GEMM g.
@@ -120,7 +99,6 @@ class FusedTiles {
   int lr_;
   planner::DeviceScheduleSizes sizes_;
   int32_t n_blocks_[2];
-  gemm::pipeline::RowGather gather_;
   gemm::pipeline::GemmOperands ops_[2];
 };
 

@@ -61,17 +61,6 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
                : "memory");
 }
 
-// `count` arrivals at once (one thread standing in for several).
-__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-
-// Announces `bytes` of TMA transactions for the current phase without arriving.
-__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
-}
-
 // True once the phase with the given parity has completed (acquire: what was written before the
 // arrivals is visible after this returns true).
 __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t parity) {
@@ -86,26 +75,6 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t parity
       : "r"(smem_addr(bar)), "r"(parity)
       : "memory");
   return done != 0;
-}
-
-// ---- cp.async (per-thread 16-byte copies into shared memory) -----------------------------------------
-
-// Copies 16 bytes from global to shared memory, or writes 16 zero bytes when `valid` is false (src is
-// then not read). Generic proxy: wgmma readers need fence_proxy_async_shared after they synchronize.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-// The barrier gets one arrival once all of this thread's earlier cp.async copies have landed; the
-// arrival counts towards the barrier's expected count (noinc).
-__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-// Starts pulling `bytes` (a multiple of 16, 16-byte aligned) from global memory into L2.
-__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 
 // ---- TMA (bulk tensor copies) ----------------------------------------------------------------------
