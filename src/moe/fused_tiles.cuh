@@ -12,6 +12,7 @@
 #include "gemm/gemm_pipeline.cuh"
 #include "moe/comm_role.cuh"
 #include "moe/fused_params.h"
+#include "moe/work_queues.h"
 
 namespace pounce::moe {
 
@@ -49,36 +50,13 @@ class FusedTiles {
   __device__ const gemm::pipeline::GemmOperands& operands(int gemm) const { return ops_[gemm]; }
 
  private:
-  // Tiles of minibatch j of GEMM g.
-  __device__ int32_t blocks(int32_t j) const {
-    return min(p_.blocks_per_minibatch, sizes_.m_blocks - j * p_.blocks_per_minibatch);
-  }
-
-  __device__ void locate(int32_t g, int32_t j, int64_t local, int32_t& gemm, int32_t& m_block, int32_t& n_block) const {
-    const int32_t width = blocks(j);
-    gemm = g;
-    m_block = j * p_.blocks_per_minibatch + int32_t(local % width);
-    n_block = int32_t(local / width);
-  }
-
+  // The tile order lives in moe/work_queues.h, where the host tests check it.
   __device__ bool decode(int64_t t, int32_t& gemm, int32_t& m_block, int32_t& n_block) const {
-    const int32_t n = sizes_.minibatches, bpm = p_.blocks_per_minibatch;
-    const int64_t n1 = n_blocks_[0], n2 = n_blocks_[1];
-    if (n == 0 || t >= int64_t(sizes_.m_blocks) * (n1 + n2)) return false;
-    const int64_t first = blocks(0) * n1;  // G1(0)
-    if (t < first) return locate(0, 0, t, gemm, m_block, n_block), true;
-    t -= first;
-    // Pairs j = 1 .. n-1: G1(j) then G2(j-1); all full except G1(n-1).
-    const int64_t full_pair = bpm * (n1 + n2);
-    const int64_t pairs_tiles = n >= 2 ? (n - 2) * full_pair + blocks(n - 1) * n1 + bpm * n2 : 0;
-    if (t < pairs_tiles) {
-      const int32_t j = min(int32_t(1 + t / full_pair), n - 1);
-      const int64_t within = t - int64_t(j - 1) * full_pair;
-      const int64_t g1 = blocks(j) * n1;
-      if (within < g1) return locate(0, j, within, gemm, m_block, n_block), true;
-      return locate(1, j - 1, within - g1, gemm, m_block, n_block), true;
-    }
-    return locate(1, n - 1, t - pairs_tiles, gemm, m_block, n_block), true;
+    const TileQueue queue{sizes_.m_blocks, sizes_.minibatches, p_.blocks_per_minibatch, {n_blocks_[0], n_blocks_[1]}};
+    GemmTile tile;
+    if (!queue.tile(t, tile)) return false;
+    gemm = tile.gemm, m_block = tile.m_block, n_block = tile.n_block;
+    return true;
   }
 
   // Local expert of an m-block: the last expert starting at or before it (empty experts share their

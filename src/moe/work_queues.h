@@ -1,6 +1,8 @@
-// The communication queue of one rank in the fused kernel as a pure function of the ticket, so that
-// host tests can check the order the deadlock-freedom argument rests on (docs/fused_moe.md):
-//   D(0) ... D(R-1), C(0), D(R), C(1), D(R+1), ..., C(M-1)
+// The two work queues of one rank in the fused kernel, as pure functions of the ticket, so that the
+// host tests can check the orders the deadlock-freedom argument rests on (docs/fused_moe.md).
+//   communication: D(0) ... D(R-1), C(0), D(R), C(1), D(R+1), ..., C(M-1)
+//   GEMM tiles:    G1(0), G1(1), G2(0), G1(2), G2(1), ..., G1(n-1), G2(n-2), G2(n-1)   by minibatch,
+//                  m-blocks fastest inside a minibatch
 #pragma once
 
 #include <cstdint>
@@ -27,5 +29,51 @@ POUNCE_HOST_DEVICE inline CommItem comm_item(int64_t i, int32_t m_blocks, int32_
   if (u < 2 * pairs) return {u % 2 == 0, int32_t(u % 2 == 0 ? u / 2 : u / 2 + ring_blocks)};
   return {true, int32_t(pairs + (u - 2 * pairs))};
 }
+
+struct GemmTile {
+  int32_t gemm;  // 0: GEMM1 (+SwiGLU), 1: GEMM2
+  int32_t m_block, n_block;
+};
+
+struct TileQueue {
+  int32_t m_blocks, minibatches, blocks_per_minibatch;
+  int32_t n_blocks[2];  // of GEMM1 and GEMM2
+
+  POUNCE_HOST_DEVICE int64_t tiles() const { return int64_t(m_blocks) * (n_blocks[0] + n_blocks[1]); }
+
+  // M-blocks of minibatch j.
+  POUNCE_HOST_DEVICE int32_t blocks(int32_t j) const {
+    const int32_t left = m_blocks - j * blocks_per_minibatch;
+    return left < blocks_per_minibatch ? left : blocks_per_minibatch;
+  }
+
+  // Tile of ticket t; false past the end.
+  POUNCE_HOST_DEVICE bool tile(int64_t t, GemmTile& out) const {
+    const int32_t n = minibatches, bpm = blocks_per_minibatch;
+    const int64_t n1 = n_blocks[0], n2 = n_blocks[1];
+    if (n == 0 || t >= tiles()) return false;
+    const int64_t first = blocks(0) * n1;  // G1(0)
+    if (t < first) return out = locate(0, 0, t), true;
+    t -= first;
+    // Pairs j = 1 .. n-1: G1(j) then G2(j-1); all full except G1(n-1).
+    const int64_t full_pair = bpm * (n1 + n2);
+    const int64_t pairs_tiles = n >= 2 ? (n - 2) * full_pair + blocks(n - 1) * n1 + bpm * n2 : 0;
+    if (t < pairs_tiles) {
+      const int64_t j_guess = 1 + t / full_pair;
+      const int32_t j = int32_t(j_guess < n - 1 ? j_guess : n - 1);
+      const int64_t within = t - int64_t(j - 1) * full_pair;
+      const int64_t g1 = blocks(j) * n1;
+      if (within < g1) return out = locate(0, j, within), true;
+      return out = locate(1, j - 1, within - g1), true;
+    }
+    return out = locate(1, n - 1, t - pairs_tiles), true;
+  }
+
+ private:
+  POUNCE_HOST_DEVICE GemmTile locate(int32_t gemm, int32_t j, int64_t local) const {
+    const int32_t width = blocks(j);
+    return {gemm, j * blocks_per_minibatch + int32_t(local % width), int32_t(local / width)};
+  }
+};
 
 }  // namespace pounce::moe

@@ -1,7 +1,11 @@
-// The communication queue's order (moe/work_queues.h): every m-block is pulled in once and pushed out
-// once, after it was pulled in, and a ring slot is refilled only after its previous tenant was pushed.
+// The fused kernel's work queues (moe/work_queues.h): the communication queue pulls each m-block in once
+// and pushes it out once, refilling a ring slot only after its previous tenant left; the GEMM queue
+// holds every tile once, in the minibatch order the argument needs; and a simulation of CTAs taking
+// both queues in order never deadlocks when the ring holds two minibatches (and can when it holds one).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <deque>
 #include <vector>
 
 #include "moe/work_queues.h"
@@ -34,6 +38,114 @@ TEST(CommQueue, EachMBlockOnceInOnceOutAndRingSlotsFreedBeforeReuse) {
         }
       }
     }
+}
+
+TileQueue make_queue(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2) {
+  return {m_blocks, (m_blocks + bpm - 1) / bpm, bpm, {n1, n2}};
+}
+
+TEST(TileQueue, EveryTileOnceAndGemm2OfAMinibatchBetweenGemm1OfTheNextTwo) {
+  for (int32_t m_blocks : {0, 1, 5, 16, 17, 64})
+    for (int32_t bpm : {1, 2, 3, 16})
+      for (auto [n1, n2] : {std::pair{1, 1}, {16, 28}, {3, 2}}) {
+        SCOPED_TRACE("M " + std::to_string(m_blocks) + ", minibatch " + std::to_string(bpm) + ", n " +
+                     std::to_string(n1) + "/" + std::to_string(n2));
+        const TileQueue q = make_queue(m_blocks, bpm, n1, n2);
+        std::vector<int64_t> at[2] = {std::vector<int64_t>(int64_t(m_blocks) * n1, -1),
+                                      std::vector<int64_t>(int64_t(m_blocks) * n2, -1)};
+        for (int64_t t = 0; t < q.tiles(); ++t) {
+          GemmTile tile;
+          ASSERT_TRUE(q.tile(t, tile));
+          const int32_t n = tile.gemm == 0 ? n1 : n2;
+          ASSERT_TRUE(tile.gemm == 0 || tile.gemm == 1);
+          ASSERT_TRUE(tile.m_block >= 0 && tile.m_block < m_blocks && tile.n_block >= 0 && tile.n_block < n);
+          int64_t& slot = at[tile.gemm][int64_t(tile.m_block) * n + tile.n_block];
+          ASSERT_EQ(slot, -1) << "tile listed twice";
+          slot = t;
+        }
+        GemmTile past;
+        EXPECT_FALSE(q.tile(q.tiles(), past));
+        auto last_of = [&](int gemm, int32_t minibatch) {
+          int64_t last = -1;
+          const int32_t n = gemm == 0 ? n1 : n2;
+          for (int32_t b = minibatch * bpm; b < std::min(m_blocks, (minibatch + 1) * bpm); ++b)
+            for (int32_t j = 0; j < n; ++j) last = std::max(last, at[gemm][int64_t(b) * n + j]);
+          return last;
+        };
+        auto first_of = [&](int gemm, int32_t minibatch) {
+          int64_t first = INT64_MAX;
+          const int32_t n = gemm == 0 ? n1 : n2;
+          for (int32_t b = minibatch * bpm; b < std::min(m_blocks, (minibatch + 1) * bpm); ++b)
+            for (int32_t j = 0; j < n; ++j) first = std::min(first, at[gemm][int64_t(b) * n + j]);
+          return first;
+        };
+        for (int32_t j = 0; j < q.minibatches; ++j) {
+          EXPECT_LT(last_of(0, j), first_of(1, j)) << "GEMM2 of minibatch " << j << " before its GEMM1";
+          if (j + 2 < q.minibatches) {
+            EXPECT_LT(last_of(1, j), first_of(0, j + 2)) << "GEMM2 of minibatch " << j << " after GEMM1 of " << j + 2;
+          }
+        }
+      }
+}
+
+// CTAs that take items in queue order and wait for each item's inputs, as the kernel's do. A GEMM CTA's
+// producer takes its next tile once the current one's inputs are ready (its loads issued), holding at
+// most two tiles; its consumers finish tiles in order. Returns false on deadlock.
+bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t ring, int comm_ctas, int gemm_ctas) {
+  const TileQueue q = make_queue(m_blocks, bpm, n1, n2);
+  std::vector<char> pulled(m_blocks), pushed(m_blocks);
+  std::vector<int32_t> gemm1_done(m_blocks), gemm2_done(m_blocks);
+  int64_t next_item = 0, next_tile = 0, finished = 0;
+  const int64_t work = 2 * int64_t(m_blocks) + q.tiles();
+  std::vector<int64_t> comm_holds(comm_ctas, -1);
+  std::vector<std::deque<GemmTile>> gemm_holds(gemm_ctas);
+  auto ready = [&](const GemmTile& t) { return t.gemm == 0 ? pulled[t.m_block] != 0 : gemm1_done[t.m_block] == n1; };
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int64_t& held : comm_holds) {
+      if (held < 0 && next_item < 2 * m_blocks) held = next_item++, progress = true;
+      if (held < 0) continue;
+      const CommItem item = comm_item(held, m_blocks, ring);
+      const int32_t b = item.m_block;
+      const bool can = item.combine ? gemm2_done[b] == n2 : (b < ring || pushed[b - ring] != 0);
+      if (!can) continue;
+      (item.combine ? pushed : pulled)[b] = 1;
+      held = -1, ++finished, progress = true;
+    }
+    for (auto& held : gemm_holds) {
+      if (held.size() < 2 && (held.empty() || ready(held.back())) && next_tile < q.tiles()) {
+        GemmTile t;
+        q.tile(next_tile++, t);
+        held.push_back(t);
+        progress = true;
+      }
+      if (!held.empty() && ready(held.front())) {
+        const GemmTile t = held.front();
+        held.pop_front();
+        ++(t.gemm == 0 ? gemm1_done : gemm2_done)[t.m_block];
+        ++finished, progress = true;
+      }
+    }
+  }
+  return finished == work;
+}
+
+TEST(WorkQueues, NeverDeadlockWithARingOfTwoMinibatches) {
+  for (int32_t m_blocks : {1, 7, 40})
+    for (int32_t bpm : {1, 2, 4})
+      for (int comm : {1, 3})
+        for (int gemm : {1, 2, 5, 40})
+          for (int32_t ring_extra : {0, 1, 100}) {
+            const int32_t ring = std::min(m_blocks, 2 * bpm + ring_extra);
+            EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, ring, comm, gemm))
+                << "M " << m_blocks << ", minibatch " << bpm << ", ring " << ring << ", comm " << comm << ", gemm " << gemm;
+          }
+}
+
+TEST(WorkQueues, CanDeadlockWithARingOfOneMinibatch) {
+  // Two GEMM CTAs both waiting on GEMM1 tiles of minibatch 1, whose rows need ring slots that only
+  // GEMM2 of minibatch 0 (behind them in the queue) would free.
+  EXPECT_FALSE(simulate(/*m_blocks=*/8, /*bpm=*/4, /*n1=*/4, /*n2=*/3, /*ring=*/4, /*comm=*/2, /*gemm=*/2));
 }
 
 }  // namespace
