@@ -60,6 +60,7 @@ struct Problem {
       out[r] = {bf16(d_x[r]), d_ids[r].data(), d_weights[r].data(), tokens[r], bf16(d_y[r])};
     return out;
   }
+  void load_weights(FusedMoe& layer) const { layer.set_weights(bf16(d_w13), bf16(d_w2)); }
   void poison_outputs() {
     for (auto& y : d_y) y.fill_bytes(0xFF);  // NaN in bf16: an unwritten element fails the comparison
   }
@@ -120,6 +121,12 @@ void expect_matches(const std::vector<std::vector<uint16_t>>& outputs, const std
   }
 }
 
+// One forward on fresh (poisoned) outputs, checked against the host reference.
+void run_and_expect_reference(FusedMoe& layer, Problem& p) {
+  run_and_check(layer, p);
+  expect_matches(p.outputs(), reference_forward(p));
+}
+
 class FusedMoeTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(FusedMoeTest, MatchesHostReferenceAndRepeatsBitwise) {
@@ -137,11 +144,10 @@ TEST_P(FusedMoeTest, MatchesHostReferenceAndRepeatsBitwise) {
     options.ring_blocks = c.ring_blocks;
   }
   FusedMoe layer(p.config, options);
-  layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+  p.load_weights(layer);
 
-  run_and_check(layer, p);
+  run_and_expect_reference(layer, p);
   const auto first = p.outputs();
-  expect_matches(first, reference_forward(p));
   if (c.ring_blocks == kMinRing && layer.max_m_blocks() > 2) {
     EXPECT_EQ(layer.ring_blocks(), 2);
   }
@@ -184,7 +190,7 @@ void run_changing_forwards(int ranks) {
   options.ring_blocks = 2;  // slots reused many times over
   options.wait_timeout_ns = 2'000'000'000;
   FusedMoe layer(p.config, options);
-  layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+  p.load_weights(layer);
   const RoutingPattern patterns[] = {RoutingPattern::kUniform, RoutingPattern::kZipf, RoutingPattern::kOneExpert};
   const int64_t counts[][2] = {{20, 7}, {303, 250}, {0, 1}, {150, 303}, {303, 303}, {5, 0}, {280, 299}};
   int forward = 0;
@@ -228,17 +234,15 @@ TEST(FusedMoe, StalledRankEndsInATimeoutErrorAndTheLayerRecovers) {
   stalled.stall_rank = 1;
   stalled.wait_timeout_ns = 100'000'000;
   FusedMoe layer(p.config, stalled);
-  layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+  p.load_weights(layer);
   const std::string message = testing::error_message([&] { run_and_check(layer, p); });
   EXPECT_THAT(message, HasSubstr("gave up after"));
   EXPECT_THAT(message, AnyOf(HasSubstr("rank 1, gemm producer"), HasSubstr("arrivals counter"),
                              HasSubstr("rank 1, weighted sum")));
 
   FusedMoe healthy(p.config);
-  healthy.set_weights(bf16(p.d_w13), bf16(p.d_w2));
-  run_and_check(healthy, p);
-  const auto want = reference_forward(p);
-  expect_matches(p.outputs(), want);
+  p.load_weights(healthy);
+  run_and_expect_reference(healthy, p);
 }
 
 // Bad routing is found on the device by every rank's planner, before any data moves: a clear error,
@@ -248,7 +252,7 @@ TEST(FusedMoe, BadRoutingIsReportedAndCorruptsNothing) {
   auto rng = testing::fresh_rng();
   Problem p = make_problem(rng, Case{2, 100, 128, 64, 8, 3, RoutingPattern::kUniform});
   FusedMoe layer(p.config);
-  layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+  p.load_weights(layer);
 
   auto forward_with_ids = [&](std::vector<int32_t> bad_ids) {
     p.d_ids[1].upload(bad_ids);
@@ -266,9 +270,7 @@ TEST(FusedMoe, BadRoutingIsReportedAndCorruptsNothing) {
   testing::expect_error([&] { forward_with_ids(repeated); }, "twice");
 
   p.d_ids[1].upload(p.ids[1]);
-  run_and_check(layer, p);
-  const auto want = reference_forward(p);
-  expect_matches(p.outputs(), want);
+  run_and_expect_reference(layer, p);
 }
 
 // The NCCL transport at one rank (NCCL allows one rank per GPU, and this machine has one): the same
@@ -279,15 +281,14 @@ TEST(FusedMoe, NcclOneRankMatchesVirtualRanksBitwise) {
   auto rng = testing::fresh_rng();
   Problem p = make_problem(rng, Case{1, 333, 256, 128, 8, 3, RoutingPattern::kZipf});
   FusedMoe virtual_layer(p.config);
-  virtual_layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
-  run_and_check(virtual_layer, p);
+  p.load_weights(virtual_layer);
+  run_and_expect_reference(virtual_layer, p);
   const auto want = p.outputs();
-  expect_matches(want, reference_forward(p));
 
   std::vector<ncclComm_t> comms = comm::init_single_process_comms({0});
   {
     FusedMoe nccl_layer(p.config, comms[0]);
-    nccl_layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+    p.load_weights(nccl_layer);
     for (int repeat = 0; repeat < 3; ++repeat) {
       run_and_check(nccl_layer, p);
       EXPECT_EQ(p.outputs(), want) << "forward " << repeat;
@@ -304,7 +305,7 @@ TEST(FusedMoe, RejectsBadHostInputWithClearErrors) {
   auto rng = testing::fresh_rng();
   Problem p = make_problem(rng, Case{2, 10, 128, 64, 8, 2, RoutingPattern::kUniform});
   FusedMoe layer(p.config);
-  layer.set_weights(bf16(p.d_w13), bf16(p.d_w2));
+  p.load_weights(layer);
   auto io = p.io();
   testing::expect_error([&] { layer.forward(std::span(io).first(1), nullptr); }, "got 1 ranks' tensors, the layer has 2");
   io[1].tokens = p.config.max_tokens_per_rank + 1;
