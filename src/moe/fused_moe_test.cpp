@@ -296,7 +296,7 @@ TEST(FusedMoe, NcclOneRankMatchesVirtualRanksBitwise) {
     testing::expect_error([&] { nccl_layer.forward(std::vector<RankIO>(2, io[0]), nullptr); },
                           "got 2 ranks' tensors, the layer has 1 ranks");
   }
-  for (ncclComm_t c : comms) NCCL_CHECK(ncclCommDestroy(c));
+  comm::destroy_single_process_comms(comms);
 }
 
 TEST(FusedMoe, RejectsBadHostInputWithClearErrors) {
