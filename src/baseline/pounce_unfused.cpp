@@ -1,6 +1,9 @@
 #include "baseline/pounce_unfused.h"
 
+#include <string>
+
 #include "baseline/moe_kernels.h"
+#include "common/cuda_check.h"
 #include "common/error.h"
 
 namespace pounce::baseline {
@@ -77,8 +80,12 @@ void PounceUnfusedMoe::forward_with_device_schedule(const __nv_bfloat16* x, cons
     planner_tokens_ = DeviceBuffer<int32_t>(1);
   }
   if (topk_ids != planned_ids_ || tokens != planned_tokens_) {
-    planner_ids_.upload(std::vector<const int32_t*>{topk_ids});
-    planner_tokens_.upload(std::vector<int32_t>{int32_t(tokens)});
+    // In stream order: an earlier forward on `stream` still plans from the old values. (From pageable
+    // memory the copy is staged before the call returns, so the locals may go.)
+    const int32_t* ids_table[1] = {topk_ids};
+    const int32_t count = int32_t(tokens);
+    CUDA_CHECK(cudaMemcpyAsync(planner_ids_.data(), ids_table, sizeof(ids_table), cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaMemcpyAsync(planner_tokens_.data(), &count, sizeof(count), cudaMemcpyHostToDevice, stream));
     planned_ids_ = topk_ids;
     planned_tokens_ = tokens;
   }
@@ -93,7 +100,24 @@ void PounceUnfusedMoe::forward_with_device_schedule(const __nv_bfloat16* x, cons
 }
 
 void PounceUnfusedMoe::check_device_errors() {
-  if (device_planner_) device_planner_->check_device_errors();
+  // Both error slots are read (and cleared) before either throws: a GEMM error must not wait for a
+  // later, unrelated call.
+  std::string planner_error;
+  if (device_planner_) {
+    try {
+      device_planner_->check_device_errors();
+    } catch (const Error& e) {
+      planner_error = e.what();
+    }
+  }
+  if (!planner_error.empty()) {
+    try {
+      gemm_.check_device_errors();
+    } catch (const Error& e) {
+      planner_error += std::string("; and ") + e.what();
+    }
+    throw Error(planner_error);
+  }
   gemm_.check_device_errors();
 }
 

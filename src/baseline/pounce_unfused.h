@@ -29,8 +29,8 @@ class PounceUnfusedMoe {
   void set_routing(std::span<const int32_t> topk_ids, int64_t tokens);
   void forward(const __nv_bfloat16* x, const float* topk_weights, __nv_bfloat16* y, cudaStream_t stream);
   // The whole chain from device routing: schedule (device planner), permute, GEMM1, GEMM2, combine; no
-  // host sync (topk_ids [tokens, k] in device memory; the first call with a new pointer or count
-  // uploads them to the planner synchronously).
+  // host sync (topk_ids [tokens, k] in device memory; a new pointer or count is copied to the planner
+  // in stream order). Bad routing ids are reported by check_device_errors(); that forward's y is garbage.
   void forward_with_device_schedule(const __nv_bfloat16* x, const int32_t* topk_ids, int64_t tokens,
                                     const float* topk_weights, __nv_bfloat16* y, cudaStream_t stream);
   // One GEMM alone on the buffers the last forward() filled (GEMM benchmarks).

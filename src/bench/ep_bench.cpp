@@ -110,7 +110,7 @@ int run(int argc, char** argv) {
         layers[r].reset();
         w13[r].reset(), w2[r].reset(), x[r].reset(), y[r].reset(), d_ids[r].reset(), d_weights[r].reset();
       });
-  for (ncclComm_t c : comms) NCCL_CHECK(ncclCommDestroy(c));
+  comm::destroy_single_process_comms(comms);
   for (int r = 0; r < P; ++r) POUNCE_REQUIRE(failures[r].empty(), "rank ", r, ": ", failures[r]);
 
   double slowest = 0;

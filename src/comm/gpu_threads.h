@@ -11,7 +11,9 @@ namespace pounce::comm {
 //   prepare(rank)     rank-local set-up (allocations, uploads); may throw.
 //   collective(rank)  work every rank must take part in (NCCL-collective construction, forwards); it
 //                     runs only if every rank prepared. A throw is recorded and the rank waits for its
-//                     own kernels to finish.
+//                     own kernels to finish. Not contained: a rank that throws before an NCCL host
+//                     collective its peers then enter (e.g. building its layer) leaves them waiting
+//                     inside NCCL; kernel-side waits are bounded and end in errors.
 //   finish(rank)      tear-down; runs once every rank has left `collective`, so no rank frees memory a
 //                     peer may still read or write.
 // Returns each rank's failure message ("" when it succeeded).

@@ -51,6 +51,13 @@ std::vector<ncclComm_t> init_single_process_comms(const std::vector<int>& device
   return comms;
 }
 
+void destroy_single_process_comms(const std::vector<ncclComm_t>& comms) {
+  NCCL_CHECK(ncclGroupStart());
+  for (ncclComm_t c : comms) NCCL_CHECK(ncclCommFinalize(c));
+  NCCL_CHECK(ncclGroupEnd());
+  for (ncclComm_t c : comms) NCCL_CHECK(ncclCommDestroy(c));
+}
+
 ncclComm_t init_rank_from_file(const std::string& id_file, int rank, int ranks, double timeout_s) {
   POUNCE_REQUIRE(ranks >= 1 && ranks <= PeerTable::kMaxRanks && rank >= 0 && rank < ranks, "NCCL: rank ", rank,
                  " of ", ranks, " is not a valid rank of a group of 1 to ", PeerTable::kMaxRanks);

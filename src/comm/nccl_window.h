@@ -29,8 +29,14 @@ std::string checked_nccl_version();
 // shared machines down); called before any communicator is created.
 void disable_multicast();
 
-// One communicator per listed device, all in this process (ncclCommInitAll). Caller destroys them.
+// One communicator per listed device, all in this process (ncclCommInitAll). Caller destroys them with
+// destroy_single_process_comms.
 std::vector<ncclComm_t> init_single_process_comms(const std::vector<int>& devices);
+
+// Destroys the communicators of init_single_process_comms. Finalizing is collective across them: one
+// thread finalizes them all in one NCCL group, then destroys each (destroying them one by one without
+// that would wait on peers not yet destroyed).
+void destroy_single_process_comms(const std::vector<ncclComm_t>& comms);
 
 // One process per GPU: this process's communicator as `rank` of `ranks` on the current device. Rank 0
 // writes the NCCL unique id to `id_file` (a path every rank can read, written atomically by rename);

@@ -44,7 +44,7 @@ TEST(Nccl, OneRankWindowPeerPointerIsTheLocalBuffer) {
     CUDA_CHECK(cudaMemcpy(&word, peers.at(0, offset), 4, cudaMemcpyDeviceToHost));
     EXPECT_EQ(word, pattern[offset / 4]);
   }
-  for (ncclComm_t c : comms) NCCL_CHECK(ncclCommDestroy(c));
+  comm::destroy_single_process_comms(comms);
 }
 
 }  // namespace

@@ -32,8 +32,8 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
   const auto w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
   const auto w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
   constexpr int kForwards = 4;
-  // Rank r gets counts[f] - r tokens (at least 0): down, up, down to zero for some ranks, up again, so
-  // counters topped up for unused m-blocks and tokens are read by a later, larger forward.
+  // Rank r gets counts[f] - r tokens (at least 0): up, down to one token (zero for the other ranks), up
+  // again, so counters topped up for unused m-blocks and tokens are read by a later, larger forward.
   const int64_t counts[kForwards] = {50, 200, 1, 200};
 
   // Inputs of every forward and rank, on the host.
@@ -84,7 +84,7 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
         d_w13[r].reset();
         d_w2[r].reset();
       });
-  for (ncclComm_t c : comms) NCCL_CHECK(ncclCommDestroy(c));
+  comm::destroy_single_process_comms(comms);
   for (int r = 0; r < P; ++r) ASSERT_EQ(failures[r], "") << "rank " << r;
 
   for (int f = 0; f < kForwards; ++f) {

@@ -181,7 +181,9 @@ INSTANTIATE_TEST_SUITE_P(
 // Forwards on one layer with token counts and routings that change every time (up, down, zero, up):
 // counters carry over from forward to forward, and a forward that uses more m-blocks or tokens than an
 // earlier one must still find every counter where it expects it.
-void run_changing_forwards(int ranks) {
+// `comm`: run them on this one-rank NCCL communicator's layer (window buffers, forward parity) instead
+// of virtual ranks.
+void run_changing_forwards(int ranks, ncclComm_t comm = nullptr) {
   auto rng = testing::fresh_rng();
   const Case shape{ranks, 303, 256, 128, 8, 2, RoutingPattern::kUniform};
   Problem p = make_problem(rng, shape);  // up to 306 tokens per rank; buffers hold at least 303
@@ -189,7 +191,7 @@ void run_changing_forwards(int ranks) {
   options.minibatch_rows = 128;
   options.ring_blocks = 2;  // slots reused many times over
   options.wait_timeout_ns = 2'000'000'000;
-  FusedMoe layer(p.config, options);
+  FusedMoe layer = comm ? FusedMoe(p.config, comm, options) : FusedMoe(p.config, options);
   p.load_weights(layer);
   const RoutingPattern patterns[] = {RoutingPattern::kUniform, RoutingPattern::kZipf, RoutingPattern::kOneExpert};
   const int64_t counts[][2] = {{20, 7}, {303, 250}, {0, 1}, {150, 303}, {303, 303}, {5, 0}, {280, 299}};
@@ -222,6 +224,13 @@ TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneLayer) {
 TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneRank) {
   POUNCE_REQUIRE_HOPPER();
   run_changing_forwards(1);
+}
+
+TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneNcclRank) {
+  POUNCE_REQUIRE_HOPPER();
+  std::vector<ncclComm_t> comms = comm::init_single_process_comms({0});
+  run_changing_forwards(1, comms[0]);
+  comm::destroy_single_process_comms(comms);
 }
 
 // One rank's communication CTAs never move data: its GEMMs and the other ranks' sums wait for it. The
@@ -297,7 +306,7 @@ TEST(FusedMoe, NcclOneRankMatchesVirtualRanksBitwise) {
     testing::expect_error([&] { nccl_layer.forward(std::vector<RankIO>(2, io[0]), nullptr); },
                           "got 2 ranks' tensors, the layer has 1 ranks");
   }
-  for (ncclComm_t c : comms) NCCL_CHECK(ncclCommDestroy(c));
+  comm::destroy_single_process_comms(comms);
 }
 
 TEST(FusedMoe, RejectsBadHostInputWithClearErrors) {

@@ -45,6 +45,7 @@ DevicePlanner::DevicePlanner(const EpConfig& config, int64_t minibatch_rows) : c
   row_k_ = DeviceBuffer<int32_t>(capacity_.max_padded_rows);
   minibatch_starts_ = DeviceBuffer<int32_t>(capacity_.max_m_blocks + 2);
   route_row_ = DeviceBuffer<int32_t>(std::max<int64_t>(1, config.ranks * config.max_tokens_per_rank * config.topk));
+  route_row_.fill_bytes(0);
   sizes_ = DeviceBuffer<DeviceScheduleSizes>(1);
 }
 

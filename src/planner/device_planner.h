@@ -51,7 +51,9 @@ class DevicePlanner {
   const int32_t* row_token() const { return row_token_.data(); }
   const int32_t* row_k() const { return row_k_.data(); }
   const int32_t* minibatch_starts() const { return minibatch_starts_.data(); }  // [minibatches + 1]
-  // [P, max_tokens, k]: the row of route (s, t, j) when it came to this rank (other entries stale).
+  // [P, max_tokens, k]: the row of route (s, t, j) when it came to this rank. Other entries are stale
+  // rows of earlier plans or 0, always rows inside the capacity: a reader never leaves the row buffer,
+  // even for routes a bad id left out.
   const int32_t* route_row() const { return route_row_.data(); }
   const DeviceScheduleSizes* sizes() const { return sizes_.data(); }
   const Capacity& capacity() const { return capacity_; }
