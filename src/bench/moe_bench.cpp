@@ -170,11 +170,12 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   result["forward"] = compare(s.name, "forward", s.forward_flops(), forward, o, dense_tflops, table, stream);
   result["fused_config"] = Json::object();
   result["fused_config"]["comm_ctas"] = fused.comm_ctas();
+  result["fused_config"]["engine_rows"] = fused.engine_rows();
   result["fused_config"]["ctas_per_rank"] = fused.ctas_per_rank();
   result["fused_config"]["minibatch_rows"] = fused.minibatch_rows();
   result["fused_config"]["ring_blocks"] = fused.ring_blocks();
 
-  if (o.sweeps && s.name == default_shape().name) {
+  if (o.sweeps) {
     // Each setting is its own layer on the same inputs, timed interleaved with the others and the default.
     auto sweep = [&](const std::string& what, const std::vector<std::pair<std::string, moe::FusedMoeOptions>>& settings,
                      int ranks = 1) {
@@ -213,6 +214,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
         c["impl"] = settings[i].first;
         c["minibatch_rows"] = layers[i]->minibatch_rows();
         c["comm_ctas"] = layers[i]->comm_ctas();
+        c["engine_rows"] = layers[i]->engine_rows();
         c["ring_blocks"] = layers[i]->ring_blocks();
         c["ctas_per_rank"] = layers[i]->ctas_per_rank();
         configs.push_back(c);
@@ -222,29 +224,40 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     };
     Json sweeps = Json::object();
     std::vector<std::pair<std::string, moe::FusedMoeOptions>> settings;
-    for (int blocks : {2, 4, 8, 16, 32, 64}) {
-      moe::FusedMoeOptions m;
-      m.minibatch_rows = int64_t(blocks) * planner::kBlockM;
-      settings.push_back({"minibatch " + std::to_string(blocks) + " m-blocks", m});
-    }
-    sweeps["minibatch"] = sweep("fused: minibatch", settings);
-    settings.clear();
-    for (int comm : {4, 6, 8, 10, 12, 16, 24}) {
+    // Communication CTAs at every shape: how many a layer needs depends on its bytes moved per FLOP.
+    for (int comm : {4, 6, 8, 10, 12, 16, 20, 24, 32}) {
       moe::FusedMoeOptions m;
       m.comm_ctas = comm;
       settings.push_back({"comm CTAs " + std::to_string(comm), m});
     }
     sweeps["comm_ctas"] = sweep("fused: comm CTAs", settings);
     settings.clear();
+    const bool default_shape_only_sweeps = s.name == default_shape().name;
+    for (int blocks : {2, 4, 8, 16, 32, 64}) {
+      moe::FusedMoeOptions m;
+      m.minibatch_rows = int64_t(blocks) * planner::kBlockM;
+      settings.push_back({"minibatch " + std::to_string(blocks) + " m-blocks", m});
+    }
+    if (default_shape_only_sweeps) sweeps["minibatch"] = sweep("fused: minibatch", settings);
+    settings.clear();
+    for (int rows : {0, 32, 48, 64, 96, 128}) {
+      moe::FusedMoeOptions m;
+      m.engine_rows = rows;
+      settings.push_back({"engine rows " + std::to_string(rows), m});
+    }
+    if (default_shape_only_sweeps) sweeps["engine_rows"] = sweep("fused: engine rows", settings);
+    settings.clear();
     moe::FusedMoeOptions min_ring;
     min_ring.ring_blocks = 2 * ((fused.minibatch_rows() + planner::kBlockM - 1) / planner::kBlockM);
     settings.push_back({std::string("ring default, ") + std::to_string(fused.ring_blocks()) + " m-blocks", {}});
     settings.push_back({std::string("ring minimum, ") + std::to_string(min_ring.ring_blocks) + " m-blocks", min_ring});
-    sweeps["ring"] = sweep("fused: ring", settings);
-    Json ranks = Json::object();
-    for (const char* P : {"1", "2", "4", "8"})
-      ranks[std::string("P") + P] = sweep("fused: virtual ranks", {{std::string("P=") + P, {}}}, std::atoi(P));
-    sweeps["virtual_ranks"] = ranks;
+    if (default_shape_only_sweeps) {
+      sweeps["ring"] = sweep("fused: ring", settings);
+      Json ranks = Json::object();
+      for (const char* P : {"1", "2", "4", "8"})
+        ranks[std::string("P") + P] = sweep("fused: virtual ranks", {{std::string("P=") + P, {}}}, std::atoi(P));
+      sweeps["virtual_ranks"] = ranks;
+    }
     result["fused_sweeps"] = sweeps;
   }
 

@@ -12,6 +12,7 @@
 #include "gemm/grouped_gemm.h"
 #include "moe/copy_engine.cuh"
 #include "moe/fused_params.h"
+#include "moe/row_mover.cuh"
 #include "moe/work_queues.h"
 #include "ptx/ptx.cuh"
 
@@ -32,8 +33,9 @@ struct CommShared {
 };
 
 // Runs on every thread of a communication CTA until the queue is empty or a wait gave up. Thread 0
-// takes items, waits and drives the copy engine; all threads first resolve the item's 128 row
-// addresses into shared memory, so the engine thread never stalls on schedule loads.
+// takes items and waits; all threads resolve the item's 128 row addresses into shared memory, then
+// move the rows together (moe/row_mover.cuh), and thread 0 releases the item.
+template <int kThreads>
 __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs, int lr, CommShared& cs) {
   const planner::DeviceScheduleSizes sizes = *rs.sizes;
   const int32_t n2_blocks = (p.hidden + gemm::kBlockN - 1) / gemm::kBlockN;
@@ -85,15 +87,14 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
       cs.dst[r] = dst;
     }
     __syncthreads();
+    move_rows<kThreads>(engine, cs.src, cs.dst, row_bytes, p.engine_rows);
     if (threadIdx.x == 0) {
-      for (int r = 0; r < 128; ++r)
-        if (cs.src[r] != nullptr) engine.copy(cs.src[r], cs.dst[r], row_bytes);
-      engine.flush();
       if (!item.combine) {
         ptx::red_release_gpu_add(&rs.dispatched[b], 1);
       } else {
-        // NOTES: release pattern for the arrivals: one system-scope fence orders every pushed row (completed
-        // above) before the relaxed increments; the source rank acquires its arrivals counter.
+        // NOTES: release pattern for the arrivals: one system-scope fence orders every pushed row (landed
+        // before move_rows' barrier, so cumulative) before the relaxed increments; the source rank
+        // acquires its arrivals counter.
         ptx::fence_acq_rel_sys();
         for (int r = 0; r < 128; ++r) {
           const int64_t row = int64_t(b) * 128 + r;
@@ -103,7 +104,6 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
         ptx::red_release_gpu_add(&rs.combined[b], 1);
       }
     }
-    // Next iteration's __syncthreads keeps the address table until the engine thread has used it.
   }
 }
 

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (!plan(p, rs, cta, smem, &ok_flag)) return;
 
   if (cta < p.comm_ctas) {
-    run_comm_items(p, rs, lr, *reinterpret_cast<CommShared*>(smem));
+    run_comm_items<kThreads>(p, rs, lr, *reinterpret_cast<CommShared*>(smem));
     run_weighted_sums(p, rs);
   } else {
     FusedTiles tiles(p, rs, lr, maps.m);

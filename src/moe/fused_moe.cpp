@@ -13,6 +13,12 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Rows of a comm item for the bulk-copy engine beside the CTA's warps: the engine costs about the same
+// per row whatever its length, the warps move bytes, so long rows give the engine more. On the H200
+// (pounce_copy_bench) the best splits were 16 / 32 / 64 rows for 4 / 8 / 14 KB rows, within a few
+// percent of warps alone: the two paths share the SM's memory throughput.
+int balanced_engine_rows(int64_t row_bytes) { return int(std::min<int64_t>(kItemRows, row_bytes / 224)); }
+
 // Counter words of one rank, in this order inside the rank's slice of counters_.
 struct CounterLayout {
   int64_t m_blocks;
@@ -137,6 +143,9 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   POUNCE_REQUIRE(comm >= 1 && comm < ctas, "fused MoE: comm_ctas = ", comm, " must be in [1, ctas_per_rank = ", ctas,
                  ")");
   const int gemm_ctas = ctas - comm;
+  POUNCE_REQUIRE(options.engine_rows >= -1 && options.engine_rows <= kItemRows, "fused MoE: engine_rows = ",
+                 options.engine_rows, " must be -1 (default) or in [0, ", kItemRows, "]");
+  const int engine_rows = options.engine_rows >= 0 ? options.engine_rows : balanced_engine_rows(config.hidden * 2);
 
   // Minibatch: two waves of GEMM1 tiles over the compute CTAs (planner/wave_model.h).
   const int64_t n1_blocks = ceil_div(2 * config.intermediate, gemm::kBlockN);
@@ -167,6 +176,7 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   p.capacity_rows = capacity_.max_padded_rows;
   p.ctas_per_rank = ctas;
   p.comm_ctas = comm;
+  p.engine_rows = engine_rows;
   p.blocks_per_minibatch = int32_t(bpm);
   p.ring_blocks = int32_t(ring);
   p.wait_timeout_ns = options.wait_timeout_ns;

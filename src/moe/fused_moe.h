@@ -36,6 +36,8 @@ namespace pounce::moe {
 struct FusedMoeOptions {
   int ctas_per_rank = 0;         // 0: the GPU's SMs / P
   int comm_ctas = 0;             // communication CTAs per rank; 0: ctas_per_rank / 11 (at least 1)
+  int engine_rows = -1;          // rows of each 128-row comm item the bulk-copy engine moves, the CTA's
+                                 // warps the rest (moe/row_mover.cuh); -1: balanced for the row length
   int64_t minibatch_rows = 0;    // 0: the wave model's, two waves of GEMM1 tiles over the compute CTAs
   int64_t ring_blocks = 0;       // ring m-blocks per rank; 0: as many as ring_bytes allows
   int64_t ring_bytes = int64_t(1) << 30;  // per rank, for the default ring (x, h and out rows)
@@ -80,6 +82,7 @@ class FusedMoe {
   const planner::EpConfig& config() const { return config_; }
   int ctas_per_rank() const { return params_.ctas_per_rank; }
   int comm_ctas() const { return params_.comm_ctas; }
+  int engine_rows() const { return params_.engine_rows; }
   int64_t minibatch_rows() const { return int64_t(params_.blocks_per_minibatch) * planner::kBlockM; }
   int64_t ring_blocks() const { return params_.ring_blocks; }
   int64_t max_m_blocks() const { return capacity_.max_m_blocks; }

@@ -17,6 +17,7 @@
 namespace pounce::moe {
 
 inline constexpr int kMaxRanks = 8;
+inline constexpr int kItemRows = 128;  // rows of one dispatch or combine item: one m-block
 
 // Words of RankState::control.
 enum ControlWord : int {
@@ -63,6 +64,7 @@ struct FusedParams {
   int32_t chunks_per_rank;
   int64_t capacity_rows;       // routed rows one rank can hold (worst case), multiple of 128
   int32_t ctas_per_rank, comm_ctas;  // the first comm_ctas CTAs of a rank move data, the rest run GEMMs
+  int32_t engine_rows;         // rows of each comm item the bulk-copy engine moves; warps move the rest
   int32_t blocks_per_minibatch;
   int32_t ring_blocks;         // m-blocks of ring per rank
   uint32_t epoch;
