@@ -225,7 +225,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     Json sweeps = Json::object();
     std::vector<std::pair<std::string, moe::FusedMoeOptions>> settings;
     // Communication CTAs at every shape: how many a layer needs depends on its bytes moved per FLOP.
-    for (int comm : {4, 6, 8, 10, 12, 16, 20, 24, 32}) {
+    for (int comm : {2, 4, 6, 8, 10, 12, 16, 24, 32, 40}) {
       moe::FusedMoeOptions m;
       m.comm_ctas = comm;
       settings.push_back({"comm CTAs " + std::to_string(comm), m});

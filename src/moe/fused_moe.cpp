@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 
 #include "common/gpu.h"
 #include "gemm/grouped_gemm.h"
@@ -17,6 +18,15 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // per row whatever its length, the warps move bytes, so long rows give the engine more. On the H200
 // (pounce_copy_bench) the best splits were 16 / 32 / 64 rows for 4 / 8 / 14 KB rows, within a few
 // percent of warps alone: the two paths share the SM's memory throughput.
+// Communication CTAs of a rank: it moves 4·H bytes per routed row (dispatch and combine) for 6·H·I
+// FLOPs of GEMM, so the CTAs that keep rows ahead of the GEMMs go as 1 / I against the GEMM CTAs. The
+// constant comes from the H200 comm-CTA sweeps of every catalogue shape at one rank (docs/results.md:
+// best 8 of 132 at I = 3072, 10 at 2048, 16 at 1536, >= 32 at 768, <= 4 at 14336).
+int default_comm_ctas(int ctas, int64_t intermediate) {
+  const double per_gemm_cta = 190.0 / double(intermediate);
+  return std::clamp(int(std::lround(ctas * per_gemm_cta / (1 + per_gemm_cta))), 1, std::max(1, ctas / 2));
+}
+
 int balanced_engine_rows(int64_t row_bytes) { return int(std::min<int64_t>(kItemRows, row_bytes / 224)); }
 
 // Counter words of one rank, in this order inside the rank's slice of counters_.
@@ -138,8 +148,7 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   const int ctas = options.ctas_per_rank > 0 ? options.ctas_per_rank : sms / launch_ranks;
   POUNCE_REQUIRE(ctas * launch_ranks <= sms, "fused MoE: ", ctas, " CTAs per rank x ", launch_ranks,
                  " ranks exceeds the GPU's ", sms, " multiprocessors (the kernel needs every CTA resident)");
-  // Default from the H200 comm-CTA sweep (docs/fused_moe.md): 12 of 132 keep dispatch ahead of the GEMMs.
-  const int comm = options.comm_ctas > 0 ? options.comm_ctas : std::max(1, ctas / 11);
+  const int comm = options.comm_ctas > 0 ? options.comm_ctas : default_comm_ctas(ctas, config.intermediate);
   POUNCE_REQUIRE(comm >= 1 && comm < ctas, "fused MoE: comm_ctas = ", comm, " must be in [1, ctas_per_rank = ", ctas,
                  ")");
   const int gemm_ctas = ctas - comm;
