@@ -5,6 +5,7 @@
 //         their source ranks into ring slot b % R; release dispatched[b].
 //   C(b): wait until GEMM2 finished m-block b; push each row to slot [token, k] of its source rank, then
 //         count it in that rank's arrivals[token] (system scope); release combined[b] (frees the slot).
+// In place (one rank, the ring holds every m-block) the queue is D(0) ... D(M-1): nothing is combined.
 // Padding rows are never copied: the ring slot keeps stale rows there, whose outputs nobody reads.
 #pragma once
 
@@ -32,7 +33,8 @@ struct CommShared {
   int32_t go;            // 0: the queue is empty or a wait gave up
 };
 
-// Runs on every thread of a communication CTA until the queue is empty or a wait gave up. Thread 0
+// Runs on every thread of a communication CTA until the queue is empty or a wait gave up (then the
+// copy engine is retired: its shared memory is free after a CTA barrier). Thread 0
 // takes items and waits; all threads resolve the item's 128 row addresses into shared memory, then
 // move the rows together (moe/row_mover.cuh), and thread 0 releases the item.
 template <int kThreads>
@@ -40,7 +42,7 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
   const planner::DeviceScheduleSizes sizes = *rs.sizes;
   const int32_t n2_blocks = (p.hidden + gemm::kBlockN - 1) / gemm::kBlockN;
   const uint32_t row_bytes = uint32_t(p.hidden) * 2;
-  const int64_t items = 2 * int64_t(sizes.m_blocks);
+  const int64_t items = (p.in_place ? 1 : 2) * int64_t(sizes.m_blocks);  // in place: D(b) only
   const bool stalled = p.stall_rank == rs.rank;  // fault injection: never take an item
   CopyEngine engine(cs.engine, WaitSite{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank});
   for (;;) {
@@ -67,7 +69,10 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
       cs.go = go;
     }
     __syncthreads();
-    if (!cs.go) return;
+    if (!cs.go) {
+      if (threadIdx.x == 0) engine.retire();  // every copy has landed: flushed after each item
+      return;
+    }
     const CommItem item = cs.item;
     const int32_t b = item.m_block;
     if (threadIdx.x < 128) {

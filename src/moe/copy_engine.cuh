@@ -50,6 +50,12 @@ class CopyEngine {
     ptx::fence_proxy_async_global();
   }
 
+  // After the last flush(), on the copying thread: the slots' barriers end, so the CTA may give the
+  // engine's shared memory another use (after a CTA barrier).
+  __device__ void retire() {
+    for (int i = 0; i < kSlots; ++i) ptx::mbarrier_inval(&s_.landed[i]);
+  }
+
  private:
   __device__ void load_piece(const uint8_t* src, uint8_t* dst, uint32_t bytes) {
     const int slot = int(issued_ % kSlots);

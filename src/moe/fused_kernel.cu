@@ -5,6 +5,8 @@
 //           host planner; bad routing stops every rank here, before any data moves
 //   run     communication CTAs: dispatch and combine items (moe/comm_role.cuh), then weighted sums;
 //           compute CTAs: GEMM1 + SwiGLU and GEMM2 tiles (moe/fused_tiles.cuh), then weighted sums.
+//           In place (one rank, ring holding every m-block) communication CTAs only dispatch, then
+//           take GEMM tiles too.
 #include "moe/fused_kernel.h"
 
 #include "common/cuda_check.h"
@@ -68,7 +70,8 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
   const steps::Routing r{rs.topk_table, p.peers.token_counts[rs.rank], p.ranks, p.experts, p.topk,
                          p.local_experts * rs.rank, p.local_experts, p.chunks_per_rank, p.max_tokens};
   const steps::Outputs o{rs.chunk_counts, rs.expert_routes, rs.expert_offsets, rs.row_source_rank, rs.row_token,
-                         rs.row_k, rs.minibatch_starts, rs.sizes, p.capacity_rows, p.blocks_per_minibatch};
+                         rs.row_k, rs.minibatch_starts, rs.sizes, p.capacity_rows, p.blocks_per_minibatch,
+                         rs.route_row};
 
   if (cta == 0 && threadIdx.x == 0) {
     for (int w = kGemmTicket; w < kControlWords; ++w) rs.control[w] = 0;
@@ -108,14 +111,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (cta < p.comm_ctas) {
     run_comm_items<kThreads>(p, rs, lr, *reinterpret_cast<CommShared*>(smem));
-    run_weighted_sums(p, rs);
-  } else {
-    FusedTiles tiles(p, rs, lr, maps.m);
-    const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, gemm::pipeline::pipeline_timeout_ns(p.wait_timeout_ns),
-                             rs.rank};
-    gemm::pipeline::run_gemm_cta(gemm::pipeline::shared_storage(smem_raw), tiles, pipe_site);
-    if (threadIdx.x >= 128) run_weighted_sums(p, rs);  // the producer warpgroup kept too few registers
+    if (!p.in_place) return run_weighted_sums(p, rs);
+    // In place the queue held only dispatch items: every row is in, so this CTA joins the GEMM tiles.
+    // The row tables were written through the generic proxy; TMA writes this shared memory next.
+    ptx::fence_proxy_async_shared();
+    __syncthreads();
   }
+  FusedTiles tiles(p, rs, lr, maps.m);
+  const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, gemm::pipeline::pipeline_timeout_ns(p.wait_timeout_ns),
+                           rs.rank};
+  gemm::pipeline::run_gemm_cta(gemm::pipeline::shared_storage(smem_raw), tiles, pipe_site);
+  if (threadIdx.x >= 128) run_weighted_sums(p, rs);  // the producer warpgroup kept too few registers
 }
 
 }  // namespace

@@ -49,13 +49,13 @@ FusedMoe::FusedMoe(const planner::EpConfig& config, const FusedMoeOptions& optio
   const int64_t T = std::max<int64_t>(config.max_tokens_per_rank, 1);
   peer_words_ = DeviceBuffer<uint32_t>(P * (T + P));
   token_counts_ = DeviceBuffer<int32_t>(P * P);
-  slots_ = DeviceBuffer<__nv_bfloat16>(P * T * config.topk * config.hidden);
+  slots_ = DeviceBuffer<__nv_bfloat16>(params_.in_place ? 0 : P * T * config.topk * config.hidden);  // in place: none
   CUDA_CHECK(cudaMemset(peer_words_.data(), 0, peer_words_.bytes()));
   for (int r = 0; r < P; ++r) {
     params_.peers.arrivals[r] = peer_words_.data() + r * (T + P);
     params_.peers.start_flags[r] = params_.peers.arrivals[r] + T;
     params_.peers.token_counts[r] = token_counts_.data() + r * P;
-    params_.peers.slots[r] = slots_.data() + r * T * config.topk * config.hidden;
+    params_.peers.slots[r] = params_.in_place ? nullptr : slots_.data() + r * T * config.topk * config.hidden;
   }
   params_.peers_on_this_gpu = 1;
 }
@@ -164,8 +164,11 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   // Ring: at least two minibatches (the tile queue's deadlock-freedom needs it) or everything.
   const int64_t block_bytes = planner::kBlockM * (2 * config.hidden + config.intermediate) * 2;
   const int64_t min_ring = std::min(2 * bpm, capacity_.max_m_blocks);
-  int64_t ring = options.ring_blocks > 0 ? options.ring_blocks
-                                         : std::max(min_ring, std::min(capacity_.max_m_blocks, options.ring_bytes / block_bytes));
+  // One rank: by default the ring holds every m-block, as the unfused chain's buffers do, and nothing
+  // needs combining (in place). Across ranks the ring is bounded by ring_bytes.
+  const int64_t default_ring = P == 1 ? capacity_.max_m_blocks
+                                      : std::max(min_ring, std::min(capacity_.max_m_blocks, options.ring_bytes / block_bytes));
+  int64_t ring = options.ring_blocks > 0 ? options.ring_blocks : default_ring;
   ring = std::min(ring, capacity_.max_m_blocks);
   POUNCE_REQUIRE(ring >= min_ring, "fused MoE: ring_blocks = ", options.ring_blocks, " is below the minimum ", min_ring,
                  " (two minibatches of ", bpm, " m-blocks)");
@@ -190,6 +193,7 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   p.ring_blocks = int32_t(ring);
   p.wait_timeout_ns = options.wait_timeout_ns;
   p.stall_rank = options.stall_rank;
+  p.in_place = P == 1 && ring >= capacity_.max_m_blocks;
   p.error = errors_.device_sink();
 
   // This launch's ranks' private buffers: L slices each.
@@ -205,6 +209,7 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   minibatch_starts_ = DeviceBuffer<int32_t>(L * (capacity_.max_m_blocks + 2));
   sizes_ = DeviceBuffer<planner::DeviceScheduleSizes>(L);
   topk_tables_ = DeviceBuffer<const int32_t*>(L * P);
+  route_row_ = DeviceBuffer<int32_t>(p.in_place ? config.max_tokens_per_rank * config.topk : 0);
   const CounterLayout layout{capacity_.max_m_blocks};
   counters_ = DeviceBuffer<uint32_t>(L * layout.words());
   const int64_t ring_rows = L * ring * planner::kBlockM;
@@ -234,6 +239,7 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
     rs.gemm2_done = c + layout.gemm2_done();
     rs.combined = c + layout.combined();
     rs.control = c + layout.control();
+    rs.route_row = route_row_.data();  // in place only (one rank)
   }
   CUDA_CHECK(cudaMemset(counters_.data(), 0, counters_.bytes()));
 

@@ -39,8 +39,9 @@ struct FusedMoeOptions {
   int engine_rows = -1;          // rows of each 128-row comm item the bulk-copy engine moves, the CTA's
                                  // warps the rest (moe/row_mover.cuh); -1: balanced for the row length
   int64_t minibatch_rows = 0;    // 0: the wave model's, two waves of GEMM1 tiles over the compute CTAs
-  int64_t ring_blocks = 0;       // ring m-blocks per rank; 0: as many as ring_bytes allows
-  int64_t ring_bytes = int64_t(1) << 30;  // per rank, for the default ring (x, h and out rows)
+  int64_t ring_blocks = 0;       // ring m-blocks per rank; 0: one rank: every m-block (then in place,
+                                 // nothing combined); more ranks: as many as ring_bytes allows
+  int64_t ring_bytes = int64_t(1) << 30;  // per rank, for the default ring across ranks (x, h and out rows)
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait
   int stall_rank = -1;           // fault injection (tests): this rank's communication CTAs do nothing
 };
@@ -85,6 +86,8 @@ class FusedMoe {
   int engine_rows() const { return params_.engine_rows; }
   int64_t minibatch_rows() const { return int64_t(params_.blocks_per_minibatch) * planner::kBlockM; }
   int64_t ring_blocks() const { return params_.ring_blocks; }
+  // One rank whose ring holds every m-block: GEMM2's rows are summed where they are, no combine step.
+  bool in_place() const { return params_.in_place != 0; }
   int64_t max_m_blocks() const { return capacity_.max_m_blocks; }
 
  private:
@@ -104,6 +107,7 @@ class FusedMoe {
       minibatch_starts_;
   DeviceBuffer<planner::DeviceScheduleSizes> sizes_;
   DeviceBuffer<const int32_t*> topk_tables_;
+  DeviceBuffer<int32_t> route_row_;  // in place: [T_max, k] ring row of every route
   DeviceBuffer<uint32_t> counters_;  // dispatched, gemm1_done, gemm2_done, combined, control
   DeviceBuffer<__nv_bfloat16> x_ring_, h_ring_, out_ring_;
   // Symmetric buffers: virtual ranks keep them here; the NCCL transport in its window.

@@ -178,6 +178,30 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{8, 77, 192, 320, 32, 5, RoutingPattern::kZipf, 0, 8, 12}),
     testing::NameFromPrintTo());
 
+// One rank, default ring: every m-block fits, nothing is combined and the sums read GEMM2's rows in the
+// ring while the communication CTAs, done dispatching, run GEMM tiles. The same forward through a ring
+// too small for that (rows combined into slots first) must give the same bits.
+TEST(FusedMoe, OneRankInPlaceMatchesCombinedBitwise) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, Case{1, 1500, 512, 256, 16, 6, RoutingPattern::kZipf});
+  FusedMoe in_place(p.config);
+  ASSERT_TRUE(in_place.in_place());
+  p.load_weights(in_place);
+  run_and_expect_reference(in_place, p);
+  const auto want = p.outputs();
+
+  FusedMoeOptions small_ring;
+  small_ring.minibatch_rows = 4 * 128;
+  small_ring.ring_blocks = 8;  // two minibatches: slots reused many times over
+  FusedMoe combined(p.config, small_ring);
+  ASSERT_FALSE(combined.in_place());
+  ASSERT_LT(combined.ring_blocks(), combined.max_m_blocks());
+  p.load_weights(combined);
+  run_and_check(combined, p);
+  EXPECT_EQ(p.outputs(), want);
+}
+
 // Forwards on one layer with token counts and routings that change every time (up, down, zero, up):
 // counters carry over from forward to forward, and a forward that uses more m-blocks or tokens than an
 // earlier one must still find every counter where it expects it.

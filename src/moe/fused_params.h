@@ -44,6 +44,7 @@ struct RankState {
   uint32_t* gemm2_done;  // +1 per GEMM2 tile half (2 * n2_blocks per forward)
   uint32_t* combined;    // +1 when the m-block's rows were pushed out: its ring slot is free
   uint32_t* control;     // [kControlWords]
+  int32_t* route_row;    // in place only: [max_tokens, k] the row each of this rank's routes went to
 };
 
 // What every rank exposes to the others (symmetric memory), indexed by global rank.
@@ -71,6 +72,9 @@ struct FusedParams {
   uint64_t wait_timeout_ns;
   int32_t stall_rank;          // fault injection for tests: this rank's comm CTAs do nothing (-1: none)
   int32_t peers_on_this_gpu;   // 1: every rank lives on this GPU (virtual ranks): flags need only GPU scope
+  // 1: one rank whose ring holds every m-block. Nothing needs combining: the sums read GEMM2's rows in
+  // the ring, and communication CTAs run GEMM tiles once every row is dispatched.
+  int32_t in_place;
   __nv_bfloat16* x_ring;       // [launch_ranks * ring_blocks * 128, H]
   __nv_bfloat16* h_ring;       // [..., I]
   __nv_bfloat16* out_ring;     // [..., H]

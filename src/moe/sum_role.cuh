@@ -2,11 +2,14 @@
 // once all k output rows of token t have arrived. Warp-level: a warp takes the next token from the
 // rank's ticket, waits (bounded) for its arrivals and sums it. CTAs join once their own queue is empty
 // (they then only wait on combine work that other CTAs do), so waiting here never blocks that work.
+// In place (one rank, nothing combined) the k rows are read where GEMM2 stored them in the ring, once
+// their m-blocks' GEMM2 tiles are done: the same values in the same order, so the same bits.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include "common/bounded_wait.cuh"
+#include "gemm/grouped_gemm.h"
 #include "moe/fused_params.h"
 
 namespace pounce::moe {
@@ -16,14 +19,21 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
   const WaitSite site{p.error, DeviceRole::kWeightedSum, p.wait_timeout_ns, rs.rank};
   const uint32_t* arrivals = p.peers.arrivals[rs.rank];
   const uint4* slots = reinterpret_cast<const uint4*>(p.peers.slots[rs.rank]);
+  const uint4* ring = reinterpret_cast<const uint4*>(p.out_ring);
   const int64_t vecs = p.hidden / 8;  // 16-byte vectors of 8 bf16 per row
+  const uint32_t gemm2_tiles = 2 * uint32_t((p.hidden + gemm::kBlockN - 1) / gemm::kBlockN);
   for (;;) {
     int32_t t = 0;
     if (lane == 0) t = int32_t(atomicAdd(&rs.control[kSumTicket], 1u));
     t = __shfl_sync(0xFFFFFFFFu, t, 0);
     if (t >= rs.tokens) return;
     bool ok = true;
-    if (lane == 0) {
+    const int32_t* rows = rs.route_row + int64_t(t) * p.topk;
+    if (lane == 0 && p.in_place) {
+      for (int k = 0; k < p.topk && ok; ++k)
+        ok = counter_wait_bounded(&rs.gemm2_done[rows[k] / 128], p.epoch * gemm2_tiles, site, WaitTarget::kGemm2Done,
+                                  rows[k] / 128);
+    } else if (lane == 0) {
       const uint32_t target = p.epoch * uint32_t(p.topk);
       ok = p.peers_on_this_gpu
                ? counter_wait_bounded<Scope::kGpu>(&arrivals[t], target, site, WaitTarget::kTokenArrivals, t)
@@ -38,7 +48,7 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
       float acc[8] = {};
       for (int k = 0; k < p.topk; ++k) {
         const float wk = w[k];
-        const uint4 bits = slots[(int64_t(t) * p.topk + k) * vecs + v];
+        const uint4 bits = p.in_place ? ring[int64_t(rows[k]) * vecs + v] : slots[(int64_t(t) * p.topk + k) * vecs + v];
         const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(&bits);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
