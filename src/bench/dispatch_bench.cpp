@@ -5,7 +5,10 @@
 // NCCL rank per visible GPU when there are at least two. Medians over --reps runs after --warmup; the
 // two modes alternate run by run so drift affects both alike.
 //
-// usage: pounce_dispatch_bench [--comm-ctas N] [--ring-blocks N] [--reps N] [--warmup N] [--json PATH]
+// usage: pounce_dispatch_bench [--comm-ctas N] [--engine-rows N] [--ring-blocks N] [--reps N] [--warmup N]
+//                              [--json PATH]
+//   --engine-rows: rows of each item the bulk-copy engine moves beside the warps (0..128); default the
+//   fused layer's for the row length (moe::balanced_engine_rows).
 //   $POUNCE_COMMIT is recorded in the JSON.
 #include <algorithm>
 #include <cstdio>
@@ -22,6 +25,7 @@
 #include "comm/nccl_window.h"
 #include "common/gpu.h"
 #include "moe/dispatch_probe.h"
+#include "moe/fused_moe.h"
 #include "reference/synthetic_routing.h"
 
 namespace pounce::bench {
@@ -32,7 +36,7 @@ using moe::DispatchRankTimes;
 constexpr DispatchMode kModes[] = {DispatchMode::kPull, DispatchMode::kPush};
 
 struct Settings {
-  int comm_ctas = 12, warmup = 5, reps = 20;
+  int comm_ctas = 12, engine_rows = -1, warmup = 5, reps = 20;
   int64_t ring_blocks = 0;
 };
 
@@ -126,6 +130,7 @@ int run(int argc, char** argv) {
       return std::string(argv[++i]);
     };
     if (arg == "--comm-ctas") o.comm_ctas = std::stoi(value());
+    else if (arg == "--engine-rows") o.engine_rows = std::stoi(value());
     else if (arg == "--ring-blocks") o.ring_blocks = std::stoll(value());
     else if (arg == "--reps") o.reps = std::stoi(value());
     else if (arg == "--warmup") o.warmup = std::stoi(value());
@@ -141,10 +146,13 @@ int run(int argc, char** argv) {
   const MoeModelShape shape = select_shapes("deepseek_v3").front();
   const int64_t T = shape.slice_tokens, H = shape.hidden;
   const char* commit = std::getenv("POUNCE_COMMIT");
+  // What the probe will use (it checks the option's range itself).
+  const int engine_rows = o.engine_rows >= 0 ? o.engine_rows : moe::balanced_engine_rows(2 * H);
   std::printf("GPU %s x %d, commit %s: %s dispatch, H %ld, top-%ld, %ld tokens per rank, %ld experts over the "
-              "ranks, uniform routing, %d comm CTAs, ring %s, median of %d runs\n",
+              "ranks, uniform routing, %d comm CTAs of 384 threads, %d engine rows per item, ring %s, median of "
+              "%d runs\n",
               gpu_info().name.c_str(), gpus, commit ? commit : "unknown", shape.name.c_str(), long(H),
-              long(shape.topk), long(T), long(shape.model_experts), o.comm_ctas,
+              long(shape.topk), long(T), long(shape.model_experts), o.comm_ctas, engine_rows,
               o.ring_blocks ? std::to_string(o.ring_blocks).c_str() : "every m-block", o.reps);
   std::printf("mode  transport  P  comm  first-tile us  all-ready us  launch ms  GB/s/GPU\n");
 
@@ -158,6 +166,7 @@ int run(int argc, char** argv) {
   doc["experts"] = shape.model_experts;
   doc["tokens_per_rank"] = T;
   doc["routing"] = "uniform";
+  doc["engine_rows"] = engine_rows;
   doc["ring_blocks_option"] = o.ring_blocks;
   doc["reps"] = o.reps;
   doc["warmup"] = o.warmup;
@@ -175,7 +184,8 @@ int run(int argc, char** argv) {
                                                   int(shape.topk), rng));
     return ids;
   };
-  const moe::DispatchProbeOptions options{.comm_ctas = o.comm_ctas, .ring_blocks = o.ring_blocks};
+  const moe::DispatchProbeOptions options{
+      .comm_ctas = o.comm_ctas, .engine_rows = o.engine_rows, .ring_blocks = o.ring_blocks};
 
   // Virtual ranks on GPU 0.
   CUDA_CHECK(cudaSetDevice(0));

@@ -9,13 +9,16 @@
 #include "common/cuda_check.h"
 #include "common/gpu.h"
 #include "moe/copy_engine.cuh"
+#include "moe/fused_moe.h"
+#include "moe/row_mover.cuh"
 #include "ptx/ptx.cuh"
 
 namespace pounce::moe {
 namespace {
 
-constexpr int kThreads = 128;  // one thread per row of an item resolves its addresses
+constexpr int kThreads = 384;  // the fused kernel's comm CTAs (gemm::pipeline::kThreads), move_rows' CTA
 constexpr int kRows = planner::kBlockM;
+static_assert(kRows == kItemRows, "an item is at most one m-block, as move_rows' row table");
 
 // One rank of the launch.
 struct ProbeRank {
@@ -31,6 +34,7 @@ struct ProbeRank {
 
 struct ProbeParams {
   int32_t ranks, launch_ranks, comm_ctas, hidden;
+  int32_t engine_rows;        // move_rows: rows of each item for the bulk-copy engine
   int32_t push;               // DispatchMode::kPush
   int32_t peers_on_this_gpu;  // every rank on this GPU: push may fence at GPU scope
   int32_t stall_rank;
@@ -46,7 +50,8 @@ struct ProbeShared {
   const void* src[kRows];
   void* dst[kRows];
   DispatchItem item;
-  int32_t go;
+  int32_t started;  // the start barrier passed and this rank is not stalled
+  int32_t go;       // an item was taken (its own word: thread 0 writes it while others may read started)
 };
 
 // Waits until every rank has raised its start flag for this run in our symmetric memory.
@@ -67,25 +72,27 @@ __device__ void signal_ready(const ProbeParams& p, const DispatchItem& item) {
     return;
   }
   // Push: the rows went to the destination's memory (a peer GPU, unless all ranks share this one). As the
-  // fused combine signals arrivals: one fence orders every row (completed by flush) before a relaxed red,
-  // and the destination acquires at the same scope when it sees the count.
+  // fused combine signals arrivals: one fence orders every row (the engine's completed by flush, the
+  // warps' before move_rows' barrier, so cumulative) before a relaxed red, and the destination acquires
+  // at the same scope when it sees the count.
   if (p.peers_on_this_gpu) ptx::fence_acq_rel_gpu();
   else ptx::fence_acq_rel_sys();
   ptx::red_relaxed_sys_add(ready, uint32_t(item.rows));
 }
 
-// A row-moving CTA: items from the rank's ticket until none are left. Thread 0 takes items and drives
-// the copy engine; every thread first resolves one row's addresses, so the engine never waits on loads.
+// A row-moving CTA: items from the rank's ticket until none are left, moved as the fused kernel's comm
+// CTAs move theirs. Thread 0 takes items; threads 0..127 resolve one row's addresses each into shared
+// memory (null past the item's rows), every thread moves them (moe/row_mover.cuh), then thread 0 signals.
 // Both modes share this path: pull items have dest = this rank, push items have source = this rank.
 __device__ void move_items(const ProbeParams& p, const ProbeRank& rs, ProbeShared& s) {
   CopyEngine engine(s.engine, WaitSite{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank});
   if (threadIdx.x == 0) {
-    s.go = all_ranks_started(p, rs) && p.stall_rank != rs.rank;
+    s.started = all_ranks_started(p, rs) && p.stall_rank != rs.rank;
     // Peers' x and rings, ordered by the start flags (generic proxy), before our bulk copies (async proxy).
     ptx::fence_proxy_async_global();
   }
   __syncthreads();  // also: the engine's barriers are initialised
-  if (!s.go) return;
+  if (!s.started) return;
   const uint32_t row_bytes = uint32_t(p.hidden) * 2;
   for (;;) {
     if (threadIdx.x == 0) {
@@ -96,18 +103,23 @@ __device__ void move_items(const ProbeParams& p, const ProbeRank& rs, ProbeShare
     __syncthreads();
     if (!s.go) return;
     const DispatchItem item = s.item;
-    if (int(threadIdx.x) < item.rows) {
-      const DispatchRow row = rs.row[item.first_row + threadIdx.x];
-      s.src[threadIdx.x] = p.peers.x[row.source] + int64_t(row.token) * p.hidden;
-      s.dst[threadIdx.x] = p.peers.ring[item.dest] + int64_t(row.ring_row) * p.hidden;
+    if (threadIdx.x < kRows) {
+      const int r = threadIdx.x;
+      const void* src = nullptr;
+      void* dst = nullptr;
+      if (r < item.rows) {
+        const DispatchRow row = rs.row[item.first_row + r];
+        src = p.peers.x[row.source] + int64_t(row.token) * p.hidden;
+        dst = p.peers.ring[item.dest] + int64_t(row.ring_row) * p.hidden;
+      }
+      s.src[r] = src;
+      s.dst[r] = dst;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      for (int r = 0; r < item.rows; ++r) engine.copy(s.src[r], s.dst[r], row_bytes);
-      engine.flush();
-      signal_ready(p, item);
-    }
-    // The next item's __syncthreads keeps the address table until thread 0 has used it.
+    // Returns after a CTA barrier: every row landed, and nobody reads the table again before the next
+    // item's barriers.
+    move_rows<kThreads>(engine, s.src, s.dst, row_bytes, p.engine_rows);
+    if (threadIdx.x == 0) signal_ready(p, item);
   }
 }
 
@@ -226,6 +238,9 @@ void DispatchProbe::setup(std::span<const std::vector<int32_t>> topk_ids, int la
   POUNCE_REQUIRE(options_.wait_timeout_ns > 0 && options_.ring_blocks >= 0, "dispatch probe: wait_timeout_ns = ",
                  options_.wait_timeout_ns, " must be positive and ring_blocks = ", options_.ring_blocks,
                  " not negative");
+  POUNCE_REQUIRE(options_.engine_rows >= -1 && options_.engine_rows <= kRows, "dispatch probe: engine_rows = ",
+                 options_.engine_rows, " must be -1 (default) or in [0, ", kRows, "]");
+  engine_rows_ = options_.engine_rows >= 0 ? options_.engine_rows : balanced_engine_rows(config_.hidden * 2);
 
   const std::vector<planner::RankSchedule> schedules = dispatch_schedules(config_, topk_ids);
   int64_t most_blocks = 1;
@@ -277,6 +292,7 @@ DispatchRun DispatchProbe::run(DispatchMode mode, cudaStream_t stream) {
   p.launch_ranks = L;
   p.comm_ctas = options_.comm_ctas;
   p.hidden = int32_t(config_.hidden);
+  p.engine_rows = engine_rows_;
   p.push = mode == DispatchMode::kPush;
   p.peers_on_this_gpu = peers_on_this_gpu_;
   p.stall_rank = options_.stall_rank;

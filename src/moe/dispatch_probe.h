@@ -1,7 +1,8 @@
 // Dispatch-only probe (issue #4): how long after a synchronized start the first expert tile of each rank
 // could begin, when rows move by PULL (the fused kernel's way) or by PUSH. Not a production path: it
 // moves the first R m-blocks of every rank's schedule into that rank's ring with the fused layer's row
-// mover (moe::CopyEngine) and nothing else — no planning, GEMMs or combine.
+// mover (moe/row_mover.cuh: 384-thread CTAs, the bulk-copy engine beside the warps' 16-byte copies) and
+// nothing else — no planning, GEMMs or combine.
 //
 //   pull: rank d's communication CTAs take d's m-blocks b = 0, 1, ... from a ticket, copy their rows from
 //         the source ranks' x, then release ready[b] += 1 (GPU scope, as the fused kernel's dispatched[b]).
@@ -39,6 +40,8 @@ namespace pounce::moe {
 
 struct DispatchProbeOptions {
   int comm_ctas = 12;            // row-moving CTAs per rank (plus one tile-gate CTA per rank)
+  int engine_rows = -1;          // rows of each item the bulk-copy engine moves, the CTA's warps the rest;
+                                 // -1: the fused layer's default for the row length (balanced_engine_rows)
   int64_t ring_blocks = 0;       // m-blocks moved per rank (ring size); 0: all m-blocks of the largest schedule
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait
   int stall_rank = -1;           // fault injection (tests): this rank's communication CTAs move nothing
@@ -89,6 +92,7 @@ class DispatchProbe {
   const planner::EpConfig& config() const { return config_; }
   int64_t ring_blocks() const { return ring_blocks_; }
   int comm_ctas() const { return options_.comm_ctas; }
+  int engine_rows() const { return engine_rows_; }  // resolved: -1 replaced by the default
 
   // One run of every rank on this GPU: clears the counters, launches, synchronizes `stream`, and throws
   // pounce::Error on a device error (a wait that gave up names rank, role, counter, expected and observed
@@ -108,7 +112,7 @@ class DispatchProbe {
 
   planner::EpConfig config_;
   DispatchProbeOptions options_;
-  int first_rank_ = 0, device_ = -1;
+  int first_rank_ = 0, device_ = -1, engine_rows_ = 0;
   int64_t ring_blocks_ = 0;
   uint32_t epoch_ = 0;
   bool failed_ = false;

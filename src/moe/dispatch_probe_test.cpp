@@ -13,6 +13,7 @@
 #include "common/gpu.h"
 #include "common/testing.h"
 #include "moe/dispatch_probe.h"
+#include "moe/fused_moe.h"
 #include "reference/synthetic_routing.h"
 
 namespace pounce::moe {
@@ -30,12 +31,14 @@ struct Case {
   RoutingPattern pattern;
   int64_t ring_blocks = 0;  // 0: every m-block
   int comm_ctas = 2;
+  int engine_rows = -1;  // -1: the default for the row length
 };
 
 void PrintTo(const Case& c, std::ostream* out) {
   *out << "P" << c.ranks << "_T" << c.tokens << "_H" << c.hidden << "_E" << c.experts << "_k" << c.topk << "_"
        << reference::routing_pattern_name(c.pattern) << "_comm" << c.comm_ctas;
   if (c.ring_blocks) *out << "_ring" << c.ring_blocks;
+  if (c.engine_rows >= 0) *out << "_engine" << c.engine_rows;
 }
 
 // Every rank's tokens and routing, on the host.
@@ -144,7 +147,11 @@ TEST_P(DispatchProbeTest, PullAndPushFillEveryRingWithItsRowsOnVirtualRanks) {
   auto rng = testing::fresh_rng();
   const Case c = GetParam();
   const Inputs in = make_inputs(rng, c);
-  DispatchProbe probe(in.config, in.ids, {.comm_ctas = c.comm_ctas, .ring_blocks = c.ring_blocks});
+  DispatchProbe probe(in.config, in.ids,
+                      {.comm_ctas = c.comm_ctas, .engine_rows = c.engine_rows, .ring_blocks = c.ring_blocks});
+  if (c.engine_rows >= 0) {
+    EXPECT_EQ(probe.engine_rows(), c.engine_rows);
+  }
   for (int r = 0; r < c.ranks; ++r) upload_x(probe, in, r);
   expect_rings_in_every_mode(probe, in, all_ranks(c.ranks));
 }
@@ -157,7 +164,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{2, 501, 256, 8, 4, RoutingPattern::kUniform, 0, 4},
                       Case{2, 777, 384, 16, 6, RoutingPattern::kZipf, 0, 1},
                       Case{4, 300, 256, 16, 4, RoutingPattern::kUniform, 0, 3},
-                      Case{4, 999, 1024, 32, 8, RoutingPattern::kZipf, 2, 5}),
+                      Case{4, 999, 1024, 32, 8, RoutingPattern::kZipf, 2, 5},
+                      // move_rows' split: warps only, the engine only, and some of each.
+                      Case{2, 640, 512, 8, 4, RoutingPattern::kZipf, 0, 3, 0},
+                      Case{2, 640, 512, 8, 4, RoutingPattern::kZipf, 0, 3, 128},
+                      Case{1, 300, 2048, 8, 2, RoutingPattern::kUniform, 0, 2, 7}),
     testing::NameFromPrintTo());
 
 // The NCCL transport at one rank: rows read and written through the symmetric window.
@@ -240,6 +251,10 @@ TEST(DispatchProbe, RejectsBadOptionsAndRoutingWithClearErrors) {
   const Inputs in = make_inputs(rng, Case{2, 10, 128, 8, 2, RoutingPattern::kUniform});
   testing::expect_error([&] { DispatchProbe bad(in.config, in.ids, {.comm_ctas = 0}); }, "must be at least 1");
   testing::expect_error([&] { DispatchProbe bad(in.config, in.ids, {.comm_ctas = 1000}); }, "multiprocessors");
+  testing::expect_error([&] { DispatchProbe bad(in.config, in.ids, {.engine_rows = 129}); },
+                        "engine_rows = 129 must be -1 (default) or in [0, 128]");
+  testing::expect_error([&] { DispatchProbe bad(in.config, in.ids, {.engine_rows = -2}); }, "engine_rows = -2");
+  EXPECT_EQ(DispatchProbe(in.config, in.ids).engine_rows(), balanced_engine_rows(in.config.hidden * 2));
   testing::expect_error([&] { DispatchProbe bad(in.config, std::span(in.ids).first(1)); }, "routing of 1 ranks");
   auto ids = in.ids;
   ids[1][3] = 8;
