@@ -35,6 +35,7 @@ static const char* role_name(uint32_t role) {
     case DeviceRole::kCombine: return "combine";
     case DeviceRole::kWeightedSum: return "weighted sum";
     case DeviceRole::kRankSync: return "rank sync";
+    case DeviceRole::kTileGate: return "tile gate";
   }
   return "unknown role";
 }

@@ -27,6 +27,7 @@ enum class DeviceRole : uint32_t {
   kCombine = 4,      // fused kernel: pushes output rows to their source ranks
   kWeightedSum = 5,  // fused kernel: sums a completed token's k rows
   kRankSync = 6,     // fused kernel: barriers between phases
+  kTileGate = 7,     // dispatch probe: waits where a GEMM producer would, timing the m-blocks' readiness
 };
 
 // What the reporter was waiting for, or checking.

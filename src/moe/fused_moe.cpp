@@ -14,10 +14,6 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Rows of a comm item for the bulk-copy engine beside the CTA's warps: the engine costs about the same
-// per row whatever its length, the warps move bytes, so long rows give the engine more. On the H200
-// (pounce_copy_bench) the best splits were 16 / 32 / 64 rows for 4 / 8 / 14 KB rows, within a few
-// percent of warps alone: the two paths share the SM's memory throughput.
 // Communication CTAs of a rank: it moves 4·H bytes per routed row (dispatch and combine) for 6·H·I
 // FLOPs of GEMM, so the CTAs that keep rows ahead of the GEMMs go as 1 / I against the GEMM CTAs. The
 // constant comes from the H200 comm-CTA sweeps of every catalogue shape at one rank (docs/results.md:
@@ -26,8 +22,6 @@ int default_comm_ctas(int ctas, int64_t intermediate) {
   const double per_gemm_cta = 190.0 / double(intermediate);
   return std::clamp(int(std::lround(ctas * per_gemm_cta / (1 + per_gemm_cta))), 1, std::max(1, ctas / 2));
 }
-
-int balanced_engine_rows(int64_t row_bytes) { return int(std::min<int64_t>(kItemRows, row_bytes / 224)); }
 
 // Counter words of one rank, in this order inside the rank's slice of counters_.
 struct CounterLayout {
@@ -41,6 +35,11 @@ struct CounterLayout {
 };
 
 }  // namespace
+
+// The engine costs about the same per row whatever its length, the warps move bytes, so long rows give
+// the engine more. On the H200 (pounce_copy_bench) the best splits were 16 / 32 / 64 rows for 4 / 8 /
+// 14 KB rows, within a few percent of warps alone: the two paths share the SM's memory throughput.
+int balanced_engine_rows(int64_t row_bytes) { return int(std::min<int64_t>(kItemRows, row_bytes / 224)); }
 
 FusedMoe::FusedMoe(const planner::EpConfig& config, const FusedMoeOptions& options) : config_(config) {
   setup(config, options, /*launch_ranks=*/config.ranks, /*first_rank=*/0);

@@ -46,6 +46,10 @@ struct FusedMoeOptions {
   int stall_rank = -1;           // fault injection (tests): this rank's communication CTAs do nothing
 };
 
+// Rows of each 128-row comm item that the bulk-copy engine moves beside the CTA's warps
+// (moe/row_mover.cuh), balanced for rows of `row_bytes`: the default of FusedMoeOptions::engine_rows.
+int balanced_engine_rows(int64_t row_bytes);
+
 // One rank's tensors for a forward, device pointers on this GPU.
 struct RankIO {
   const __nv_bfloat16* x = nullptr;    // [tokens, H]
