@@ -5,8 +5,9 @@
 # usage: scripts/gpu_check.sh OUTDIR [--quick] [--sanitize] [--prebuilt]
 #   --quick     benchmarks at the default shape only (uniform routing), no PyTorch eager sweep
 #   --sanitize  also run the grouped-GEMM tests under compute-sanitizer (memcheck, racecheck, synccheck)
-#   --prebuilt  use build/pounce_tests_gpu, build/pounce_bench and build/pounce_ep_bench built on the
-#               workstation (carried to the device) instead of building here: saves the build's minutes
+#   --prebuilt  use build/pounce_tests_gpu, pounce_bench, pounce_ep_bench, pounce_copy_bench and
+#               pounce_dispatch_bench built on the workstation (carried to the device) instead of
+#               building here: saves the build's minutes
 # The commit recorded in the JSON is $POUNCE_COMMIT, else `git rev-parse HEAD`.
 set -uo pipefail
 
@@ -73,6 +74,11 @@ else
   timeout 300 "$build/pounce_bench" --shapes all --routing zipf --reps 10 --json "$out/bench-zipf.json" >> "$out/bench.log" 2>&1 || status=1
 fi
 sed -n '/^shape /,$p' "$out/bench.log"
+# The row movers (GB/s per comm CTA) and the dispatch-only pull-versus-push probe (virtual ranks on
+# GPU 0, and across GPUs over NCCL when there are several).
+timeout 120 "$build/pounce_copy_bench" --json "$out/copy.json" > "$out/copy.log" 2>&1 || status=1
+timeout 300 "$build/pounce_dispatch_bench" --json "$out/dispatch.json" > "$out/dispatch.log" 2>&1 || status=1
+cat "$out/dispatch.log"
 # Expert parallelism across GPUs, when the machine has several.
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   timeout 300 "$build/pounce_ep_bench" --json "$out/ep.json" > "$out/ep.log" 2>&1 || status=1
