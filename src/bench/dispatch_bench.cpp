@@ -19,6 +19,7 @@
 #include <random>
 
 #include "bench/device_fill.h"
+#include "bench/guarded_main.h"
 #include "bench/json.h"
 #include "bench/shapes.h"
 #include "comm/gpu_threads.h"
@@ -244,11 +245,4 @@ int run(int argc, char** argv) {
 }  // namespace
 }  // namespace pounce::bench
 
-int main(int argc, char** argv) {
-  try {
-    return pounce::bench::run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "pounce_dispatch_bench: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return pounce::bench::guarded_main("pounce_dispatch_bench", pounce::bench::run, argc, argv); }

@@ -14,6 +14,7 @@
 
 #include "bench/bench.h"
 #include "bench/device_fill.h"
+#include "bench/guarded_main.h"
 #include "comm/gpu_threads.h"
 #include "comm/nccl_window.h"
 #include "common/device_buffer.h"
@@ -144,11 +145,4 @@ int run(int argc, char** argv) {
 }  // namespace
 }  // namespace pounce::bench
 
-int main(int argc, char** argv) {
-  try {
-    return pounce::bench::run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "pounce_ep_bench: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return pounce::bench::guarded_main("pounce_ep_bench", pounce::bench::run, argc, argv); }

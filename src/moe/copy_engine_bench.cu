@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/guarded_main.h"
 #include "bench/timing.h"
 #include "common/cuda_check.h"
 #include "common/device_buffer.h"
@@ -126,11 +127,4 @@ int run(int argc, char** argv) {
 }  // namespace
 }  // namespace pounce::moe
 
-int main(int argc, char** argv) {
-  try {
-    return pounce::moe::run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "pounce_copy_bench: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return pounce::bench::guarded_main("pounce_copy_bench", pounce::moe::run, argc, argv); }

@@ -16,8 +16,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Communication CTAs of a rank: it moves 4·H bytes per routed row (dispatch and combine) for 6·H·I
 // FLOPs of GEMM, so the CTAs that keep rows ahead of the GEMMs go as 1 / I against the GEMM CTAs. The
-// constant comes from the H200 comm-CTA sweeps of every catalogue shape at one rank (docs/results.md:
-// best 8 of 132 at I = 3072, 10 at 2048, 16 at 1536, >= 32 at 768, <= 4 at 14336).
+// constant comes from the H200 comm-CTA sweeps of every catalogue shape at one rank with rows combined
+// (docs/results.md: best 8 of 132 at I = 3072, 10 at 2048, 16 at 1536, >= 32 at 768, <= 4 at 14336).
 int default_comm_ctas(int ctas, int64_t intermediate) {
   const double per_gemm_cta = 190.0 / double(intermediate);
   return std::clamp(int(std::lround(ctas * per_gemm_cta / (1 + per_gemm_cta))), 1, std::max(1, ctas / 2));
@@ -147,7 +147,14 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   const int ctas = options.ctas_per_rank > 0 ? options.ctas_per_rank : sms / launch_ranks;
   POUNCE_REQUIRE(ctas * launch_ranks <= sms, "fused MoE: ", ctas, " CTAs per rank x ", launch_ranks,
                  " ranks exceeds the GPU's ", sms, " multiprocessors (the kernel needs every CTA resident)");
-  const int comm = options.comm_ctas > 0 ? options.comm_ctas : default_comm_ctas(ctas, config.intermediate);
+  // One rank whose ring holds every m-block (the default at one rank) runs in place: nothing combined,
+  // communication CTAs only dispatch and then run GEMM tiles, so their count matters little (H200
+  // sweeps: within ~4% of the best from 6 to 40 of 132 at every catalogue shape); ctas / 11 was never
+  // far from the best. Across ranks they stay communication CTAs all forward: sized from the shape.
+  const bool in_place = P == 1 && (options.ring_blocks <= 0 || options.ring_blocks >= capacity_.max_m_blocks);
+  const int comm = options.comm_ctas > 0 ? options.comm_ctas
+                   : in_place            ? std::max(1, ctas / 11)
+                                         : default_comm_ctas(ctas, config.intermediate);
   POUNCE_REQUIRE(comm >= 1 && comm < ctas, "fused MoE: comm_ctas = ", comm, " must be in [1, ctas_per_rank = ", ctas,
                  ")");
   const int gemm_ctas = ctas - comm;
@@ -165,7 +172,7 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   const int64_t min_ring = std::min(2 * bpm, capacity_.max_m_blocks);
   // One rank: by default the ring holds every m-block, as the unfused chain's buffers do, and nothing
   // needs combining (in place). Across ranks the ring is bounded by ring_bytes.
-  const int64_t default_ring = P == 1 ? capacity_.max_m_blocks
+  const int64_t default_ring = in_place ? capacity_.max_m_blocks
                                       : std::max(min_ring, std::min(capacity_.max_m_blocks, options.ring_bytes / block_bytes));
   int64_t ring = options.ring_blocks > 0 ? options.ring_blocks : default_ring;
   ring = std::min(ring, capacity_.max_m_blocks);
@@ -192,7 +199,7 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   p.ring_blocks = int32_t(ring);
   p.wait_timeout_ns = options.wait_timeout_ns;
   p.stall_rank = options.stall_rank;
-  p.in_place = P == 1 && ring >= capacity_.max_m_blocks;
+  p.in_place = in_place;
   p.error = errors_.device_sink();
 
   // This launch's ranks' private buffers: L slices each.
