@@ -247,7 +247,11 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     }
     if (default_shape_only_sweeps) sweeps["engine_rows"] = sweep("fused: engine rows", settings);
     settings.clear();
+    // The smallest ring with the default layer's minibatch and comm CTAs: rows combined through slots
+    // reused all forward, against the default (at one rank: in place, nothing combined).
     moe::FusedMoeOptions min_ring;
+    min_ring.minibatch_rows = fused.minibatch_rows();
+    min_ring.comm_ctas = fused.comm_ctas();
     min_ring.ring_blocks = 2 * ((fused.minibatch_rows() + planner::kBlockM - 1) / planner::kBlockM);
     settings.push_back({std::string("ring default, ") + std::to_string(fused.ring_blocks()) + " m-blocks", {}});
     settings.push_back({std::string("ring minimum, ") + std::to_string(min_ring.ring_blocks) + " m-blocks", min_ring});
