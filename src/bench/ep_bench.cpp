@@ -4,7 +4,7 @@
 // median), per-GPU TFLOP/s, and the NVLink bytes each GPU sent and received per second (rows pulled
 // from and pushed to other GPUs). JSON to --json.
 //
-// usage: pounce_ep_bench [--shape NAME] [--routing uniform|zipf] [--reps N] [--json PATH]
+// usage: pounce_ep_bench [--shape NAME] [--routing uniform|zipf] [--reps N] [--comm-ctas N] [--json PATH]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -27,6 +27,7 @@ namespace {
 int run(int argc, char** argv) {
   std::string shape_name = default_shape().name, routing = "uniform", json_path;
   int reps = 20, warmup = 5;
+  moe::FusedMoeOptions options;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     auto value = [&] {
@@ -36,6 +37,7 @@ int run(int argc, char** argv) {
     if (arg == "--shape") shape_name = value();
     else if (arg == "--routing") routing = value();
     else if (arg == "--reps") reps = std::stoi(value());
+    else if (arg == "--comm-ctas") options.comm_ctas = std::stoi(value());
     else if (arg == "--json") json_path = value();
     else POUNCE_FAIL("unknown option '", arg, "'");
   }
@@ -80,6 +82,7 @@ int run(int argc, char** argv) {
     comms = comm::init_single_process_comms(devices);
   }
   std::vector<Timing> timings(P);
+  int comm_ctas = 0;
   std::vector<std::optional<DeviceBuffer<__nv_bfloat16>>> w13(P), w2(P), x(P), y(P);
   std::vector<std::optional<DeviceBuffer<int32_t>>> d_ids(P);
   std::vector<std::optional<DeviceBuffer<float>>> d_weights(P);
@@ -98,7 +101,8 @@ int run(int argc, char** argv) {
         d_weights[r].emplace(weights[r]);
       },
       [&](int r) {
-        moe::FusedMoe& layer = layers[r].emplace(config, comms[r]);
+        moe::FusedMoe& layer = layers[r].emplace(config, comms[r], options);
+        if (r == 0) comm_ctas = layer.comm_ctas();
         layer.set_weights(w13[r]->data(), w2[r]->data());
         const moe::RankIO io{x[r]->data(), d_ids[r]->data(), d_weights[r]->data(), T, y[r]->data()};
         // Every rank launches its forwards back to back; each forward's start handshake lines them up.
@@ -121,8 +125,10 @@ int run(int argc, char** argv) {
   out["gpus"] = P;
   out["routing"] = routing;
   out["tokens_per_gpu"] = T;
+  out["comm_ctas"] = comm_ctas;
   out["forward_ms_slowest_rank"] = slowest;
   Json ranks = Json::array();
+  std::printf("%d communication CTAs per rank\n", comm_ctas);
   std::printf("rank  median ms  TFLOP/s  NVLink GB/s out  in\n");
   for (int r = 0; r < P; ++r) {
     const double ms = timings[r].median_ms;
