@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <numeric>
+#include <random>
 #include <vector>
 
 #include "common/cuda_check.h"
@@ -30,8 +32,11 @@ inline Timing summarize(std::vector<double> ms) {
 
 // Times several implementations of one step. Repetitions are interleaved (rep 0 of every candidate,
 // then rep 1, ...) so that clock and temperature drift under sustained load affects all of them alike
-// instead of penalising whichever runs last. launch(rep) enqueues one run on `stream`; rep counts over
-// warm-up and timed runs, so callers can rotate input sets (rep % sets) to keep out of the L2 cache.
+// instead of penalising whichever runs last. Each repetition runs the candidates in a fresh (seeded)
+// shuffled order: at the power cap a run's clocks depend on what ran just before it (a low-power
+// predecessor leaves headroom), and a fixed order would hand every candidate the same predecessor.
+// launch(rep) enqueues one run on `stream`; rep counts over warm-up and timed runs, so callers can
+// rotate input sets (rep % sets) to keep out of the L2 cache.
 template <typename Launch>
 std::vector<Timing> time_interleaved(const std::vector<Launch>& launches, cudaStream_t stream, int warmup, int reps) {
   for (int i = 0; i < warmup; ++i)
@@ -39,12 +44,17 @@ std::vector<Timing> time_interleaved(const std::vector<Launch>& launches, cudaSt
   const size_t n = launches.size();
   std::vector<cudaEvent_t> events(2 * n * reps);
   for (auto& e : events) CUDA_CHECK(cudaEventCreate(&e));
-  for (int i = 0; i < reps; ++i)
-    for (size_t c = 0; c < n; ++c) {
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), size_t(0));
+  std::mt19937 shuffle_rng(2026);
+  for (int i = 0; i < reps; ++i) {
+    std::shuffle(order.begin(), order.end(), shuffle_rng);
+    for (const size_t c : order) {
       CUDA_CHECK(cudaEventRecord(events[2 * (i * n + c)], stream));
       launches[c](warmup + i);
       CUDA_CHECK(cudaEventRecord(events[2 * (i * n + c) + 1], stream));
     }
+  }
   CUDA_CHECK(cudaStreamSynchronize(stream));
   std::vector<Timing> timings;
   for (size_t c = 0; c < n; ++c) {

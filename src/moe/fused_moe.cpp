@@ -23,6 +23,13 @@ int default_comm_ctas(int ctas, int64_t intermediate) {
   return std::clamp(int(std::lround(ctas * per_gemm_cta / (1 + per_gemm_cta))), 1, std::max(1, ctas / 2));
 }
 
+// Communication CTAs of a rank in place: they only dispatch, then run GEMM tiles, so too many cost
+// little (within ~5%). Empirical, from two H200 runs' sweeps at every catalogue shape: the best counts
+// of 132 were 6-8 for rows of 14 KB, 10-16 for 8 KB, 12 and more for 4 KB, i.e. ~380 / H per CTA.
+int in_place_comm_ctas(int ctas, int64_t hidden) {
+  return std::clamp(int(std::lround(ctas * 380.0 / double(hidden))), 1, std::max(1, ctas / 2));
+}
+
 // Counter words of one rank, in this order inside the rank's slice of counters_.
 struct CounterLayout {
   int64_t m_blocks;
@@ -148,12 +155,11 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   POUNCE_REQUIRE(ctas * launch_ranks <= sms, "fused MoE: ", ctas, " CTAs per rank x ", launch_ranks,
                  " ranks exceeds the GPU's ", sms, " multiprocessors (the kernel needs every CTA resident)");
   // One rank whose ring holds every m-block (the default at one rank) runs in place: nothing combined,
-  // communication CTAs only dispatch and then run GEMM tiles, so their count matters little (H200
-  // sweeps: within ~4% of the best from 6 to 40 of 132 at every catalogue shape); ctas / 11 was never
-  // far from the best. Across ranks they stay communication CTAs all forward: sized from the shape.
+  // communication CTAs only dispatch and then run GEMM tiles. Across ranks they stay communication
+  // CTAs all forward.
   const bool in_place = P == 1 && (options.ring_blocks <= 0 || options.ring_blocks >= capacity_.max_m_blocks);
   const int comm = options.comm_ctas > 0 ? options.comm_ctas
-                   : in_place            ? std::max(1, ctas / 11)
+                   : in_place            ? in_place_comm_ctas(ctas, config.hidden)
                                          : default_comm_ctas(ctas, config.intermediate);
   POUNCE_REQUIRE(comm >= 1 && comm < ctas, "fused MoE: comm_ctas = ", comm, " must be in [1, ctas_per_rank = ", ctas,
                  ")");

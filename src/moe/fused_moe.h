@@ -35,8 +35,8 @@ namespace pounce::moe {
 
 struct FusedMoeOptions {
   int ctas_per_rank = 0;         // 0: the GPU's SMs / P
-  int comm_ctas = 0;             // communication CTAs per rank; 0: in place ctas_per_rank / 11, else from
-                                 // the shape (~190 / I per GEMM CTA)
+  int comm_ctas = 0;             // communication CTAs per rank; 0: from the shape (in place ~380 / H per
+                                 // CTA, else ~190 / I per GEMM CTA)
   int engine_rows = -1;          // rows of each 128-row comm item the bulk-copy engine moves, the CTA's
                                  // warps the rest (moe/row_mover.cuh); -1: balanced for the row length
   int64_t minibatch_rows = 0;    // 0: the wave model's, two waves of GEMM1 tiles over the compute CTAs
