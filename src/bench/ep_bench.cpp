@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <random>
@@ -18,6 +19,7 @@
 #include "comm/gpu_threads.h"
 #include "comm/nccl_window.h"
 #include "common/device_buffer.h"
+#include "common/gpu.h"
 #include "moe/fused_moe.h"
 #include "reference/synthetic_routing.h"
 
@@ -121,6 +123,9 @@ int run(int argc, char** argv) {
   double slowest = 0;
   for (const Timing& t : timings) slowest = std::max(slowest, t.median_ms);
   Json out = Json::object();
+  const char* commit = std::getenv("POUNCE_COMMIT");
+  out["gpu"] = gpu_info().name;
+  out["commit"] = commit ? commit : "unknown";
   out["shape"] = s.name;
   out["gpus"] = P;
   out["routing"] = routing;

@@ -24,8 +24,9 @@ int default_comm_ctas(int ctas, int64_t intermediate) {
 }
 
 // Communication CTAs of a rank in place: they only dispatch, then run GEMM tiles, so too many cost
-// little (within ~5%). Empirical, from two H200 runs' sweeps at every catalogue shape: the best counts
-// of 132 were 6-8 for rows of 14 KB, 10-16 for 8 KB, 12 and more for 4 KB, i.e. ~380 / H per CTA.
+// little. Empirical (H200, every catalogue shape, 132 CTAs): with the candidates timed in shuffled
+// order (docs/results.md, 67d2f73) 6 to 40 lie within ~4% of each other, except 4 KB rows, which need
+// 12 or more; ~380 / H per CTA (7 at H 7168, 12 at 4096, 24 at 2048) sits inside that range everywhere.
 int in_place_comm_ctas(int ctas, int64_t hidden) {
   return std::clamp(int(std::lround(ctas * 380.0 / double(hidden))), 1, std::max(1, ctas / 2));
 }
