@@ -206,16 +206,18 @@ TEST(FusedMoe, OneRankInPlaceMatchesCombinedBitwise) {
 // counters carry over from forward to forward, and a forward that uses more m-blocks or tokens than an
 // earlier one must still find every counter where it expects it.
 // `comm`: run them on this one-rank NCCL communicator's layer (window buffers, forward parity) instead
-// of virtual ranks.
-void run_changing_forwards(int ranks, ncclComm_t comm = nullptr) {
+// of virtual ranks. `in_place`: one rank with the default ring (nothing combined) instead of a two-block
+// ring whose slots are reused many times over.
+void run_changing_forwards(int ranks, ncclComm_t comm = nullptr, bool in_place = false) {
   auto rng = testing::fresh_rng();
   const Case shape{ranks, 303, 256, 128, 8, 2, RoutingPattern::kUniform};
   Problem p = make_problem(rng, shape);  // up to 306 tokens per rank; buffers hold at least 303
   FusedMoeOptions options;
   options.minibatch_rows = 128;
-  options.ring_blocks = 2;  // slots reused many times over
+  options.ring_blocks = in_place ? 0 : 2;
   options.wait_timeout_ns = 2'000'000'000;
   FusedMoe layer = comm ? FusedMoe(p.config, comm, options) : FusedMoe(p.config, options);
+  ASSERT_EQ(layer.in_place(), in_place);
   p.load_weights(layer);
   const RoutingPattern patterns[] = {RoutingPattern::kUniform, RoutingPattern::kZipf, RoutingPattern::kOneExpert};
   const int64_t counts[][2] = {{20, 7}, {303, 250}, {0, 1}, {150, 303}, {303, 303}, {5, 0}, {280, 299}};
@@ -248,6 +250,13 @@ TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneLayer) {
 TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneRank) {
   POUNCE_REQUIRE_HOPPER();
   run_changing_forwards(1);
+}
+
+// In place the sums wait for GEMM2's m-blocks instead of arrivals: counters of m-blocks a forward leaves
+// unused must still be topped up for the next, larger forward.
+TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsInPlace) {
+  POUNCE_REQUIRE_HOPPER();
+  run_changing_forwards(1, nullptr, /*in_place=*/true);
 }
 
 TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneNcclRank) {
