@@ -165,6 +165,12 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                        unfused.forward_with_device_schedule(x[rep % kSets].data(), d_ids.data(), T, d_weights.data(),
                                                             y_pounce.data(), stream);
                      }});
+  // The unfused chain's two GEMMs alone, on the rows its last forward permuted: what the chain's other
+  // steps (permute, combine, planning) add, under the same clocks.
+  forward.push_back({"pounce GEMM1 + GEMM2 alone", [&](int) {
+                       unfused.run_gemm(Gemm::kGateUp, stream);
+                       unfused.run_gemm(Gemm::kDown, stream);
+                     }});
   forward.push_back({"pounce_fused", [&](int rep) { fused_forward(fused, rep % kSets, y_fused.data()); }});
   forward.push_back(dense_reference);
   result["forward"] = compare(s.name, "forward", s.forward_flops(), forward, o, dense_tflops, table, stream);
