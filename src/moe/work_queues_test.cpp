@@ -1,7 +1,8 @@
 // The fused kernel's work queues (moe/work_queues.h): the communication queue pulls each m-block in once
 // and pushes it out once, refilling a ring slot only after its previous tenant left; the GEMM queue
 // holds every tile once, in the minibatch order the argument needs; and a simulation of CTAs taking
-// both queues in order never deadlocks when the ring holds two minibatches (and can when it holds one).
+// both queues in order never deadlocks when the ring holds two minibatches (and can when it holds one),
+// nor in place (one rank, the ring holding every m-block, communication CTAs joining the GEMMs).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -36,6 +37,20 @@ TEST(CommQueue, EachMBlockOnceInOnceOutAndRingSlotsFreedBeforeReuse) {
           // Dispatch runs as far ahead as the ring allows: D(b + R) right after C(b).
           EXPECT_EQ(pulled[b + ring], pushed[b] + 1);
         }
+      }
+    }
+}
+
+// In place (one rank, the ring holds every m-block) the kernel takes only the first M items: they must be
+// every dispatch, in m-block order, with nothing to wait for.
+TEST(CommQueue, InPlaceTakesEveryDispatchInOrder) {
+  for (int32_t m_blocks : {0, 1, 7, 100})
+    for (int32_t extra : {0, 1, 50}) {
+      const int32_t ring = m_blocks + extra;
+      for (int64_t i = 0; i < m_blocks; ++i) {
+        const CommItem item = comm_item(i, m_blocks, ring);
+        EXPECT_FALSE(item.combine) << "item " << i << " of M " << m_blocks << ", R " << ring;
+        EXPECT_EQ(item.m_block, i);
       }
     }
 }
@@ -90,20 +105,33 @@ TEST(TileQueue, EveryTileOnceAndGemm2OfAMinibatchBetweenGemm1OfTheNextTwo) {
 
 // CTAs that take items in queue order and wait for each item's inputs, as the kernel's do. A GEMM CTA's
 // producer takes its next tile once the current one's inputs are ready (its loads issued), holding at
-// most two tiles; its consumers finish tiles in order. Returns false on deadlock.
-bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t ring, int comm_ctas, int gemm_ctas) {
+// most two tiles; its consumers finish tiles in order. In place (ring = every m-block) the comm queue is
+// the M dispatch items, and a comm CTA with nothing left to take becomes a GEMM CTA. Returns false on
+// deadlock.
+bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t ring, int comm_ctas, int gemm_ctas,
+              bool in_place = false) {
   const TileQueue q = make_queue(m_blocks, bpm, n1, n2);
   std::vector<char> pulled(m_blocks), pushed(m_blocks);
   std::vector<int32_t> gemm1_done(m_blocks), gemm2_done(m_blocks);
   int64_t next_item = 0, next_tile = 0, finished = 0;
-  const int64_t work = 2 * int64_t(m_blocks) + q.tiles();
+  const int64_t items = (in_place ? 1 : 2) * int64_t(m_blocks);
+  const int64_t work = items + q.tiles();
   std::vector<int64_t> comm_holds(comm_ctas, -1);
+  std::vector<char> joined(comm_ctas);  // in place: comm CTAs that became GEMM CTAs
   std::vector<std::deque<GemmTile>> gemm_holds(gemm_ctas);
   auto ready = [&](const GemmTile& t) { return t.gemm == 0 ? pulled[t.m_block] != 0 : gemm1_done[t.m_block] == n1; };
   for (bool progress = true; progress;) {
     progress = false;
-    for (int64_t& held : comm_holds) {
-      if (held < 0 && next_item < 2 * m_blocks) held = next_item++, progress = true;
+    for (int c = 0; c < comm_ctas; ++c) {
+      int64_t& held = comm_holds[c];
+      if (joined[c]) continue;
+      if (held < 0 && next_item < items) held = next_item++, progress = true;
+      if (held < 0 && in_place) {  // nothing left to dispatch: this CTA joins the GEMM tiles
+        joined[c] = 1;
+        gemm_holds.emplace_back();
+        progress = true;
+        continue;
+      }
       if (held < 0) continue;
       const CommItem item = comm_item(held, m_blocks, ring);
       const int32_t b = item.m_block;
@@ -140,6 +168,20 @@ TEST(WorkQueues, NeverDeadlockWithARingOfTwoMinibatches) {
             EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, ring, comm, gemm))
                 << "M " << m_blocks << ", minibatch " << bpm << ", ring " << ring << ", comm " << comm << ", gemm " << gemm;
           }
+}
+
+TEST(WorkQueues, NeverDeadlockInPlace) {
+  for (int32_t m_blocks : {0, 1, 7, 40})
+    for (int32_t bpm : {1, 2, 4, 64})
+      for (int comm : {1, 3})
+        for (int gemm : {1, 2, 5, 40})
+          EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, m_blocks, comm, gemm, /*in_place=*/true))
+              << "M " << m_blocks << ", minibatch " << bpm << ", comm " << comm << ", gemm " << gemm;
+}
+
+TEST(WorkQueues, InPlaceNeedsTheRingToHoldEveryMBlock) {
+  // Without combine items nothing frees a ring slot: dispatch past the ring waits forever.
+  EXPECT_FALSE(simulate(/*m_blocks=*/8, /*bpm=*/2, /*n1=*/4, /*n2=*/3, /*ring=*/4, /*comm=*/1, /*gemm=*/2, /*in_place=*/true));
 }
 
 TEST(WorkQueues, CanDeadlockWithARingOfOneMinibatch) {
