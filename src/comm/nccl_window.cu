@@ -91,6 +91,15 @@ ncclComm_t init_rank_from_file(const std::string& id_file, int rank, int ranks, 
   return comm;
 }
 
+void NcclWindow::require_team_is_communicator(const std::string& user) const {
+  int rank = 0, ranks = 0;
+  NCCL_CHECK(ncclCommUserRank(comm_, &rank));
+  NCCL_CHECK(ncclCommCount(comm_, &ranks));
+  POUNCE_REQUIRE(peers_.ranks == ranks && peers_.rank == rank, user, ": the communicator's NVLink (LSA) team has ",
+                 peers_.ranks, " ranks and this is its rank ", peers_.rank, "; it needs all ", ranks,
+                 " ranks in one NVLink domain, with the same numbering (this is rank ", rank, ")");
+}
+
 NcclWindow::NcclWindow(ncclComm_t comm, size_t bytes) : comm_(comm) {
   POUNCE_REQUIRE(bytes > 0, "NcclWindow: empty buffer");
   const ncclTeam_t lsa = ncclTeamLsa(comm);

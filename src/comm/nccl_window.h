@@ -45,6 +45,20 @@ void destroy_single_process_comms(const std::vector<ncclComm_t>& comms);
 // per run. Caller destroys the communicator.
 ncclComm_t init_rank_from_file(const std::string& id_file, int rank, int ranks, double timeout_s = 60);
 
+// One rank's symmetric window carved into regions, each 256-byte aligned (the same layout on every rank).
+class WindowLayout {
+ public:
+  size_t add(size_t bytes) {  // returns the region's offset
+    const size_t at = bytes_;
+    bytes_ += (bytes + 255) / 256 * 256;
+    return at;
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  size_t bytes_ = 0;
+};
+
 // A symmetric buffer of `bytes` on every rank of `comm`, zeroed. Construction and destruction are collective:
 // every rank must create and destroy its window in the same order.
 class NcclWindow {
@@ -56,6 +70,9 @@ class NcclWindow {
 
   void* local() const { return buffer_; }
   const PeerTable& peers() const { return peers_; }
+  // Throws, naming `user`, unless the NVLink (LSA) team is the whole communicator with the same rank
+  // numbering: what a peer table indexed by communicator rank needs.
+  void require_team_is_communicator(const std::string& user) const;
 
  private:
   ncclComm_t comm_;

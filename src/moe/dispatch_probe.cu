@@ -156,20 +156,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_probe_kernel(const __gri
 
 constexpr size_t kSharedBytes = sizeof(ProbeShared) + 128;
 
-// Byte offsets of one rank's symmetric buffers in its NCCL window.
-struct WindowLayout {
-  size_t x = 0, ring = 0, ready = 0, flags = 0, bytes = 0;
-  WindowLayout(int64_t x_bytes, int64_t ring_bytes, int64_t ready_bytes, int64_t flag_bytes) {
-    size_t at = 0;
-    auto region = [&at](int64_t n) { const size_t here = at; at += (size_t(n) + 255) / 256 * 256; return here; };
-    x = region(x_bytes);
-    ring = region(ring_bytes);
-    ready = region(ready_bytes);
-    flags = region(flag_bytes);
-    bytes = at;
-  }
-};
-
 }  // namespace
 
 DispatchProbe::DispatchProbe(const planner::EpConfig& config, std::span<const std::vector<int32_t>> topk_ids,
@@ -204,17 +190,17 @@ DispatchProbe::DispatchProbe(const planner::EpConfig& config, std::span<const st
   setup(topk_ids, /*launch_ranks=*/1, /*first_rank=*/rank);
   const int P = config.ranks;
   const int64_t T = std::max<int64_t>(config.max_tokens_per_rank, 1), H = config.hidden;
-  const WindowLayout at(T * H * 2, ring_blocks_ * kRows * H * 2, ring_blocks_ * 4, P * 4);
-  window_ = std::make_unique<comm::NcclWindow>(comm, at.bytes);  // zeroed
+  comm::WindowLayout layout;
+  const size_t x_at = layout.add(T * H * 2), ring_at = layout.add(ring_blocks_ * kRows * H * 2),
+               ready_at = layout.add(ring_blocks_ * 4), flags_at = layout.add(P * 4);
+  window_ = std::make_unique<comm::NcclWindow>(comm, layout.bytes());  // zeroed
+  window_->require_team_is_communicator("dispatch probe");
   const comm::PeerTable& peers = window_->peers();
-  POUNCE_REQUIRE(peers.ranks == P && peers.rank == rank, "dispatch probe: the communicator's NVLink (LSA) team has ",
-                 peers.ranks, " ranks and this is its rank ", peers.rank, "; the probe needs all ", P,
-                 " ranks in one NVLink domain, with the same numbering (this is rank ", rank, ")");
   for (int r = 0; r < P; ++r) {
-    peers_.x[r] = reinterpret_cast<__nv_bfloat16*>(peers.at(r, at.x));
-    peers_.ring[r] = reinterpret_cast<__nv_bfloat16*>(peers.at(r, at.ring));
-    peers_.ready[r] = reinterpret_cast<uint32_t*>(peers.at(r, at.ready));
-    peers_.start_flags[r] = reinterpret_cast<uint32_t*>(peers.at(r, at.flags));
+    peers_.x[r] = reinterpret_cast<__nv_bfloat16*>(peers.at(r, x_at));
+    peers_.ring[r] = reinterpret_cast<__nv_bfloat16*>(peers.at(r, ring_at));
+    peers_.ready[r] = reinterpret_cast<uint32_t*>(peers.at(r, ready_at));
+    peers_.start_flags[r] = reinterpret_cast<uint32_t*>(peers.at(r, flags_at));
   }
   peers_on_this_gpu_ = P == 1;
 }

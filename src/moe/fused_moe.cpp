@@ -81,28 +81,22 @@ FusedMoe::FusedMoe(const planner::EpConfig& config, ncclComm_t comm, const Fused
   // (combine slots, arrivals, start flags). NcclWindow hands it out zeroed.
   const int P = config.ranks;
   const int64_t T = std::max<int64_t>(config.max_tokens_per_rank, 1), k = config.topk, H = config.hidden;
-  auto region = [offset = size_t(0)](size_t bytes) mutable {
-    const size_t at = offset;
-    offset += (bytes + 255) / 256 * 256;
-    return std::pair{at, offset};
-  };
+  comm::WindowLayout layout;
   // What peers read (x, topk_ids, token counts) is double-buffered by forward parity: a rank writes
   // forward e + 1's copy while a slower peer may still read forward e's (nobody can be two forwards
   // behind: forward e + 1 ends only after every rank has started it).
   std::array<size_t, 2> x_at, ids_at, counts_at;
   for (int parity = 0; parity < 2; ++parity) {
-    x_at[parity] = region(T * H * 2).first;
-    ids_at[parity] = region(T * k * 4).first;
-    counts_at[parity] = region(P * 4).first;
+    x_at[parity] = layout.add(T * H * 2);
+    ids_at[parity] = layout.add(T * k * 4);
+    counts_at[parity] = layout.add(P * 4);
   }
-  const auto [slots_at, slots_end] = region(T * k * H * 2);
-  const auto [arrivals_at, arrivals_end] = region(T * 4);
-  const auto [flags_at, bytes] = region(P * 4);
-  window_ = std::make_unique<comm::NcclWindow>(comm, bytes);
+  const size_t slots_at = layout.add(T * k * H * 2);
+  const size_t arrivals_at = layout.add(T * 4);
+  const size_t flags_at = layout.add(P * 4);
+  window_ = std::make_unique<comm::NcclWindow>(comm, layout.bytes());
+  window_->require_team_is_communicator("fused MoE");
   const comm::PeerTable& peers = window_->peers();
-  POUNCE_REQUIRE(peers.ranks == P && peers.rank == rank, "fused MoE: the communicator's NVLink (LSA) team has ",
-                 peers.ranks, " ranks and this is its rank ", peers.rank, "; the layer needs all ", P,
-                 " ranks in one NVLink domain, with the same numbering (this is rank ", rank, ")");
   for (int r = 0; r < P; ++r) {
     for (int parity = 0; parity < 2; ++parity) {
       window_x_[parity][r] = reinterpret_cast<__nv_bfloat16*>(peers.at(r, x_at[parity]));
