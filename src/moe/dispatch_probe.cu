@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common/bounded_wait.cuh"
+#include "common/cooperative_launch.h"
 #include "common/cuda_check.h"
 #include "common/gpu.h"
 #include "moe/copy_engine.cuh"
@@ -304,20 +305,9 @@ DispatchRun DispatchProbe::run(DispatchMode mode, cudaStream_t stream) {
   CUDA_CHECK(cudaMemsetAsync(tickets_.data(), 0, tickets_.bytes(), stream));
   CUDA_CHECK(cudaMemsetAsync(times_.data(), 0, times_.bytes(), stream));
 
-  CUDA_CHECK(cudaFuncSetAttribute(dispatch_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes)));
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(unsigned(L * (p.comm_ctas + 1)));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSharedBytes;
-  config.stream = stream;
-  cudaLaunchAttribute cooperative{};  // every CTA resident: gates and movers wait on each other
-  cooperative.id = cudaLaunchAttributeCooperative;
-  cooperative.val.cooperative = 1;
-  config.attrs = &cooperative;
-  config.numAttrs = 1;
   CUDA_CHECK(cudaEventRecord(launch_events_[0], stream));
-  CUDA_CHECK(cudaLaunchKernelEx(&config, dispatch_probe_kernel, p));
-  CUDA_CHECK_LAUNCH();
+  // Cooperative: gates and movers wait on each other.
+  launch_cooperative(dispatch_probe_kernel, L * (p.comm_ctas + 1), kThreads, kSharedBytes, stream, p);
   CUDA_CHECK(cudaEventRecord(launch_events_[1], stream));
   const cudaError_t synced = cudaStreamSynchronize(stream);
   if (errors_.has_error()) {  // the record first: after a trap it says more than the CUDA error

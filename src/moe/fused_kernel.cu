@@ -9,6 +9,7 @@
 //           take GEMM tiles too.
 #include "moe/fused_kernel.h"
 
+#include "common/cooperative_launch.h"
 #include "common/cuda_check.h"
 #include "gemm/gemm_pipeline.cuh"
 #include "moe/comm_role.cuh"
@@ -127,21 +128,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 
 void launch_fused_moe(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream) {
-  // Per device (one process may drive several GPUs): a host call of a microsecond, every launch.
-  CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  int(gemm::pipeline::kSharedBytes)));
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(unsigned(p.launch_ranks * p.ctas_per_rank));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = gemm::pipeline::kSharedBytes;
-  config.stream = stream;
-  cudaLaunchAttribute cooperative{};
-  cooperative.id = cudaLaunchAttributeCooperative;
-  cooperative.val.cooperative = 1;
-  config.attrs = &cooperative;
-  config.numAttrs = 1;
-  CUDA_CHECK(cudaLaunchKernelEx(&config, fused_moe_kernel, p, maps));
-  CUDA_CHECK_LAUNCH();
+  launch_cooperative(fused_moe_kernel, p.launch_ranks * p.ctas_per_rank, kThreads, gemm::pipeline::kSharedBytes, stream,
+                     p, maps);
 }
 
 }  // namespace pounce::moe
