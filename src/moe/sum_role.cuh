@@ -22,17 +22,22 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
   const uint4* ring = reinterpret_cast<const uint4*>(p.out_ring);
   const int64_t vecs = p.hidden / 8;  // 16-byte vectors of 8 bf16 per row
   const uint32_t gemm2_tiles = 2 * uint32_t((p.hidden + gemm::kBlockN - 1) / gemm::kBlockN);
+  // Output row k of token t: in place where GEMM2 stored it in the ring, else its combine slot.
+  const auto out_row = [&](int32_t t, int k) {
+    const int64_t route = int64_t(t) * p.topk + k;
+    return p.in_place ? ring + int64_t(rs.route_row[route]) * vecs : slots + route * vecs;
+  };
   for (;;) {
     int32_t t = 0;
     if (lane == 0) t = int32_t(atomicAdd(&rs.control[kSumTicket], 1u));
     t = __shfl_sync(0xFFFFFFFFu, t, 0);
     if (t >= rs.tokens) return;
     bool ok = true;
-    const int32_t* rows = rs.route_row + int64_t(t) * p.topk;
     if (lane == 0 && p.in_place) {
-      for (int k = 0; k < p.topk && ok; ++k)
-        ok = counter_wait_bounded(&rs.gemm2_done[rows[k] / 128], p.epoch * gemm2_tiles, site, WaitTarget::kGemm2Done,
-                                  rows[k] / 128);
+      for (int k = 0; k < p.topk && ok; ++k) {
+        const int32_t m_block = rs.route_row[int64_t(t) * p.topk + k] / 128;
+        ok = counter_wait_bounded(&rs.gemm2_done[m_block], p.epoch * gemm2_tiles, site, WaitTarget::kGemm2Done, m_block);
+      }
     } else if (lane == 0) {
       const uint32_t target = p.epoch * uint32_t(p.topk);
       ok = p.peers_on_this_gpu
@@ -48,7 +53,7 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
       float acc[8] = {};
       for (int k = 0; k < p.topk; ++k) {
         const float wk = w[k];
-        const uint4 bits = p.in_place ? ring[int64_t(rows[k]) * vecs + v] : slots[(int64_t(t) * p.topk + k) * vecs + v];
+        const uint4 bits = out_row(t, k)[v];
         const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(&bits);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
