@@ -238,30 +238,29 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     }
     sweeps["comm_ctas"] = sweep("fused: comm CTAs", settings);
     settings.clear();
-    const bool default_shape_only_sweeps = s.name == default_shape().name;
-    for (int blocks : {2, 4, 8, 16, 32, 64}) {
-      moe::FusedMoeOptions m;
-      m.minibatch_rows = int64_t(blocks) * planner::kBlockM;
-      settings.push_back({"minibatch " + std::to_string(blocks) + " m-blocks", m});
-    }
-    if (default_shape_only_sweeps) sweeps["minibatch"] = sweep("fused: minibatch", settings);
-    settings.clear();
-    for (int rows : {0, 32, 48, 64, 96, 128}) {
-      moe::FusedMoeOptions m;
-      m.engine_rows = rows;
-      settings.push_back({"engine rows " + std::to_string(rows), m});
-    }
-    if (default_shape_only_sweeps) sweeps["engine_rows"] = sweep("fused: engine rows", settings);
-    settings.clear();
-    // The smallest ring with the default layer's minibatch and comm CTAs: rows combined through slots
-    // reused all forward, against the default (at one rank: in place, nothing combined).
-    moe::FusedMoeOptions min_ring;
-    min_ring.minibatch_rows = fused.minibatch_rows();
-    min_ring.comm_ctas = fused.comm_ctas();
-    min_ring.ring_blocks = 2 * ((fused.minibatch_rows() + planner::kBlockM - 1) / planner::kBlockM);
-    settings.push_back({std::string("ring default, ") + std::to_string(fused.ring_blocks()) + " m-blocks", {}});
-    settings.push_back({std::string("ring minimum, ") + std::to_string(min_ring.ring_blocks) + " m-blocks", min_ring});
-    if (default_shape_only_sweeps) {
+    if (s.name == default_shape().name) {
+      for (int blocks : {2, 4, 8, 16, 32, 64}) {
+        moe::FusedMoeOptions m;
+        m.minibatch_rows = int64_t(blocks) * planner::kBlockM;
+        settings.push_back({"minibatch " + std::to_string(blocks) + " m-blocks", m});
+      }
+      sweeps["minibatch"] = sweep("fused: minibatch", settings);
+      settings.clear();
+      for (int rows : {0, 32, 48, 64, 96, 128}) {
+        moe::FusedMoeOptions m;
+        m.engine_rows = rows;
+        settings.push_back({"engine rows " + std::to_string(rows), m});
+      }
+      sweeps["engine_rows"] = sweep("fused: engine rows", settings);
+      settings.clear();
+      // The smallest ring with the default layer's minibatch and comm CTAs: rows combined through slots
+      // reused all forward, against the default (at one rank: in place, nothing combined).
+      moe::FusedMoeOptions min_ring;
+      min_ring.minibatch_rows = fused.minibatch_rows();
+      min_ring.comm_ctas = fused.comm_ctas();
+      min_ring.ring_blocks = 2 * ((fused.minibatch_rows() + planner::kBlockM - 1) / planner::kBlockM);
+      settings.push_back({std::string("ring default, ") + std::to_string(fused.ring_blocks()) + " m-blocks", {}});
+      settings.push_back({std::string("ring minimum, ") + std::to_string(min_ring.ring_blocks) + " m-blocks", min_ring});
       sweeps["ring"] = sweep("fused: ring", settings);
       Json ranks = Json::object();
       for (const char* P : {"1", "2", "4", "8"})
