@@ -216,9 +216,7 @@ int run(int argc, char** argv) {
   } else {
     doc["nccl"] = comm::checked_nccl_version();
     const auto ids = routing_for(P);
-    std::vector<int> devices(P);
-    for (int d = 0; d < P; ++d) devices[d] = d;
-    std::vector<ncclComm_t> comms = comm::init_single_process_comms(devices);
+    std::vector<ncclComm_t> comms = comm::init_single_process_comms_on_first(P);
     std::vector<std::optional<moe::DispatchProbe>> probes(P);
     std::vector<std::array<std::vector<moe::DispatchRun>, 2>> runs(P);  // [rank][mode][rep]
     const std::vector<std::string> failures = comm::run_on_every_gpu(

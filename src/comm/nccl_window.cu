@@ -5,7 +5,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <fstream>
+#include <numeric>
 #include <thread>
 
 #include "common/cuda_check.h"
@@ -49,6 +51,12 @@ std::vector<ncclComm_t> init_single_process_comms(const std::vector<int>& device
   std::vector<ncclComm_t> comms(devices.size());
   NCCL_CHECK(ncclCommInitAll(comms.data(), int(devices.size()), devices.data()));
   return comms;
+}
+
+std::vector<ncclComm_t> init_single_process_comms_on_first(int gpus) {
+  std::vector<int> devices(std::max(gpus, 0));
+  std::iota(devices.begin(), devices.end(), 0);
+  return init_single_process_comms(devices);
 }
 
 void destroy_single_process_comms(const std::vector<ncclComm_t>& comms) {

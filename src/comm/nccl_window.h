@@ -32,6 +32,8 @@ void disable_multicast();
 // One communicator per listed device, all in this process (ncclCommInitAll). Caller destroys them with
 // destroy_single_process_comms.
 std::vector<ncclComm_t> init_single_process_comms(const std::vector<int>& devices);
+// The same on GPUs 0 .. gpus-1.
+std::vector<ncclComm_t> init_single_process_comms_on_first(int gpus);
 
 // Destroys the communicators of init_single_process_comms. Finalizing is collective across them: one
 // thread finalizes them all in one NCCL group, then destroys each (destroying them one by one without

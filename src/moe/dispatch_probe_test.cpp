@@ -194,7 +194,7 @@ TEST(DispatchProbeMultiGpu, OneRankPerGpuFillsEveryRingInBothModes) {
   const int P = std::min(gpus, 8);
   if (P < 2) GTEST_SKIP() << "needs at least two GPUs; this machine has " << P;
   auto rng = testing::fresh_rng();
-  std::vector<ncclComm_t> comms = comm::init_single_process_comms(all_ranks(P));
+  std::vector<ncclComm_t> comms = comm::init_single_process_comms_on_first(P);
   for (RoutingPattern pattern : {RoutingPattern::kUniform, RoutingPattern::kZipf}) {
     SCOPED_TRACE(reference::routing_pattern_name(pattern));
     const Inputs in = make_inputs(rng, Case{P, 700, 512, 4 * P, 3, pattern});

@@ -48,9 +48,7 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
       weights[f].push_back(reference::synthetic_topk_weights(tokens[f][r], int(k), rng));
     }
 
-  std::vector<int> devices(P);
-  for (int d = 0; d < P; ++d) devices[d] = d;
-  std::vector<ncclComm_t> comms = comm::init_single_process_comms(devices);
+  std::vector<ncclComm_t> comms = comm::init_single_process_comms_on_first(P);
   std::vector<std::vector<std::vector<uint16_t>>> got(kForwards, std::vector<std::vector<uint16_t>>(P));
   std::vector<std::optional<DeviceBuffer<uint16_t>>> d_w13(P), d_w2(P);
   std::vector<std::optional<FusedMoe>> layers(P);
