@@ -260,12 +260,12 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
 
 // ---- the CTA ----------------------------------------------------------------------------------------
 
-// Runs the GEMM role of one CTA (all kThreads threads) until the tile source runs dry. Returns in every
-// thread; afterwards the producer warpgroup holds only kProducerRegisters registers per thread, so a
-// caller with more work must leave it to the consumer threads (threadIdx.x >= 128, synchronizing with
-// kConsumersBarrier).
-template <class Tiles>
-__device__ void run_gemm_cta(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site) {
+// Runs the GEMM role of one CTA (all kThreads threads) until the tile source runs dry, then the consumer
+// threads (256, synchronizing with kConsumersBarrier if at all) call then_consumers(). That follow-up
+// work runs inside the consumers' branch, so ptxas compiles it with their kConsumerRegisters registers;
+// code after this call is also reached by the producer warpgroup and gets only kProducerRegisters.
+template <class Tiles, class ThenConsumers>
+__device__ void run_gemm_cta(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site, ThenConsumers&& then_consumers) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       ptx::mbarrier_init(&s.full[i], 1);
@@ -292,6 +292,7 @@ __device__ void run_gemm_cta(SharedStorage& s, Tiles& tiles, const WaitSite& pip
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();
     run_consumer(s, tiles, pipe_site, warpgroup - 1);
+    then_consumers();
   }
 }
 

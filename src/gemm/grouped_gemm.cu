@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const GemmOperands op{&a_map, &b_map, &c_map, p.k / kBlockK, p.epilogue, p.row_scale, nullptr};
   QueueTiles tiles(p, op);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, pipeline::pipeline_timeout_ns(p.wait_timeout_ns)};
-  pipeline::run_gemm_cta(pipeline::shared_storage(smem_raw), tiles, pipe_site);
+  pipeline::run_gemm_cta(pipeline::shared_storage(smem_raw), tiles, pipe_site, [] {});
 }
 
 // ---- host -------------------------------------------------------------------------------------------

@@ -121,8 +121,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   FusedTiles tiles(p, rs, lr, maps.m);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, gemm::pipeline::pipeline_timeout_ns(p.wait_timeout_ns),
                            rs.rank};
-  gemm::pipeline::run_gemm_cta(gemm::pipeline::shared_storage(smem_raw), tiles, pipe_site);
-  if (threadIdx.x >= 128) run_weighted_sums(p, rs);  // the producer warpgroup kept too few registers
+  gemm::pipeline::run_gemm_cta(gemm::pipeline::shared_storage(smem_raw), tiles, pipe_site,
+                               [&] { run_weighted_sums(p, rs); });
 }
 
 }  // namespace

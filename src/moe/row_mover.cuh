@@ -34,7 +34,9 @@ __device__ inline void move_rows(CopyEngine& engine, const void* const* src, voi
       const uint4* s = static_cast<const uint4*>(src[r]);
       uint4* d = static_cast<uint4*>(dst[r]);
       for (uint32_t v = lane; v < vecs; v += kInFlight * 32) {
-        uint4 part[kInFlight];
+        // Zero-initialized: a conditionally assigned element would carry the previous iteration's value
+        // as far as the compiler knows, and those live ranges spilled.
+        uint4 part[kInFlight] = {};
 #pragma unroll
         for (int u = 0; u < kInFlight; ++u)
           if (v + u * 32 < vecs) part[u] = s[v + u * 32];

@@ -60,7 +60,7 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
     for (int64_t v = lane; v < vecs; v += 32) {
       float acc[8] = {};
       for (int k0 = 0; k0 < p.topk; k0 += kBatch) {
-        uint4 bits[kBatch];
+        uint4 bits[kBatch] = {};  // conditionally loaded: initialized so no value is carried across iterations
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
           const int k = k0 + j;  // warp-uniform: every lane takes part in the shuffle
@@ -69,7 +69,7 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
           const int k = k0 + j;
-          if (k >= p.topk) break;
+          if (k >= p.topk) continue;  // not break: the loop must unroll for bits[] to stay in registers
           const float wk = k < 32 ? __shfl_sync(kAll, lane_weight, k) : w[k];
           const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(&bits[j]);
 #pragma unroll
