@@ -57,14 +57,20 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
     __syncwarp();  // orders the waiting lanes' acquires before every lane's reads of the rows
     if (!ok) return;
 
-    for (int64_t v = lane; v < vecs; v += 32) {
+    // Every lane runs every iteration (lanes past the row's end load nothing): the shuffles need the
+    // whole warp.
+    for (int64_t v0 = 0; v0 < vecs; v0 += 32) {
+      const int64_t v = v0 + lane;
+      const bool in_row = v < vecs;
       float acc[8] = {};
       for (int k0 = 0; k0 < p.topk; k0 += kBatch) {
         uint4 bits[kBatch] = {};  // conditionally loaded: initialized so no value is carried across iterations
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
-          const int k = k0 + j;  // warp-uniform: every lane takes part in the shuffle
-          if (k < p.topk) bits[j] = rows[(k < 32 ? __shfl_sync(kAll, lane_row, k) : row_of(k)) * vecs + v];
+          const int k = k0 + j;  // warp-uniform
+          if (k >= p.topk) continue;
+          const int64_t row = k < 32 ? __shfl_sync(kAll, lane_row, k) : row_of(k);
+          if (in_row) bits[j] = rows[row * vecs + v];
         }
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
@@ -80,6 +86,7 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
           }
         }
       }
+      if (!in_row) continue;
       uint4 result;
       __nv_bfloat162* r = reinterpret_cast<__nv_bfloat162*>(&result);
 #pragma unroll
