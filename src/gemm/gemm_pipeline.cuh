@@ -1,13 +1,11 @@
 // The grouped GEMM engine's CTA, shared by the stand-alone grouped GEMM kernel and the fused MoE
 // kernel's compute CTAs. Sections in fixed order: configuration and shared-memory layout, the tile
-// source contract, scheduler and producer roles, consumer role (mainloop, epilogue), the CTA entry.
+// source contract, producer role, consumer role (mainloop, epilogue), the CTA entry.
 //
 // One CTA per SM, 384 threads:
-//   warpgroup 0: thread 32, the scheduler, takes tiles from a TileSource (which also waits, bounded, for
-//                the tile's inputs to be ready) and publishes each in a tile slot, up to kTileSlots
-//                ahead; thread 0, the producer, streams each published tile's A/B K-slices with TMA into
-//                a kStages-deep mbarrier ring. Two threads, so the latency of taking a tile (a global
-//                ticket, a readiness counter) overlaps the previous tile's loads instead of stalling them.
+//   warpgroup 0: producer. One thread takes tiles from a TileSource (which also waits, bounded, for the
+//                tile's inputs to be ready), publishes each to the consumers and streams A/B K-slices
+//                with TMA into a kStages-deep mbarrier ring.
 //   warpgroups 1-2: consumers. Each owns 64 of the tile's 128 rows: wgmma m64n256k16 from shared memory,
 //                fp32 accumulators in registers, then the epilogue (SwiGLU, row scale) writes bf16 into
 //                a swizzled staging box that a TMA store copies out while the next tile's mainloop runs.
@@ -34,7 +32,7 @@ constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;  // 64: one wgmm
 constexpr int kStoreBoxCols = 64;  // a TMA store box is 64 bf16 (128 bytes, one swizzle row) wide...
 constexpr int kStoreBoxRows = kRowsPerConsumer;  // ...and one consumer's rows high
 constexpr int kStoreSlots = 2;     // per consumer: fill one box while the previous one is stored
-constexpr int kTileSlots = 2;      // the scheduler may run this many tiles ahead of the consumers
+constexpr int kTileSlots = 2;      // the producer may run one tile ahead of the consumers
 constexpr int kDoneLagSlices = 4;  // a tile's completion counter is released this many K slices into the next
 constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK * sizeof(__nv_bfloat16);
 // setmaxnreg: 128 x 40 + 256 x 232 = 64512 of the SM's 65536 registers.
@@ -62,8 +60,8 @@ struct SharedStorage {
   alignas(1024) __nv_bfloat16 c[kConsumerWarpgroups][kStoreSlots][kStoreBoxRows * kStoreBoxCols];
   uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes)
   uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer warp)
-  uint64_t tile_full[kTileSlots];   // scheduler published the slot (1 arrival)
-  uint64_t tile_empty[kTileSlots];  // producer and consumers read it (1 + one arrival per consumer warp)
+  uint64_t tile_full[kTileSlots];
+  uint64_t tile_empty[kTileSlots];
   TileInfo tiles[kTileSlots];
 };
 constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;  // + slack to align the dynamic base
@@ -79,8 +77,8 @@ __device__ __forceinline__ SharedStorage& shared_storage(uint8_t* smem_raw) {
 // ---- tile source contract ---------------------------------------------------------------------------
 //
 // The producer asks its TileSource for tiles:
-//   bool next(TileInfo& tile)  takes the next tile and waits (bounded) until its A rows are ready,
-//                              acquiring them; false when there are no more tiles or a wait gave up.
+//   bool next(TileInfo& tile)  takes the next tile, waits (bounded) until its A rows are ready and fences
+//                              them for TMA; false when there are no more tiles or a wait gave up.
 //   const GemmOperands& operands(int gemm) const
 struct GemmOperands {
   const CUtensorMap* a;  // [rows, k] bf16, box kBlockK x kBlockM
@@ -99,34 +97,19 @@ __device__ __forceinline__ uint64_t pipeline_timeout_ns(uint64_t ready_timeout_n
   return 2 * ready_timeout_ns + 1'000'000'000ull;
 }
 
-// ---- scheduler and producer -------------------------------------------------------------------------
+// ---- producer ---------------------------------------------------------------------------------------
 
 template <class Tiles>
-__device__ void run_scheduler(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site) {
-  uint32_t slot = 0, slot_phase = 0;
+__device__ void run_producer(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site) {
+  uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
   for (;;) {
     TileInfo info{};
     info.valid = tiles.next(info) ? 1 : 0;
     mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
     s.tiles[slot] = info;
-    ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the readers' wait makes `info` visible
+    ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the consumers' wait makes `info` visible
     if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
     if (!info.valid) return;
-  }
-}
-
-template <class Tiles>
-__device__ void run_producer(SharedStorage& s, const Tiles& tiles, const WaitSite& pipe_site) {
-  uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
-  for (;;) {
-    mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
-    const TileInfo info = s.tiles[slot];
-    ptx::mbarrier_arrive(&s.tile_empty[slot]);
-    if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
-    if (!info.valid) return;
-    // NOTES: the A rows may have been written by other CTAs; the scheduler acquired them through the
-    // generic proxy (and this thread through the tile slot), and TMA reads through the async proxy.
-    ptx::fence_proxy_async_global();
 
     const GemmOperands& op = tiles.operands(info.gemm);
     for (int kb = 0; kb < op.k_blocks; ++kb) {
@@ -290,7 +273,7 @@ __device__ void run_gemm_cta(SharedStorage& s, Tiles& tiles, const WaitSite& pip
     }
     for (int i = 0; i < kTileSlots; ++i) {
       ptx::mbarrier_init(&s.tile_full[i], 1);
-      ptx::mbarrier_init(&s.tile_empty[i], 1 + kConsumerWarps);
+      ptx::mbarrier_init(&s.tile_empty[i], kConsumerWarps);
     }
     ptx::fence_mbarrier_init();
   }
@@ -305,8 +288,6 @@ __device__ void run_gemm_cta(SharedStorage& s, Tiles& tiles, const WaitSite& pip
         ptx::prefetch_tensormap(tiles.operands(g).b);
       }
       run_producer(s, tiles, pipe_site);
-    } else if (threadIdx.x == 32) {
-      run_scheduler(s, tiles, pipe_site);
     }
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();

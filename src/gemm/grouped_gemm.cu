@@ -60,6 +60,9 @@ class QueueTiles {
       if (!counter_wait_bounded(p_.m_block_ready + t.m_block, p_.ready_target, ready_site_, WaitTarget::kMBlockReady,
                                 t.m_block))
         return false;
+      // NOTES: A rows were written by other CTAs through the generic proxy and acquired above; TMA reads
+      // through the async proxy, which needs this fence to observe them.
+      ptx::fence_proxy_async_global();
     }
     info = {0, t.expert * p_.n + t.n_block * kBlockN, t.m_block * kBlockM, t.n_block, t.m_block, 1};
     return true;

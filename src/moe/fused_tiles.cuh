@@ -38,6 +38,9 @@ class FusedTiles {
                   : counter_wait_bounded(&rs_.gemm1_done[m_block], p_.epoch * 2 * uint32_t(n_blocks_[0]), site,
                                          WaitTarget::kGemm1Done, m_block);
     if (!ready) return false;
+    // NOTES: the A rows were written by other CTAs (bulk copies, TMA stores) and acquired above through
+    // the generic proxy; our TMA loads read through the async proxy.
+    ptx::fence_proxy_async_global();
     const int32_t expert = p_.local_experts * rs_.rank + expert_of(m_block);
     const int32_t n = gemm == 0 ? 2 * p_.intermediate : p_.hidden;
     info = {gemm, expert * n + n_block * gemm::kBlockN, int32_t(ring_row(p_, lr_, m_block, 0)), n_block, m_block, 1};

@@ -104,9 +104,8 @@ TEST(TileQueue, EveryTileOnceAndGemm2OfAMinibatchBetweenGemm1OfTheNextTwo) {
 }
 
 // CTAs that take items in queue order and wait for each item's inputs, as the kernel's do. A GEMM CTA's
-// scheduler takes its next tile once the last one's inputs are ready, holding at most four tiles (the
-// consumers' current one, two published in the tile slots, one it waits for); its consumers finish
-// tiles in order. In place (ring = every m-block) the comm queue is
+// producer takes its next tile once the current one's inputs are ready (its loads issued), holding at
+// most two tiles; its consumers finish tiles in order. In place (ring = every m-block) the comm queue is
 // the M dispatch items, and a comm CTA with nothing left to take becomes a GEMM CTA. Returns false on
 // deadlock.
 bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t ring, int comm_ctas, int gemm_ctas,
@@ -142,7 +141,7 @@ bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t rin
       held = -1, ++finished, progress = true;
     }
     for (auto& held : gemm_holds) {
-      if (held.size() < 4 && (held.empty() || ready(held.back())) && next_tile < q.tiles()) {
+      if (held.size() < 2 && (held.empty() || ready(held.back())) && next_tile < q.tiles()) {
         GemmTile t;
         q.tile(next_tile++, t);
         held.push_back(t);
