@@ -91,7 +91,7 @@ FusedMoe::FusedMoe(const planner::EpConfig& config, ncclComm_t comm, const Fused
     ids_at[parity] = layout.add(T * k * 4);
     counts_at[parity] = layout.add(P * 4);
   }
-  const size_t slots_at = layout.add(T * k * H * 2);
+  const size_t slots_at = layout.add(params_.in_place ? 0 : T * k * H * 2);  // in place: none
   const size_t arrivals_at = layout.add(T * 4);
   const size_t flags_at = layout.add(P * 4);
   window_ = std::make_unique<comm::NcclWindow>(comm, layout.bytes());
@@ -103,7 +103,7 @@ FusedMoe::FusedMoe(const planner::EpConfig& config, ncclComm_t comm, const Fused
       window_ids_[parity][r] = reinterpret_cast<int32_t*>(peers.at(r, ids_at[parity]));
       window_counts_[parity][r] = reinterpret_cast<int32_t*>(peers.at(r, counts_at[parity]));
     }
-    params_.peers.slots[r] = reinterpret_cast<__nv_bfloat16*>(peers.at(r, slots_at));
+    params_.peers.slots[r] = params_.in_place ? nullptr : reinterpret_cast<__nv_bfloat16*>(peers.at(r, slots_at));
     params_.peers.arrivals[r] = reinterpret_cast<uint32_t*>(peers.at(r, arrivals_at));
     params_.peers.start_flags[r] = reinterpret_cast<uint32_t*>(peers.at(r, flags_at));
   }
@@ -152,7 +152,13 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   // One rank whose ring holds every m-block (the default at one rank) runs in place: nothing combined,
   // communication CTAs only dispatch and then run GEMM tiles. Across ranks they stay communication
   // CTAs all forward.
-  const bool in_place = P == 1 && (options.ring_blocks <= 0 || options.ring_blocks >= capacity_.max_m_blocks);
+  POUNCE_REQUIRE(options.ring_blocks >= 0 && options.ring_bytes >= 0, "fused MoE: ring_blocks = ", options.ring_blocks,
+                 " and ring_bytes = ", options.ring_bytes, " must not be negative (0: default)");
+  // Bytes of ring per m-block: x, h and out rows.
+  const int64_t block_bytes = planner::kBlockM * (2 * config.hidden + config.intermediate) * 2;
+  const int64_t all_blocks_bytes = capacity_.max_m_blocks * block_bytes;
+  const bool in_place = P == 1 && (options.ring_blocks >= capacity_.max_m_blocks ||
+                                   (options.ring_blocks == 0 && (options.ring_bytes == 0 || all_blocks_bytes <= options.ring_bytes)));
   const int comm = options.comm_ctas > 0 ? options.comm_ctas
                    : in_place            ? in_place_comm_ctas(ctas, config.hidden)
                                          : default_comm_ctas(ctas, config.intermediate);
@@ -169,12 +175,12 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
                                                             : ceil_div(2 * gemm_ctas, n1_blocks) * planner::kBlockM;
   const int64_t bpm = ceil_div(minibatch_rows, planner::kBlockM);
   // Ring: at least two minibatches (the tile queue's deadlock-freedom needs it) or everything.
-  const int64_t block_bytes = planner::kBlockM * (2 * config.hidden + config.intermediate) * 2;
   const int64_t min_ring = std::min(2 * bpm, capacity_.max_m_blocks);
   // One rank: by default the ring holds every m-block, as the unfused chain's buffers do, and nothing
-  // needs combining (in place). Across ranks the ring is bounded by ring_bytes.
+  // needs combining (in place). Otherwise the ring is bounded by ring_bytes (1 GiB when not set).
+  const int64_t budget = options.ring_bytes > 0 ? options.ring_bytes : int64_t(1) << 30;
   const int64_t default_ring = in_place ? capacity_.max_m_blocks
-                                      : std::max(min_ring, std::min(capacity_.max_m_blocks, options.ring_bytes / block_bytes));
+                                        : std::max(min_ring, std::min(capacity_.max_m_blocks, budget / block_bytes));
   int64_t ring = options.ring_blocks > 0 ? options.ring_blocks : default_ring;
   ring = std::min(ring, capacity_.max_m_blocks);
   POUNCE_REQUIRE(ring >= min_ring, "fused MoE: ring_blocks = ", options.ring_blocks, " is below the minimum ", min_ring,

@@ -40,9 +40,10 @@ struct FusedMoeOptions {
   int engine_rows = -1;          // rows of each 128-row comm item the bulk-copy engine moves, the CTA's
                                  // warps the rest (moe/row_mover.cuh); -1: balanced for the row length
   int64_t minibatch_rows = 0;    // 0: the wave model's, two waves of GEMM1 tiles over the compute CTAs
-  int64_t ring_blocks = 0;       // ring m-blocks per rank; 0: one rank: every m-block (then in place,
-                                 // nothing combined); more ranks: as many as ring_bytes allows
-  int64_t ring_bytes = int64_t(1) << 30;  // per rank, for the default ring across ranks (x, h and out rows)
+  int64_t ring_blocks = 0;       // ring m-blocks per rank; 0: as ring_bytes allows
+  int64_t ring_bytes = 0;        // per rank, for the default ring (x, h and out rows); 0: one rank: every
+                                 // m-block (then in place, nothing combined), more ranks: 1 GiB. At one
+                                 // rank a set budget still runs in place when every m-block fits in it.
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait
   int stall_rank = -1;           // fault injection (tests): this rank's communication CTAs do nothing
 };

@@ -369,8 +369,38 @@ TEST(FusedMoe, RejectsBadHostInputWithClearErrors) {
   planner::EpConfig big = p.config;
   big.max_tokens_per_rank = 1000;
   testing::expect_error([&] { FusedMoe bad(big, options); }, "is below the minimum 4");
+  options = {};
+  options.ring_blocks = -1;
+  testing::expect_error([&] { FusedMoe bad(p.config, options); }, "must not be negative");
   big.experts = 7;
   testing::expect_error([&] { FusedMoe bad(big); }, "divisible");
+}
+
+// At one rank a ring_bytes budget too small for every m-block is respected: the layer combines through a
+// bounded ring instead of running in place, and gives the same bits.
+TEST(FusedMoe, OneRankRingBudgetIsRespected) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, Case{1, 1500, 512, 256, 16, 6, RoutingPattern::kUniform});
+  FusedMoe in_place(p.config);
+  ASSERT_TRUE(in_place.in_place());
+  p.load_weights(in_place);
+  run_and_expect_reference(in_place, p);
+  const auto want = p.outputs();
+
+  const int64_t block_bytes = 128 * (2 * 512 + 256) * 2;
+  FusedMoeOptions capped;
+  capped.minibatch_rows = 4 * 128;
+  capped.ring_bytes = 10 * block_bytes;
+  FusedMoe bounded(p.config, capped);
+  EXPECT_FALSE(bounded.in_place());
+  EXPECT_EQ(bounded.ring_blocks(), 10);
+  p.load_weights(bounded);
+  run_and_check(bounded, p);
+  EXPECT_EQ(p.outputs(), want);
+
+  capped.ring_bytes = in_place.max_m_blocks() * block_bytes;  // just enough: in place again
+  EXPECT_TRUE(FusedMoe(p.config, capped).in_place());
 }
 
 }  // namespace
