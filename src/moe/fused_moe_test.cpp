@@ -180,7 +180,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 // One rank, default ring: every m-block fits, nothing is combined and the sums read GEMM2's rows in the
 // ring while the communication CTAs, done dispatching, run GEMM tiles. The same forward through a ring
-// too small for that (rows combined into slots first) must give the same bits.
+// too small for that (rows combined into slots first) must give the same bits, whether the ring is
+// bounded by ring_blocks or by a ring_bytes budget (which one rank respects too).
 TEST(FusedMoe, OneRankInPlaceMatchesCombinedBitwise) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
@@ -191,15 +192,22 @@ TEST(FusedMoe, OneRankInPlaceMatchesCombinedBitwise) {
   run_and_expect_reference(in_place, p);
   const auto want = p.outputs();
 
-  FusedMoeOptions small_ring;
-  small_ring.minibatch_rows = 4 * 128;
-  small_ring.ring_blocks = 8;  // two minibatches: slots reused many times over
-  FusedMoe combined(p.config, small_ring);
-  ASSERT_FALSE(combined.in_place());
-  ASSERT_LT(combined.ring_blocks(), combined.max_m_blocks());
-  p.load_weights(combined);
-  run_and_check(combined, p);
-  EXPECT_EQ(p.outputs(), want);
+  const int64_t block_bytes = 128 * (2 * 512 + 256) * 2;  // x, h and out rows of one m-block
+  FusedMoeOptions by_blocks, by_bytes;
+  by_blocks.minibatch_rows = by_bytes.minibatch_rows = 4 * 128;
+  by_blocks.ring_blocks = 8;  // two minibatches: slots reused many times over
+  by_bytes.ring_bytes = 10 * block_bytes;
+  for (const auto& [options, blocks] : {std::pair{by_blocks, 8}, std::pair{by_bytes, 10}}) {
+    FusedMoe combined(p.config, options);
+    ASSERT_FALSE(combined.in_place());
+    ASSERT_EQ(combined.ring_blocks(), blocks);
+    p.load_weights(combined);
+    run_and_check(combined, p);
+    EXPECT_EQ(p.outputs(), want) << "ring of " << blocks << " m-blocks";
+  }
+
+  by_bytes.ring_bytes = in_place.max_m_blocks() * block_bytes;  // just enough: in place again
+  EXPECT_TRUE(FusedMoe(p.config, by_bytes).in_place());
 }
 
 // Forwards on one layer with token counts and routings that change every time (up, down, zero, up):
@@ -374,33 +382,6 @@ TEST(FusedMoe, RejectsBadHostInputWithClearErrors) {
   testing::expect_error([&] { FusedMoe bad(p.config, options); }, "must not be negative");
   big.experts = 7;
   testing::expect_error([&] { FusedMoe bad(big); }, "divisible");
-}
-
-// At one rank a ring_bytes budget too small for every m-block is respected: the layer combines through a
-// bounded ring instead of running in place, and gives the same bits.
-TEST(FusedMoe, OneRankRingBudgetIsRespected) {
-  POUNCE_REQUIRE_HOPPER();
-  auto rng = testing::fresh_rng();
-  Problem p = make_problem(rng, Case{1, 1500, 512, 256, 16, 6, RoutingPattern::kUniform});
-  FusedMoe in_place(p.config);
-  ASSERT_TRUE(in_place.in_place());
-  p.load_weights(in_place);
-  run_and_expect_reference(in_place, p);
-  const auto want = p.outputs();
-
-  const int64_t block_bytes = 128 * (2 * 512 + 256) * 2;
-  FusedMoeOptions capped;
-  capped.minibatch_rows = 4 * 128;
-  capped.ring_bytes = 10 * block_bytes;
-  FusedMoe bounded(p.config, capped);
-  EXPECT_FALSE(bounded.in_place());
-  EXPECT_EQ(bounded.ring_blocks(), 10);
-  p.load_weights(bounded);
-  run_and_check(bounded, p);
-  EXPECT_EQ(p.outputs(), want);
-
-  capped.ring_bytes = in_place.max_m_blocks() * block_bytes;  // just enough: in place again
-  EXPECT_TRUE(FusedMoe(p.config, capped).in_place());
 }
 
 }  // namespace
