@@ -254,7 +254,8 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
   }
   if (thread == 0) {
     release_done(pending_done);
-    ptx::bulk_wait_group<0>();  // stores must finish reading shared memory before exit
+    ptx::bulk_wait_group<0>();  // stores must finish reading shared memory before exit (without counters
+                                // release_done waited for nothing)
   }
 }
 

@@ -157,8 +157,12 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   // Bytes of ring per m-block: x, h and out rows.
   const int64_t block_bytes = planner::kBlockM * (2 * config.hidden + config.intermediate) * 2;
   const int64_t all_blocks_bytes = capacity_.max_m_blocks * block_bytes;
+  // At one rank a ring_bytes budget picks in place whenever that takes no more memory than the bounded
+  // ring plus the combine slots it would need (T * k rows).
+  const int64_t slot_bytes = config.max_tokens_per_rank * config.topk * config.hidden * 2;
   const bool in_place = P == 1 && (options.ring_blocks >= capacity_.max_m_blocks ||
-                                   (options.ring_blocks == 0 && (options.ring_bytes == 0 || all_blocks_bytes <= options.ring_bytes)));
+                                   (options.ring_blocks == 0 && (options.ring_bytes == 0 ||
+                                                                 all_blocks_bytes <= options.ring_bytes + slot_bytes)));
   const int comm = options.comm_ctas > 0 ? options.comm_ctas
                    : in_place            ? in_place_comm_ctas(ctas, config.hidden)
                                          : default_comm_ctas(ctas, config.intermediate);

@@ -43,7 +43,8 @@ struct FusedMoeOptions {
   int64_t ring_blocks = 0;       // ring m-blocks per rank; 0: as ring_bytes allows
   int64_t ring_bytes = 0;        // per rank, for the default ring (x, h and out rows); 0: one rank: every
                                  // m-block (then in place, nothing combined), more ranks: 1 GiB. At one
-                                 // rank a set budget still runs in place when every m-block fits in it.
+                                 // rank a set budget still runs in place when every m-block fits in it
+                                 // plus the combine slots (T * k rows) a bounded ring would need.
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait
   int stall_rank = -1;           // fault injection (tests): this rank's communication CTAs do nothing
 };

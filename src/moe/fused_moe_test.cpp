@@ -168,8 +168,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{1, 333, 384, 128, 16, 3, RoutingPattern::kHalfEmpty},
                       Case{1, 0, 256, 128, 8, 2, RoutingPattern::kUniform},
                       Case{1, 1, 128, 64, 4, 1, RoutingPattern::kUniform},
+                      Case{1, 97, 256, 128, 40, 33, RoutingPattern::kUniform},  // k > 32: rows past a lane each
                       Case{2, 129, 512, 192, 16, 4, RoutingPattern::kZipf, kMinRing, 1},
                       Case{2, 0, 256, 128, 8, 2, RoutingPattern::kUniform},
+                      Case{2, 61, 192, 128, 16, 12, RoutingPattern::kZipf, kMinRing},  // k > 8, 24 vectors a row
                       Case{2, 500, 256, 256, 8, 8, RoutingPattern::kOneExpert, 0, 30},
                       Case{4, 64, 256, 64, 16, 4, RoutingPattern::kHalfEmpty, 0, 3},
                       Case{4, 1000, 384, 256, 8, 3, RoutingPattern::kUniform, kMinRing, 6},
@@ -192,7 +194,7 @@ TEST(FusedMoe, OneRankInPlaceMatchesCombinedBitwise) {
   run_and_expect_reference(in_place, p);
   const auto want = p.outputs();
 
-  const int64_t block_bytes = 128 * (2 * 512 + 256) * 2;  // x, h and out rows of one m-block
+  const int64_t block_bytes = 128 * (2 * p.config.hidden + p.config.intermediate) * 2;  // x, h and out rows
   FusedMoeOptions by_blocks, by_bytes;
   by_blocks.minibatch_rows = by_bytes.minibatch_rows = 4 * 128;
   by_blocks.ring_blocks = 8;  // two minibatches: slots reused many times over
