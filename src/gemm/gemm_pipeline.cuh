@@ -39,9 +39,8 @@ constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK * sizeof(__nv_bfl
 constexpr uint32_t kProducerRegisters = 40;
 constexpr uint32_t kConsumerRegisters = 232;
 
-// Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue, one for
-// all consumer threads (callers use it after the GEMM role, when the producer warpgroup has left).
-enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1, kConsumersBarrier = 3 };
+// Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue.
+enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1 };
 
 struct TileInfo {
   int32_t gemm;     // which GemmOperands
@@ -262,7 +261,7 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
 // ---- the CTA ----------------------------------------------------------------------------------------
 
 // Runs the GEMM role of one CTA (all kThreads threads) until the tile source runs dry, then the consumer
-// threads (256, synchronizing with kConsumersBarrier if at all) call then_consumers(). That follow-up
+// threads (256) call then_consumers(). That follow-up
 // work runs inside the consumers' branch, so ptxas compiles it with their kConsumerRegisters registers;
 // code after this call is also reached by the producer warpgroup and gets only kProducerRegisters.
 template <class Tiles, class ThenConsumers>
