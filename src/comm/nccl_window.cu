@@ -2,10 +2,10 @@
 
 #include <nccl_device.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <algorithm>
 #include <fstream>
 #include <numeric>
 #include <thread>

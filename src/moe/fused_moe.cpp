@@ -56,13 +56,13 @@ FusedMoe::FusedMoe(const planner::EpConfig& config, const FusedMoeOptions& optio
   const int64_t T = std::max<int64_t>(config.max_tokens_per_rank, 1);
   peer_words_ = DeviceBuffer<uint32_t>(P * (T + P));
   token_counts_ = DeviceBuffer<int32_t>(P * P);
-  slots_ = DeviceBuffer<__nv_bfloat16>(params_.in_place ? 0 : P * T * config.topk * config.hidden);  // in place: none
+  slots_ = DeviceBuffer<__nv_bfloat16>(P * slot_elems_);
   CUDA_CHECK(cudaMemset(peer_words_.data(), 0, peer_words_.bytes()));
   for (int r = 0; r < P; ++r) {
     params_.peers.arrivals[r] = peer_words_.data() + r * (T + P);
     params_.peers.start_flags[r] = params_.peers.arrivals[r] + T;
     params_.peers.token_counts[r] = token_counts_.data() + r * P;
-    params_.peers.slots[r] = params_.in_place ? nullptr : slots_.data() + r * T * config.topk * config.hidden;
+    params_.peers.slots[r] = params_.in_place ? nullptr : slots_.data() + r * slot_elems_;
   }
   params_.peers_on_this_gpu = 1;
 }
@@ -91,7 +91,7 @@ FusedMoe::FusedMoe(const planner::EpConfig& config, ncclComm_t comm, const Fused
     ids_at[parity] = layout.add(T * k * 4);
     counts_at[parity] = layout.add(P * 4);
   }
-  const size_t slots_at = layout.add(params_.in_place ? 0 : T * k * H * 2);  // in place: none
+  const size_t slots_at = layout.add(slot_elems_ * 2);
   const size_t arrivals_at = layout.add(T * 4);
   const size_t flags_at = layout.add(P * 4);
   window_ = std::make_unique<comm::NcclWindow>(comm, layout.bytes());
@@ -158,11 +158,12 @@ void FusedMoe::setup(const planner::EpConfig& config, const FusedMoeOptions& opt
   const int64_t block_bytes = planner::kBlockM * (2 * config.hidden + config.intermediate) * 2;
   const int64_t all_blocks_bytes = capacity_.max_m_blocks * block_bytes;
   // At one rank a ring_bytes budget picks in place whenever that takes no more memory than the bounded
-  // ring plus the combine slots it would need (T * k rows).
-  const int64_t slot_bytes = config.max_tokens_per_rank * config.topk * config.hidden * 2;
+  // ring plus the combine slots it would need.
+  const int64_t slot_elems = std::max<int64_t>(config.max_tokens_per_rank, 1) * config.topk * config.hidden;
   const bool in_place = P == 1 && (options.ring_blocks >= capacity_.max_m_blocks ||
                                    (options.ring_blocks == 0 && (options.ring_bytes == 0 ||
-                                                                 all_blocks_bytes <= options.ring_bytes + slot_bytes)));
+                                                                 all_blocks_bytes <= options.ring_bytes + 2 * slot_elems)));
+  slot_elems_ = in_place ? 0 : slot_elems;
   const int comm = options.comm_ctas > 0 ? options.comm_ctas
                    : in_place            ? in_place_comm_ctas(ctas, config.hidden)
                                          : default_comm_ctas(ctas, config.intermediate);

@@ -16,13 +16,11 @@
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-
-#include <cstdint>
-#include <span>
-
 #include <nccl.h>
 
+#include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "comm/nccl_window.h"
@@ -121,6 +119,7 @@ class FusedMoe {
   DeviceBuffer<uint32_t> peer_words_;  // per rank: arrivals [T_max], start flags [P]
   DeviceBuffer<int32_t> token_counts_;
   DeviceBuffer<__nv_bfloat16> slots_;
+  int64_t slot_elems_ = 0;  // per rank: combine slots [T_max, k, H]; 0 in place (setup)
   std::unique_ptr<comm::NcclWindow> window_;
   __nv_bfloat16* window_x_[2][kMaxRanks] = {};  // [forward parity][rank]
   int32_t* window_ids_[2][kMaxRanks] = {};
