@@ -1,9 +1,12 @@
-// The NCCL backend at one rank on one GPU (NCCL refuses two ranks on one GPU): version check, window
-// registration, and LSA pointers that address the rank's own buffer.
+// The NCCL backend: at one rank on one GPU (NCCL refuses two ranks on one GPU) the version check, window
+// registration and LSA pointers that address the rank's own buffer; and the unique-id file handshake.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdlib>
+#include <string>
 
 #include "comm/nccl_window.h"
 #include "common/cuda_check.h"
@@ -45,6 +48,15 @@ TEST(Nccl, OneRankWindowPeerPointerIsTheLocalBuffer) {
     EXPECT_EQ(word, pattern[offset / 4]);
   }
   comm::destroy_single_process_comms(comms);
+}
+
+// One process per GPU: a rank other than 0 waits for rank 0's unique-id file and, past its deadline,
+// fails naming the file (no GPU needed: it never gets as far as NCCL's communicator). Bad rank numbers
+// are refused before anything else.
+TEST(Nccl, RankWithoutTheUniqueIdFileGivesUpNamingIt) {
+  const std::string path = ::testing::TempDir() + "pounce_no_such_nccl_id_" + std::to_string(::getpid());
+  testing::expect_error([&] { init_rank_from_file(path, 1, 2, 0.05); }, "s for rank 0's unique id in " + path);
+  testing::expect_error([&] { init_rank_from_file(path, 2, 2); }, "rank 2 of 2 is not a valid rank");
 }
 
 }  // namespace
