@@ -6,6 +6,8 @@
 //   C(b): wait until GEMM2 finished m-block b; push each row to slot [token, k] of its source rank, then
 //         count it in that rank's arrivals[token] (system scope); release combined[b] (frees the slot).
 // In place (one rank, the ring holds every m-block) the queue is D(0) ... D(M-1): nothing is combined.
+// The opening D(0) ... D(m0-1) (the first minibatch) is pulled before the queue starts, in pieces of
+// kPieceRows rows by every CTA of the rank (pull_opening), so the queue's first ticket is D(m0).
 // Padding rows are never copied: the ring slot keeps stale rows there, whose outputs nobody reads.
 #pragma once
 
@@ -43,11 +45,12 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
   const int32_t n2_blocks = (p.hidden + gemm::kBlockN - 1) / gemm::kBlockN;
   const uint32_t row_bytes = uint32_t(p.hidden) * 2;
   const int64_t items = (p.in_place ? 1 : 2) * int64_t(sizes.m_blocks);  // in place: D(b) only
+  const int64_t opening = opening_blocks(sizes.m_blocks, p.blocks_per_minibatch);
   const bool stalled = p.stall_rank == rs.rank;  // fault injection: never take an item
   CopyEngine engine(cs.engine, WaitSite{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank});
   for (;;) {
     if (threadIdx.x == 0) {
-      const int64_t i = stalled ? items : atomicAdd(&rs.control[kCommTicket], 1u);
+      const int64_t i = stalled ? items : opening + atomicAdd(&rs.control[kCommTicket], 1u);
       bool go = i < items;
       if (go) {
         const CommItem item = comm_item(i, sizes.m_blocks, p.ring_blocks);
@@ -95,7 +98,7 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
     move_rows<kThreads>(engine, cs.src, cs.dst, row_bytes, p.engine_rows);
     if (threadIdx.x == 0) {
       if (!item.combine) {
-        ptx::red_release_gpu_add(&rs.dispatched[b], 1);
+        ptx::red_release_gpu_add(&rs.dispatched[b], kPiecesPerBlock);
       } else {
         // NOTES: release pattern for the arrivals: one system-scope fence orders every pushed row (landed
         // before move_rows' barrier, so cumulative) before the relaxed increments; the source rank
@@ -110,6 +113,50 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
       }
     }
   }
+}
+
+// The opening: right after planning every CTA of the rank, communication and GEMM alike, pulls pieces
+// of the first minibatch's m-blocks (kPieceRows rows each, 16-byte loads and stores by all threads).
+// The first GEMM wave needs every m-block of that minibatch; moved whole by the few communication CTAs
+// (~40 us an m-block at H 7168) they landed 50-140 us after planning. Nothing here waits: the first
+// minibatch's ring slots have no earlier tenant in this forward, and the start handshake has made every
+// rank's x readable. Ends with a CTA barrier after a proxy fence: the roles that follow write this
+// shared memory through the async proxy (TMA, bulk copies).
+template <int kThreads>
+__device__ inline void pull_opening(const FusedParams& p, const RankState& rs, int lr, int cta, CommShared& cs) {
+  constexpr int kInFlight = 8;  // 16-byte loads in flight per thread
+  const int32_t pieces = opening_blocks(rs.sizes->m_blocks, p.blocks_per_minibatch) * kPiecesPerBlock;
+  const uint32_t vecs = uint32_t(p.hidden) / 8, piece_vecs = kPieceRows * vecs;
+  const bool stalled = p.stall_rank == rs.rank;  // fault injection: this rank moves no rows
+  for (int32_t q = stalled ? pieces : cta; q < pieces; q += p.ctas_per_rank) {
+    const int32_t b = q / kPiecesPerBlock;
+    if (threadIdx.x < kPieceRows) {
+      const int r = (q % kPiecesPerBlock) * kPieceRows + threadIdx.x;
+      const int64_t row = int64_t(b) * kItemRows + r;
+      const int32_t rank = rs.row_source_rank[row];
+      cs.src[threadIdx.x] = rank >= 0 ? p.peers.x[rank] + int64_t(rs.row_token[row]) * p.hidden : nullptr;
+      cs.dst[threadIdx.x] = p.x_ring + ring_row(p, lr, b, r) * p.hidden;
+    }
+    __syncthreads();
+    for (uint32_t v = threadIdx.x; v < piece_vecs; v += kInFlight * kThreads) {
+      uint4 part[kInFlight] = {};  // zero-initialized: see move_rows
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const uint32_t i = v + u * kThreads, r = i / vecs;
+        if (i < piece_vecs && cs.src[r] != nullptr) part[u] = static_cast<const uint4*>(cs.src[r])[i - r * vecs];
+      }
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const uint32_t i = v + u * kThreads, r = i / vecs;
+        if (i < piece_vecs && cs.src[r] != nullptr) static_cast<uint4*>(cs.dst[r])[i - r * vecs] = part[u];
+      }
+    }
+    ptx::fence_proxy_async_global();  // our generic stores before GEMM1's TMA loads
+    __syncthreads();                  // every thread's stores (and its table reads) done
+    if (threadIdx.x == 0) ptx::red_release_gpu_add(&rs.dispatched[b], 1);  // cumulative over the barrier
+  }
+  ptx::fence_proxy_async_shared();
+  __syncthreads();
 }
 
 }  // namespace pounce::moe

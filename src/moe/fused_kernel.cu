@@ -3,6 +3,7 @@
 //   start   publish the token count, wait until every rank has started this forward
 //   plan    count / scan / place (planner/plan_steps.cuh): this rank's schedule, bit-identical to the
 //           host planner; bad routing stops every rank here, before any data moves
+//   opening every CTA pulls a share of the first minibatch's rows (moe/comm_role.cuh)
 //   run     communication CTAs: dispatch and combine items (moe/comm_role.cuh), then weighted sums;
 //           compute CTAs: GEMM1 + SwiGLU and GEMM2 tiles (moe/fused_tiles.cuh), then weighted sums.
 //           In place (one rank, ring holding every m-block) communication CTAs only dispatch, then
@@ -56,7 +57,7 @@ __device__ void top_up_unused_counters(const FusedParams& p, const RankState& rs
   const uint32_t n2_blocks = (p.hidden + gemm::kBlockN - 1) / gemm::kBlockN;
   const int64_t max_m_blocks = p.capacity_rows / gemm::kBlockM;
   for (int64_t b = rs.sizes->m_blocks + worker; b < max_m_blocks; b += workers) {
-    rs.dispatched[b] += 1;
+    rs.dispatched[b] += kPiecesPerBlock;
     rs.gemm1_done[b] += 2 * n1_blocks;
     rs.gemm2_done[b] += 2 * n2_blocks;
     rs.combined[b] += 1;
@@ -94,10 +95,7 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
   // Bad routing: every rank saw it in its own count step, before the barrier.
   if (!rank_barrier(p, rs, 4, ok_flag) || !nobody_reported(p, ok_flag)) return false;
   top_up_unused_counters(p, rs, cta);
-  // The planner's tables were written through the generic proxy; TMA and bulk copies (async proxy)
-  // overwrite the same shared memory next.
-  ptx::fence_proxy_async_shared();
-  return true;
+  return true;  // the opening's proxy fence covers the planner's shared tables too
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -109,6 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const RankState& rs = p.rank_state[lr];
 
   if (!plan(p, rs, cta, smem, &ok_flag)) return;
+  pull_opening<kThreads>(p, rs, lr, cta, *reinterpret_cast<CommShared*>(smem));
 
   if (cta < p.comm_ctas) {
     run_comm_items<kThreads>(p, rs, lr, *reinterpret_cast<CommShared*>(smem));

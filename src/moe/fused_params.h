@@ -18,6 +18,10 @@ namespace pounce::moe {
 
 inline constexpr int kMaxRanks = 8;
 inline constexpr int kItemRows = 128;  // rows of one dispatch or combine item: one m-block
+// The opening (moe/comm_role.cuh) pulls m-blocks in pieces; dispatched[b] counts pieces, so a whole
+// D(b) item counts kPiecesPerBlock.
+inline constexpr int kPiecesPerBlock = 8;
+inline constexpr int kPieceRows = kItemRows / kPiecesPerBlock;
 
 // Words of RankState::control.
 enum ControlWord : int {
@@ -39,7 +43,7 @@ struct RankState {
   planner::DeviceScheduleSizes* sizes;
   const int32_t** topk_table;  // [P]: the topk_ids pointers of every rank, for the planner
   // Per-m-block counters [max_m_blocks].
-  uint32_t* dispatched;  // +1 when the m-block's rows are in the ring
+  uint32_t* dispatched;  // +1 per piece of the m-block in the ring (kPiecesPerBlock per forward)
   uint32_t* gemm1_done;  // +1 per GEMM1 tile half (2 * n1_blocks per forward)
   uint32_t* gemm2_done;  // +1 per GEMM2 tile half (2 * n2_blocks per forward)
   uint32_t* combined;    // +1 when the m-block's rows were pushed out: its ring slot is free

@@ -34,7 +34,8 @@ class FusedTiles {
     if (!decode(ticket, gemm, m_block, n_block)) return false;
     const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
     const bool ready =
-        gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], p_.epoch, site, WaitTarget::kMBlockReady, m_block)
+        gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], p_.epoch * kPiecesPerBlock, site,
+                                         WaitTarget::kMBlockReady, m_block)
                   : counter_wait_bounded(&rs_.gemm1_done[m_block], p_.epoch * 2 * uint32_t(n_blocks_[0]), site,
                                          WaitTarget::kGemm1Done, m_block);
     if (!ready) return false;

@@ -1,6 +1,8 @@
 // The two work queues of one rank in the fused kernel, as pure functions of the ticket, so that the
 // host tests can check the orders the deadlock-freedom argument rests on (docs/fused_moe.md).
 //   communication: D(0) ... D(R-1), C(0), D(R), C(1), D(R+1), ..., C(M-1)
+//                  (the opening's items D(0) ... D(m0-1), m0 = opening_blocks, are moved in pieces by
+//                  every CTA of the rank before the queue starts, so its first ticket is m0)
 //   GEMM tiles:    G1(0), G1(1), G2(0), G1(2), G2(1), ..., G1(n-1), G2(n-2), G2(n-1)   by minibatch,
 //                  m-blocks fastest inside a minibatch
 #pragma once
@@ -28,6 +30,12 @@ POUNCE_HOST_DEVICE inline CommItem comm_item(int64_t i, int32_t m_blocks, int32_
   const int64_t pairs = m_blocks - head;  // C(b), D(b + R) for b < M - R
   if (u < 2 * pairs) return {u % 2 == 0, int32_t(u % 2 == 0 ? u / 2 : u / 2 + ring_blocks)};
   return {true, int32_t(pairs + (u - 2 * pairs))};
+}
+
+// M-blocks of the opening: the first minibatch, which every CTA of a rank pulls in pieces right after
+// planning. They are the queue's first items, D(0) ... D(m0 - 1) (a ring holds two minibatches).
+POUNCE_HOST_DEVICE inline int32_t opening_blocks(int32_t m_blocks, int32_t blocks_per_minibatch) {
+  return m_blocks < blocks_per_minibatch ? m_blocks : blocks_per_minibatch;
 }
 
 struct GemmTile {

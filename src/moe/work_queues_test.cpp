@@ -1,8 +1,9 @@
 // The fused kernel's work queues (moe/work_queues.h): the communication queue pulls each m-block in once
 // and pushes it out once, refilling a ring slot only after its previous tenant left; the GEMM queue
 // holds every tile once, in the minibatch order the argument needs; and a simulation of CTAs taking
-// both queues in order never deadlocks when the ring holds two minibatches (and can when it holds one),
-// nor in place (one rank, the ring holding every m-block, communication CTAs joining the GEMMs).
+// both queues in order, after the opening, never deadlocks when the ring holds two minibatches (and can
+// when it holds one), nor in place (one rank, the ring holding every m-block, communication CTAs joining
+// the GEMMs).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -51,6 +52,22 @@ TEST(CommQueue, InPlaceTakesEveryDispatchInOrder) {
         const CommItem item = comm_item(i, m_blocks, ring);
         EXPECT_FALSE(item.combine) << "item " << i << " of M " << m_blocks << ", R " << ring;
         EXPECT_EQ(item.m_block, i);
+      }
+    }
+}
+
+// The opening (the first minibatch, pulled by every CTA before the queues start) is the queue's first
+// items, all dispatches into slots with no earlier tenant: it waits for nothing.
+TEST(CommQueue, OpeningIsTheFirstDispatchesAndWaitsForNothing) {
+  for (int32_t m_blocks : {0, 1, 7, 100})
+    for (int32_t bpm : {1, 3, 16, 200}) {
+      const int32_t ring = std::min(m_blocks, 2 * bpm), opening = opening_blocks(m_blocks, bpm);
+      EXPECT_EQ(opening, std::min(m_blocks, bpm));
+      for (int64_t i = 0; i < opening; ++i) {
+        const CommItem item = comm_item(i, m_blocks, ring);
+        EXPECT_FALSE(item.combine);
+        EXPECT_EQ(item.m_block, i);
+        EXPECT_LT(item.m_block, ring) << "opening item " << i << " would wait for a ring slot";
       }
     }
 }
@@ -113,7 +130,10 @@ bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t rin
   const TileQueue q = make_queue(m_blocks, bpm, n1, n2);
   std::vector<char> pulled(m_blocks), pushed(m_blocks);
   std::vector<int32_t> gemm1_done(m_blocks), gemm2_done(m_blocks);
-  int64_t next_item = 0, next_tile = 0, finished = 0;
+  // The opening: every CTA pulls the first minibatch before taking either queue.
+  const int32_t opening = opening_blocks(m_blocks, bpm);
+  for (int32_t b = 0; b < opening; ++b) pulled[b] = 1;
+  int64_t next_item = opening, next_tile = 0, finished = opening;
   const int64_t items = (in_place ? 1 : 2) * int64_t(m_blocks);
   const int64_t work = items + q.tiles();
   std::vector<int64_t> comm_holds(comm_ctas, -1);
