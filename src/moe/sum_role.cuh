@@ -15,9 +15,10 @@
 namespace pounce::moe {
 
 __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& rs) {
-  // The sums are bound by memory latency: each lane loads kBatch output rows' vectors before it adds
-  // any, so kBatch loads are in flight per lane instead of one (a third of the time at k = 8).
-  constexpr int kBatch = 8;
+  // The sums are bound by memory latency: each lane loads kVecsPerLane vectors of kBatch output rows
+  // before it adds any, so kBatch * kVecsPerLane loads are in flight per lane instead of one (only the
+  // consumer warps sum: the producer warps gave their registers away).
+  constexpr int kBatch = 8, kVecsPerLane = 2;
   constexpr uint32_t kAll = 0xFFFFFFFFu;
   const int lane = threadIdx.x % 32;
   const WaitSite site{p.error, DeviceRole::kWeightedSum, p.wait_timeout_ns, rs.rank};
@@ -59,39 +60,48 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
 
     // Every lane runs every iteration (lanes past the row's end load nothing): the shuffles need the
     // whole warp.
-    for (int64_t v0 = 0; v0 < vecs; v0 += 32) {
-      const int64_t v = v0 + lane;
-      const bool in_row = v < vecs;
-      float acc[8] = {};
+    for (int64_t v0 = 0; v0 < vecs; v0 += 32 * kVecsPerLane) {
+      float acc[kVecsPerLane][8] = {};
       for (int k0 = 0; k0 < p.topk; k0 += kBatch) {
-        uint4 bits[kBatch] = {};  // conditionally loaded: initialized so no value is carried across iterations
+        uint4 bits[kBatch][kVecsPerLane] = {};  // conditionally loaded: initialized so no value is carried across iterations
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
           const int k = k0 + j;  // warp-uniform
           if (k >= p.topk) continue;
           const int64_t row = k < 32 ? __shfl_sync(kAll, lane_row, k) : row_of(k);
-          if (in_row) bits[j] = rows[row * vecs + v];
+#pragma unroll
+          for (int u = 0; u < kVecsPerLane; ++u) {
+            const int64_t v = v0 + u * 32 + lane;
+            if (v < vecs) bits[j][u] = rows[row * vecs + v];
+          }
         }
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
           const int k = k0 + j;
           if (k >= p.topk) continue;  // not break: the loop must unroll for bits[] to stay in registers
           const float wk = k < 32 ? __shfl_sync(kAll, lane_weight, k) : w[k];
-          const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(&bits[j]);
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float2 f = __bfloat1622float2(o[q]);
-            acc[2 * q] = fmaf(wk, f.x, acc[2 * q]);
-            acc[2 * q + 1] = fmaf(wk, f.y, acc[2 * q + 1]);
+          for (int u = 0; u < kVecsPerLane; ++u) {
+            const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(&bits[j][u]);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const float2 f = __bfloat1622float2(o[q]);
+              acc[u][2 * q] = fmaf(wk, f.x, acc[u][2 * q]);
+              acc[u][2 * q + 1] = fmaf(wk, f.y, acc[u][2 * q + 1]);
+            }
           }
         }
       }
-      if (!in_row) continue;
-      uint4 result;
-      __nv_bfloat162* r = reinterpret_cast<__nv_bfloat162*>(&result);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) r[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-      reinterpret_cast<uint4*>(rs.y)[int64_t(t) * vecs + v] = result;
+      for (int u = 0; u < kVecsPerLane; ++u) {
+        const int64_t v = v0 + u * 32 + lane;
+        if (v >= vecs) continue;
+        uint4 result;
+        __nv_bfloat162* r = reinterpret_cast<__nv_bfloat162*>(&result);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) r[q] = __floats2bfloat162_rn(acc[u][2 * q], acc[u][2 * q + 1]);
+        reinterpret_cast<uint4*>(rs.y)[int64_t(t) * vecs + v] = result;
+      }
     }
   }
 }
