@@ -47,7 +47,8 @@ __device__ __forceinline__ void mbarrier_wait_bounded(uint64_t* bar, uint32_t pa
 // per poll would invalidate the SM's L1 on every iteration, slowing every other warp on the SM.
 template <Scope kScope = Scope::kGpu>
 __device__ __forceinline__ bool counter_wait_bounded(const uint32_t* counter, uint32_t target, const WaitSite& site,
-                                                     WaitTarget what, int64_t index) {
+                                                     WaitTarget what, int64_t index,
+                                                     uint32_t max_backoff_ns = 2048) {
   const auto load = [counter] {
     return kScope == Scope::kGpu ? ptx::ld_relaxed_gpu(counter) : ptx::ld_relaxed_sys(counter);
   };
@@ -60,9 +61,10 @@ __device__ __forceinline__ bool counter_wait_bounded(const uint32_t* counter, ui
   const uint64_t start = ptx::globaltimer_ns();
   uint32_t backoff_ns = 32;
   for (uint32_t spins = 1;; ++spins) {
-    // Exponential backoff: up to ~130 CTAs may wait on the same counter.
+    // Exponential backoff: up to ~130 CTAs may wait on the same counter. Waits that sit on the critical
+    // path of every CTA (the planning barriers) cap it lower: each overshoots by up to the last sleep.
     __nanosleep(backoff_ns);
-    if (backoff_ns < 2048) backoff_ns *= 2;
+    if (backoff_ns < max_backoff_ns) backoff_ns *= 2;
     seen = load();
     if (int32_t(seen - target) >= 0) return acquire(), true;
     if (spins % 64 == 0) {

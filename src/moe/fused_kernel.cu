@@ -27,16 +27,15 @@ namespace steps = planner::steps;
 constexpr int kThreads = gemm::pipeline::kThreads;
 constexpr int kWarps = kThreads / 32;
 static_assert(sizeof(CommShared) + 1024 <= gemm::pipeline::kSharedBytes, "comm CTA state exceeds shared memory");
-static_assert((3 + kWarps) * steps::kMaxLocalExperts * sizeof(int32_t) <= gemm::pipeline::kSharedBytes,
-              "planner tables exceed shared memory");
 
 // The planner's shared tables, carved out of the dynamic shared memory before any role uses it.
 struct PlannerShared {
   int32_t counts[steps::kMaxLocalExperts];
-  int32_t padded[steps::kMaxLocalExperts];
-  int32_t routed[steps::kMaxLocalExperts];
+  int32_t offsets[steps::kMaxLocalExperts + 1];
+  int32_t warp_sums[32];
   int32_t running[kWarps][steps::kMaxLocalExperts];
 };
+static_assert(sizeof(PlannerShared) + 1024 <= gemm::pipeline::kSharedBytes, "planner tables exceed shared memory");
 
 
 // True while no CTA has reported an error. All threads of the CTA call it.
@@ -86,12 +85,14 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
   for (int32_t chunk = cta; chunk < r.chunks(); chunk += p.ctas_per_rank) steps::count_chunk(r, chunk, o, ps.counts, p.error);
   if (!rank_barrier(p, rs, 2, ok_flag)) return false;
 
-  if (cta == 0) steps::scan_counts(r, o, ps.padded, ps.routed);
+  for (int32_t e = cta; e < r.local_experts; e += p.ctas_per_rank) steps::scan_expert(r, o, e, ps.warp_sums);
   if (!rank_barrier(p, rs, 3, ok_flag)) return false;
 
   const int warp = threadIdx.x / 32;
-  for (int32_t chunk = cta * kWarps + warp; chunk < r.chunks(); chunk += p.ctas_per_rank * kWarps)
-    steps::place_chunk(r, chunk, o, ps.running[warp]);
+  const int32_t first_chunk = cta * kWarps;
+  if (first_chunk < r.chunks() || cta == 0) steps::expert_offsets(r, o, ps.offsets, ps.warp_sums, /*publish=*/cta == 0);
+  for (int32_t chunk = first_chunk + warp; chunk < r.chunks(); chunk += p.ctas_per_rank * kWarps)
+    steps::place_chunk(r, chunk, o, ps.offsets, ps.running[warp]);
   // Bad routing: every rank saw it in its own count step, before the barrier.
   if (!rank_barrier(p, rs, 4, ok_flag) || !nobody_reported(p, ok_flag)) return false;
   top_up_unused_counters(p, rs, cta);

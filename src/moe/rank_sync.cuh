@@ -21,7 +21,8 @@ __device__ inline bool rank_barrier(const FusedParams& p, const RankState& rs, u
     __threadfence();  // this CTA's writes (schedule rows, counts) before its arrival
     ptx::red_release_gpu_add(&rs.control[kRankBarrier], 1);
     const WaitSite site{p.error, DeviceRole::kRankSync, p.wait_timeout_ns, rs.rank};
-    *ok_flag = counter_wait_bounded(&rs.control[kRankBarrier], target, site, WaitTarget::kRankBarrier, index);
+    *ok_flag = counter_wait_bounded(&rs.control[kRankBarrier], target, site, WaitTarget::kRankBarrier, index,
+                                    /*max_backoff_ns=*/256);
   }
   __syncthreads();
   return *ok_flag != 0;

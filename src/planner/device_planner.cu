@@ -18,14 +18,16 @@ __global__ void count_kernel(steps::Routing r, steps::Outputs o, DeviceErrorSink
 }
 
 __global__ void scan_kernel(steps::Routing r, steps::Outputs o) {
-  __shared__ int32_t padded[kMaxLocalExperts];
-  __shared__ int32_t routed[kMaxLocalExperts];
-  steps::scan_counts(r, o, padded, routed);
+  __shared__ int32_t warp_sums[32];
+  steps::scan_expert(r, o, blockIdx.x, warp_sums);
 }
 
 __global__ void place_kernel(steps::Routing r, steps::Outputs o) {
+  __shared__ int32_t offsets[kMaxLocalExperts + 1];
   __shared__ int32_t running[kMaxLocalExperts];
-  steps::place_chunk(r, blockIdx.x, o, running);
+  __shared__ int32_t warp_sums[32];
+  steps::expert_offsets(r, o, offsets, warp_sums, /*publish=*/blockIdx.x == 0);
+  steps::place_chunk(r, blockIdx.x, o, offsets, running);
 }
 
 }  // namespace
@@ -69,7 +71,7 @@ void DevicePlanner::plan(int rank, const int32_t* const* topk_ids, const int32_t
   const int chunks = r.chunks();
   count_kernel<<<chunks, kChunkTokens, 0, stream>>>(r, o, errors_.device_sink());
   CUDA_CHECK_LAUNCH();
-  scan_kernel<<<1, 256, 0, stream>>>(r, o);
+  scan_kernel<<<config_.local_experts(), 256, 0, stream>>>(r, o);
   CUDA_CHECK_LAUNCH();
   place_kernel<<<chunks, 32, 0, stream>>>(r, o);
   CUDA_CHECK_LAUNCH();

@@ -3,8 +3,10 @@
 // The schedule they build is planner::build_schedule's, bit for bit (see device_planner.h).
 //
 //   count:  per chunk of kChunkTokens tokens (CTA-level): routes per local expert; reports bad ids.
-//   scan:   one CTA: chunk counts become chunk bases, expert totals become padded expert offsets.
-//   place:  per chunk (warp-level): the chunk's routes go to their rows in (source rank, token, k) order.
+//   scan:   per local expert (CTA-level): its chunk counts become chunk bases, their sum its total.
+//   place:  every placing CTA first turns the expert totals into padded expert offsets in shared memory
+//           (expert_offsets; one CTA also writes them out), then per chunk (warp-level) the chunk's
+//           routes go to their rows in (source rank, token, k) order.
 // count must finish on every chunk before scan, and scan before place: callers put a grid-wide (or
 // rank-wide) barrier between them.
 #pragma once
@@ -94,70 +96,83 @@ __device__ inline void count_chunk(const Routing& r, int32_t chunk, const Output
     o.chunk_counts[int64_t(chunk) * r.local_experts + e] = counts[e];
 }
 
-// CTA-level, one CTA. Each thread scans the chunks of its experts (chunks run in (source rank, token)
-// order); warp 0 then scans the padded expert totals, 32 consecutive experts per lane.
-// padded, routed: shared [kMaxLocalExperts].
-__device__ inline void scan_counts(const Routing& r, const Outputs& o, int32_t* padded, int32_t* routed) {
+// CTA-level exclusive prefix sum of one value per thread, in thread order; *total gets the CTA's sum.
+// warp_sums: shared [32]. Safe to call back to back with the same warp_sums.
+__device__ inline int32_t cta_exclusive_sum(int32_t value, int32_t* warp_sums, int32_t* total) {
+  const int32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
+  int32_t inclusive = value;
+  for (int32_t step = 1; step < 32; step *= 2) {
+    const int32_t below = __shfl_up_sync(0xFFFFFFFFu, inclusive, step);
+    if (lane >= step) inclusive += below;
+  }
+  __syncthreads();  // the previous call's readers are done with warp_sums
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  int32_t before = 0, sum = 0;
+  for (int32_t w = 0; w < warps; ++w) {  // at most 32 shared reads, broadcast
+    const int32_t ws = warp_sums[w];
+    before += w < warp ? ws : 0;
+    sum += ws;
+  }
+  *total = sum;
+  return before + inclusive - value;
+}
+
+// CTA-level, for local expert e (the CTAs split the experts): its chunk counts become chunk bases, the
+// routes to e in earlier chunks (chunks run in (source rank, token) order), and expert_routes[e] their
+// total. One load per thread per blockDim chunks, so the scan costs a few memory round trips instead of
+// one per chunk. warp_sums: shared [32].
+__device__ inline void scan_expert(const Routing& r, const Outputs& o, int32_t e, int32_t* warp_sums) {
   const int32_t chunks = r.chunks();
-  for (int32_t e = threadIdx.x; e < kMaxLocalExperts; e += blockDim.x) {
-    int32_t running = 0;
-    if (e < r.local_experts)
-      for (int32_t c0 = 0; c0 < chunks; c0 += 8) {  // 8 loads in flight, then their 8 stores
-        int32_t count[8];
-#pragma unroll
-        for (int32_t i = 0; i < 8; ++i)
-          count[i] = c0 + i < chunks ? o.chunk_counts[int64_t(c0 + i) * r.local_experts + e] : 0;
-#pragma unroll
-        for (int32_t i = 0; i < 8; ++i) {
-          if (c0 + i < chunks) o.chunk_counts[int64_t(c0 + i) * r.local_experts + e] = running;
-          running += count[i];
-        }
-      }
-    routed[e] = running;
-    padded[e] = (running + kBlockM - 1) / kBlockM * kBlockM;
-    if (e < r.local_experts) o.expert_routes[e] = running;
+  int32_t carry = 0;
+  for (int32_t c0 = 0; c0 < chunks; c0 += blockDim.x) {
+    const int32_t c = c0 + threadIdx.x;
+    int32_t* count = o.chunk_counts + int64_t(c) * r.local_experts + e;
+    int32_t total;
+    const int32_t before = cta_exclusive_sum(c < chunks ? *count : 0, warp_sums, &total);
+    if (c < chunks) *count = carry + before;
+    carry += total;
   }
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    constexpr int kPerLane = kMaxLocalExperts / 32;
-    const int32_t lane = threadIdx.x, first = lane * kPerLane;
-    int32_t pad_sum = 0, routed_sum = 0;
-    for (int32_t i = 0; i < kPerLane; ++i) pad_sum += padded[first + i], routed_sum += routed[first + i];
-    int32_t pad_before = pad_sum, routed_before = routed_sum;  // inclusive scan over lanes, then exclusive
-    for (int32_t step = 1; step < 32; step *= 2) {
-      const int32_t p = __shfl_up_sync(0xFFFFFFFFu, pad_before, step);
-      const int32_t q = __shfl_up_sync(0xFFFFFFFFu, routed_before, step);
-      if (lane >= step) pad_before += p, routed_before += q;
-    }
-    pad_before -= pad_sum;
-    routed_before -= routed_sum;
-    for (int32_t i = 0; i < kPerLane; ++i) {
-      const int32_t e = first + i;
-      pad_before += padded[e];
-      routed_before += routed[e];
-      if (e < r.local_experts) o.expert_offsets[e + 1] = pad_before;
-    }
-    if (lane == 31) {  // totals: every expert past local_experts adds zero
-      const int32_t m_blocks = pad_before / kBlockM;
-      const int32_t minibatches = (m_blocks + o.blocks_per_minibatch - 1) / o.blocks_per_minibatch;
-      o.expert_offsets[0] = 0;
-      o.minibatch_starts[minibatches] = m_blocks;
-      *o.sizes = {routed_before, pad_before, m_blocks, minibatches};
-    }
+  if (threadIdx.x == 0) o.expert_routes[e] = carry;
+}
+
+// CTA-level, after every expert's scan: the padded expert offsets [local_experts + 1] into shared
+// `offsets` (place_chunk reads them there), from the expert totals. The CTA with `publish` also writes
+// them out with the schedule's sizes and minibatch starts. offsets: shared [kMaxLocalExperts + 1];
+// warp_sums: shared [32].
+__device__ inline void expert_offsets(const Routing& r, const Outputs& o, int32_t* offsets, int32_t* warp_sums,
+                                      bool publish) {
+  int32_t padded_carry = 0, routed_carry = 0;
+  for (int32_t e0 = 0; e0 < r.local_experts; e0 += blockDim.x) {
+    const int32_t e = e0 + threadIdx.x;
+    const int32_t routed = e < r.local_experts ? o.expert_routes[e] : 0;
+    int32_t padded_total, routed_total;
+    const int32_t before = cta_exclusive_sum((routed + kBlockM - 1) / kBlockM * kBlockM, warp_sums, &padded_total);
+    cta_exclusive_sum(routed, warp_sums, &routed_total);
+    if (e < r.local_experts) offsets[e] = padded_carry + before;
+    padded_carry += padded_total;
+    routed_carry += routed_total;
   }
+  if (threadIdx.x == 0) offsets[r.local_experts] = padded_carry;
   __syncthreads();
-  const DeviceScheduleSizes sizes = *o.sizes;
-  for (int32_t i = threadIdx.x; i < sizes.minibatches; i += blockDim.x) o.minibatch_starts[i] = i * o.blocks_per_minibatch;
+  if (!publish) return;
+  const int32_t m_blocks = padded_carry / kBlockM;
+  const int32_t minibatches = (m_blocks + o.blocks_per_minibatch - 1) / o.blocks_per_minibatch;
+  for (int32_t e = threadIdx.x; e <= r.local_experts; e += blockDim.x) o.expert_offsets[e] = offsets[e];
+  for (int32_t i = threadIdx.x; i <= minibatches; i += blockDim.x)
+    o.minibatch_starts[i] = i < minibatches ? i * o.blocks_per_minibatch : m_blocks;
+  if (threadIdx.x == 0) *o.sizes = {routed_carry, padded_carry, m_blocks, minibatches};
 }
 
 // Warp-level: one warp walks the chunk's entries in (token, k) order, 32 at a time. Lanes holding the
 // same local expert find each other with match.any; a lane's row is the expert's offset, plus the
 // routes of earlier chunks (the chunk base), plus those of earlier steps (running), plus its rank among
-// its peers. running: shared [kMaxLocalExperts], private to this warp.
-__device__ inline void place_chunk(const Routing& r, int32_t chunk, const Outputs& o, int32_t* running) {
+// its peers. offsets: expert_offsets' shared copy; running: shared [kMaxLocalExperts], private to this warp.
+__device__ inline void place_chunk(const Routing& r, int32_t chunk, const Outputs& o, const int32_t* offsets,
+                                   int32_t* running) {
   const int32_t lane = threadIdx.x % 32;
   for (int32_t e = lane; e < r.local_experts; e += 32)
-    running[e] = o.expert_offsets[e] + o.chunk_counts[int64_t(chunk) * r.local_experts + e];
+    running[e] = offsets[e] + o.chunk_counts[int64_t(chunk) * r.local_experts + e];
   __syncwarp();
 
   const int32_t s = chunk / r.chunks_per_rank;
@@ -165,15 +180,22 @@ __device__ inline void place_chunk(const Routing& r, int32_t chunk, const Output
   const int32_t chunk_tokens = min(kChunkTokens, tokens_of(r, s) - first_token);
   const int32_t entries = max(chunk_tokens, 0) * r.topk;
   const uint32_t lower_lanes = (1u << lane) - 1;
+  const int32_t* chunk_ids = r.topk_ids[s] + int64_t(first_token) * r.topk;
+  // Each step's id is loaded one step ahead: the steps are serialized by the shared running counts, and
+  // one memory round trip per step was most of this loop's time. entry_is_valid's reads of the token's
+  // earlier ids then hit the lines this load brought in.
+  int32_t next_id = lane < entries ? chunk_ids[lane] : -1;
   for (int32_t step = 0; step < entries; step += 32) {
     const int32_t i = step + lane;
+    const int32_t id = next_id;
+    if (i + 32 < entries) next_id = chunk_ids[i + 32];
     int32_t e = -1, t = 0, j = 0;
     if (i < entries) {
       t = first_token + i / r.topk;
       j = i % r.topk;
       const int32_t* ids = r.topk_ids[s] + int64_t(t) * r.topk;
-      if (entry_is_valid(ids, j, r.experts) && ids[j] - r.first_local >= 0 && ids[j] - r.first_local < r.local_experts)
-        e = ids[j] - r.first_local;
+      if (entry_is_valid(ids, j, r.experts) && id - r.first_local >= 0 && id - r.first_local < r.local_experts)
+        e = id - r.first_local;
     }
     const uint32_t peers = __match_any_sync(0xFFFFFFFFu, e);
     if (e >= 0) {
