@@ -118,7 +118,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::fence_proxy_async_shared();
     __syncthreads();
   }
-  FusedTiles tiles(p, rs, lr, maps.m);
+  __shared__ gemm::pipeline::GemmOperands tile_operands[2];
+  FusedTiles tiles(p, rs, lr, maps.m, tile_operands);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, gemm::pipeline::pipeline_timeout_ns(p.wait_timeout_ns),
                            rs.rank};
   gemm::pipeline::run_gemm_cta(gemm::pipeline::shared_storage(smem_raw), tiles, pipe_site,
