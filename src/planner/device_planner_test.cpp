@@ -1,4 +1,6 @@
 // The device planner against the host planner: every array bit for bit, on fresh random routings.
+#include <algorithm>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -120,6 +122,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{8, RoutingPattern::kUniform, 256, 8, 1024, 2432},
                       Case{8, RoutingPattern::kHalfEmpty, 16, 2, 257, 300},
                       Case{1, RoutingPattern::kZipf, 1024, 1, 513, 128},  // the most local experts supported
+                      Case{2, RoutingPattern::kUniform, 64, 40, 100, 128},  // top-k past one warp
                       Case{2, RoutingPattern::kUniform, 2, 2, 0, 128}),   // no tokens anywhere
     testing::NameFromPrintTo());
 
@@ -148,6 +151,47 @@ TEST(DevicePlanner, ReportsBadRoutingByName) {
   planner.plan(1, routing.table.data(), routing.tokens.data(), nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_NO_THROW(planner.check_device_errors());
+}
+
+// With bad ids the forward stops, but the schedule's steps still run: count and place must skip the same
+// entries (out of range, or an expert repeated within a token), or place would write rows past the
+// counted ones. Duplicates on both sides of a 32-entry step and past k = 32 included.
+TEST(DevicePlanner, PlacesExactlyTheEntriesItCountsWhenRoutingIsBad) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const int experts = 48, topk = 40, tokens = 100;
+  const EpConfig config{.ranks = 1, .experts = experts, .topk = topk, .hidden = 64, .intermediate = 64,
+                        .max_tokens_per_rank = tokens};
+  std::uniform_int_distribution<int32_t> any_id(-2, experts + 1);  // a few out of range, many repeats
+  std::vector<int32_t> ids(tokens * topk);
+  for (auto& id : ids) id = any_id(rng);
+  // The rule on the host: rows of each expert in (token, k) order.
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> want(experts);
+  for (int32_t t = 0; t < tokens; ++t)
+    for (int32_t j = 0; j < topk; ++j) {
+      const int32_t* row = ids.data() + t * topk;
+      if (row[j] >= 0 && row[j] < experts && std::find(row, row + j, row[j]) == row + j) want[row[j]].push_back({t, j});
+    }
+  DeviceRouting routing({ids}, {tokens});
+  DevicePlanner planner(config, 128);
+  planner.plan(0, routing.table.data(), routing.tokens.data(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_THAT(testing::error_message([&] { planner.check_device_errors(); }), HasSubstr("rank 0, planner"));
+
+  const auto routes = download_prefix(planner.expert_routes(), experts);
+  const auto offsets = download_prefix(planner.expert_offsets(), experts + 1);
+  const auto row_token = download_prefix(planner.row_token(), planner.capacity().max_padded_rows);
+  const auto row_k = download_prefix(planner.row_k(), planner.capacity().max_padded_rows);
+  for (int e = 0; e < experts; ++e) {
+    SCOPED_TRACE(::testing::Message() << "expert " << e);
+    ASSERT_EQ(routes[e], int32_t(want[e].size()));
+    for (int32_t i = 0; i < offsets[e + 1] - offsets[e]; ++i) {
+      const int32_t row = offsets[e] + i;
+      const std::pair<int32_t, int32_t> placed{row_token[row], row_k[row]};
+      const std::pair<int32_t, int32_t> expected = i < routes[e] ? want[e][i] : std::make_pair(-1, -1);
+      EXPECT_EQ(placed, expected) << "row " << row;
+    }
+  }
 }
 
 }  // namespace

@@ -45,22 +45,14 @@ struct Outputs {
 // Tokens of rank s the planner reads: its count, clamped to [0, max_tokens] (bad counts are reported).
 __device__ inline int32_t tokens_of(const Routing& r, int32_t s) { return min(max(r.tokens[s], 0), r.max_tokens); }
 
-// Entry j of a token is planned iff its id is in range and no earlier entry of the token has it. The
-// count and place steps both decide with this function, so they always agree.
-__device__ inline bool entry_is_valid(const int32_t* ids, int32_t j, int32_t experts) {
-  const int32_t id = ids[j];
-  if (id < 0 || id >= experts) return false;
-  for (int32_t i = 0; i < j; ++i)
-    if (ids[i] == id) return false;
-  return true;
-}
-
 // Every row starts as padding; place overwrites the routed ones. `worker` of `workers` threads.
 __device__ inline void clear_rows(const Outputs& o, int64_t worker, int64_t workers) {
   for (int64_t i = worker; i < o.capacity_rows; i += workers) o.row_source_rank[i] = o.row_token[i] = o.row_k[i] = -1;
 }
 
-// CTA-level (all threads call it). counts: shared [kMaxLocalExperts].
+// CTA-level (all threads call it). counts: shared [kMaxLocalExperts]. Entry j of a token is counted
+// iff its id is in range and no earlier entry of the token has it; place_chunk applies the same rule,
+// so the two steps always agree.
 __device__ inline void count_chunk(const Routing& r, int32_t chunk, const Outputs& o, int32_t* counts,
                                    const DeviceErrorSink& error) {
   for (int32_t e = threadIdx.x; e < r.local_experts; e += blockDim.x) counts[e] = 0;
@@ -181,22 +173,26 @@ __device__ inline void place_chunk(const Routing& r, int32_t chunk, const Output
   const int32_t entries = max(chunk_tokens, 0) * r.topk;
   const uint32_t lower_lanes = (1u << lane) - 1;
   const int32_t* chunk_ids = r.topk_ids[s] + int64_t(first_token) * r.topk;
-  // Each step's id is loaded one step ahead: the steps are serialized by the shared running counts, and
-  // one memory round trip per step was most of this loop's time. entry_is_valid's reads of the token's
-  // earlier ids then hit the lines this load brought in.
-  int32_t next_id = lane < entries ? chunk_ids[lane] : -1;
+  // A step's ids are loaded one step ahead, and the token's earlier entries come from the neighbouring
+  // lanes (this step's, or the previous step's ids): the steps are serialized by the shared running
+  // counts, and memory round trips inside a step made this loop most of the planning time (~30 us).
+  int32_t id = lane < entries ? chunk_ids[lane] : -1;
+  int32_t previous_id = -1;  // this lane's id of the previous step: entry i - 32
   for (int32_t step = 0; step < entries; step += 32) {
     const int32_t i = step + lane;
-    const int32_t id = next_id;
-    if (i + 32 < entries) next_id = chunk_ids[i + 32];
-    int32_t e = -1, t = 0, j = 0;
-    if (i < entries) {
-      t = first_token + i / r.topk;
-      j = i % r.topk;
-      const int32_t* ids = r.topk_ids[s] + int64_t(t) * r.topk;
-      if (entry_is_valid(ids, j, r.experts) && id - r.first_local >= 0 && id - r.first_local < r.local_experts)
-        e = id - r.first_local;
+    const int32_t next_id = i + 32 < entries ? chunk_ids[i + 32] : -1;
+    const int32_t t = first_token + i / r.topk, j = i % r.topk;
+    // Planned iff in range and no earlier entry of the token (entries i - j .. i - 1) has the same id:
+    // count_chunk's rule.
+    bool planned = i < entries && id >= 0 && id < r.experts;
+    for (int32_t d = 1; d < min(r.topk, 32); ++d) {  // warp-uniform: every lane shuffles
+      const int32_t this_step = __shfl_up_sync(0xFFFFFFFFu, id, d);
+      const int32_t last_step = __shfl_sync(0xFFFFFFFFu, previous_id, (lane - d) & 31);
+      if (d <= j && (lane >= d ? this_step : last_step) == id) planned = false;
     }
+    for (int32_t d = 32; d <= j && planned; ++d)  // top-k past 32: the entries further back, from memory
+      if (chunk_ids[i - d] == id) planned = false;
+    const int32_t e = planned && id - r.first_local >= 0 && id - r.first_local < r.local_experts ? id - r.first_local : -1;
     const uint32_t peers = __match_any_sync(0xFFFFFFFFu, e);
     if (e >= 0) {
       const int32_t row = running[e] + __popc(peers & lower_lanes);
@@ -208,6 +204,8 @@ __device__ inline void place_chunk(const Routing& r, int32_t chunk, const Output
     __syncwarp();  // every peer has read running[e] before the last of them advances it
     if (e >= 0 && lane == 31 - __clz(peers)) running[e] += __popc(peers);
     __syncwarp();
+    previous_id = id;
+    id = next_id;
   }
 }
 
