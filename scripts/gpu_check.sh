@@ -4,7 +4,8 @@
 #
 # usage: scripts/gpu_check.sh OUTDIR [--quick] [--sanitize] [--prebuilt]
 #   --quick     benchmarks at the default shape only (uniform routing), no PyTorch eager sweep
-#   --sanitize  also run the grouped-GEMM tests under compute-sanitizer (memcheck, racecheck, synccheck)
+#   --sanitize  also run small grouped-GEMM, unfused, fused-layer and planner tests under compute-sanitizer
+#               (memcheck, racecheck, synccheck)
 #   --prebuilt  use build/pounce_tests_gpu, pounce_bench, pounce_ep_bench, pounce_copy_bench and
 #               pounce_dispatch_bench built on the workstation (carried to the device) instead of
 #               building here: saves the build's minutes

@@ -124,6 +124,7 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
 // shared memory through the async proxy (TMA, bulk copies).
 template <int kThreads>
 __device__ inline void pull_opening(const FusedParams& p, const RankState& rs, int lr, int cta, CommShared& cs) {
+  static_assert(kPieceRows <= kThreads, "one thread resolves each row of a piece");
   constexpr int kInFlight = 8;  // 16-byte loads in flight per thread
   const int32_t pieces = opening_blocks(rs.sizes->m_blocks, p.blocks_per_minibatch) * kPiecesPerBlock;
   const uint32_t vecs = uint32_t(p.hidden) / 8, piece_vecs = kPieceRows * vecs;

@@ -276,7 +276,7 @@ TEST(FusedMoe, ForwardsWithChangingTokenCountsAndRoutingsOnOneNcclRank) {
   comm::destroy_single_process_comms(comms);
 }
 
-// One rank's communication CTAs never move data: its GEMMs and the other ranks' sums wait for it. The
+// One rank never moves data (no opening, no comm items): its GEMMs and the other ranks' sums wait for it. The
 // forward must end with an error naming the wait, not hang, and the layer must work again afterwards.
 TEST(FusedMoe, StalledRankEndsInATimeoutErrorAndTheLayerRecovers) {
   POUNCE_REQUIRE_HOPPER();

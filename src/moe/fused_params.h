@@ -22,6 +22,7 @@ inline constexpr int kItemRows = 128;  // rows of one dispatch or combine item: 
 // D(b) item counts kPiecesPerBlock.
 inline constexpr int kPiecesPerBlock = 8;
 inline constexpr int kPieceRows = kItemRows / kPiecesPerBlock;
+static_assert(kItemRows % kPiecesPerBlock == 0, "the opening's pieces must tile an m-block");
 
 // Words of RankState::control.
 enum ControlWord : int {
@@ -74,7 +75,8 @@ struct FusedParams {
   int32_t ring_blocks;         // m-blocks of ring per rank
   uint32_t epoch;
   uint64_t wait_timeout_ns;
-  int32_t stall_rank;          // fault injection for tests: this rank's comm CTAs do nothing (-1: none)
+  int32_t stall_rank;          // fault injection for tests: this rank moves no rows, neither in the opening
+                               // nor in its comm CTAs (-1: none)
   int32_t peers_on_this_gpu;   // 1: every rank lives on this GPU (virtual ranks): flags need only GPU scope
   // 1: one rank whose ring holds every m-block. Nothing needs combining: the sums read GEMM2's rows in
   // the ring, and communication CTAs run GEMM tiles once every row is dispatched.

@@ -19,7 +19,7 @@ namespace pounce::moe {
 class FusedTiles {
  public:
   // maps: x_ring (A of GEMM1), w13, h_ring store box, h_ring load box (A of GEMM2), w2, out_ring store box.
-  // ops: shared [2], filled here by thread 0 and published by run_gemm_cta's opening barrier. Indexed by
+  // ops: shared [2], filled here by thread 0 and published by run_gemm_cta's first __syncthreads. Indexed by
   // the tile's GEMM, an array in the object would live in local memory, and with ~230 KB of shared
   // memory the SM's L1 is too small to keep the consumers' local reads in it: every epilogue then waited
   // on L2 for the operands (measured ~0.8 us a tile against the stand-alone engine).

@@ -16,8 +16,8 @@ namespace pounce::moe {
 
 __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& rs) {
   // The sums are bound by memory latency: each lane loads kVecsPerLane vectors of kBatch output rows
-  // before it adds any, so kBatch * kVecsPerLane loads are in flight per lane instead of one (only the
-  // consumer warps sum: the producer warps gave their registers away).
+  // before it adds any, so kBatch * kVecsPerLane loads are in flight per lane instead of one (in GEMM
+  // CTAs only the consumer warps sum: the producer warps gave their registers away).
   constexpr int kBatch = 8, kVecsPerLane = 2;
   constexpr uint32_t kAll = 0xFFFFFFFFu;
   const int lane = threadIdx.x % 32;

@@ -33,7 +33,8 @@ POUNCE_HOST_DEVICE inline CommItem comm_item(int64_t i, int32_t m_blocks, int32_
 }
 
 // M-blocks of the opening: the first minibatch, which every CTA of a rank pulls in pieces right after
-// planning. They are the queue's first items, D(0) ... D(m0 - 1) (a ring holds two minibatches).
+// planning. They are the queue's first items, D(0) ... D(m0 - 1), all below the ring's size (the ring
+// holds two minibatches, or every m-block: FusedMoe's setup enforces it), so none waits for a slot.
 POUNCE_HOST_DEVICE inline int32_t opening_blocks(int32_t m_blocks, int32_t blocks_per_minibatch) {
   return m_blocks < blocks_per_minibatch ? m_blocks : blocks_per_minibatch;
 }

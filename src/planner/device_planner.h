@@ -2,9 +2,10 @@
 // from every rank's topk_ids in device memory with no host round trip, into buffers sized once from the
 // worst case. The megakernel's first phase; tested against the host planner.
 //
-// Three launches: count routes per (chunk of 256 tokens, local expert) and validate the ids; one CTA
-// scans the counts into per-expert offsets (padded to 128-row m-blocks) and per-chunk bases; then each
-// chunk places its routes, in (source rank, token, k) order within each expert, with warp matching.
+// Three launches: count routes per (chunk of 64 tokens, local expert) and validate the ids; one CTA per
+// local expert scans its counts into per-chunk bases and a total; then each chunk derives the padded
+// expert offsets (block 0 also writes them out) and places its routes, in (source rank, token, k) order
+// within each expert, with warp matching.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -89,7 +89,8 @@ __device__ inline void count_chunk(const Routing& r, int32_t chunk, const Output
 }
 
 // CTA-level exclusive prefix sum of one value per thread, in thread order; *total gets the CTA's sum.
-// warp_sums: shared [32]. Safe to call back to back with the same warp_sums.
+// Every thread of the CTA calls it, and blockDim.x is a multiple of 32 (full-warp shuffles). warp_sums:
+// shared [32]. Safe to call back to back with the same warp_sums.
 __device__ inline int32_t cta_exclusive_sum(int32_t value, int32_t* warp_sums, int32_t* total) {
   const int32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
   int32_t inclusive = value;
@@ -172,7 +173,8 @@ __device__ inline void place_chunk(const Routing& r, int32_t chunk, const Output
   const int32_t chunk_tokens = min(kChunkTokens, tokens_of(r, s) - first_token);
   const int32_t entries = max(chunk_tokens, 0) * r.topk;
   const uint32_t lower_lanes = (1u << lane) - 1;
-  const int32_t* chunk_ids = r.topk_ids[s] + int64_t(first_token) * r.topk;
+  // Formed only for a chunk with entries: a rank without tokens may have no topk_ids at all.
+  const int32_t* chunk_ids = entries > 0 ? r.topk_ids[s] + int64_t(first_token) * r.topk : nullptr;
   // A step's ids are loaded one step ahead, and the token's earlier entries come from the neighbouring
   // lanes (this step's, or the previous step's ids): the steps are serialized by the shared running
   // counts, and memory round trips inside a step made this loop most of the planning time (~30 us).
