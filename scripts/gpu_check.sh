@@ -57,12 +57,14 @@ fi
 
 if [ $sanitize = 1 ]; then
   # The grouped GEMM and unfused chain under all three tools; small fused-layer and device-planner cases
-  # (one rank in place and combined, virtual ranks, top-k past 32) under memcheck and synccheck.
+  # (one rank in place and combined, virtual ranks, top-k past 32) under memcheck and synccheck, and the
+  # smallest fused case with the planner's under racecheck (the shared-memory hand-offs of planning, the
+  # opening and the tile source).
   gemm='Shapes/GroupedGemmTest.MatchesHost/one_row*:Shapes/GroupedGemmTest.MatchesHost/edges*:GroupedGemm.WaitsFor*:Shapes/UnfusedMoeTest.*T64*'
   fused='VirtualRanks/FusedMoeTest.*/P1_T300*:VirtualRanks/FusedMoeTest.*/P1_T97*:VirtualRanks/FusedMoeTest.*/P2_T129*:FusedMoe.OneRankInPlaceMatchesCombinedBitwise:DevicePlanner.*:Routings/DevicePlannerTest.*/P2_uniform_E64*'
   for tool in memcheck racecheck synccheck; do
-    filter=$gemm
-    [ $tool != racecheck ] && filter="$gemm:$fused"
+    filter="$gemm:$fused"
+    [ $tool = racecheck ] && filter="$gemm:VirtualRanks/FusedMoeTest.*/P1_T300*:DevicePlanner.*"
     echo "== compute-sanitizer --tool $tool --gtest_filter=$filter" >> "$out/sanitizer.log"
     timeout 240 compute-sanitizer --tool $tool --error-exitcode 1 "$build/pounce_tests_gpu" --gtest_filter="$filter" \
       >> "$out/sanitizer.log" 2>&1 && echo "sanitizer $tool: clean" || { echo "sanitizer $tool: FAILED"; status=1; }
