@@ -116,7 +116,7 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
 }
 
 // The opening: right after planning every CTA of the rank, communication and GEMM alike, pulls pieces
-// of the first minibatch's m-blocks (kPieceRows rows each, 16-byte loads and stores by all threads).
+// of the first minibatch's m-blocks (kPieceRows rows each, a row per warp: copy_rows_by_warps).
 // The first GEMM wave needs every m-block of that minibatch; moved whole by the few communication CTAs
 // (~40 us an m-block at H 7168) they landed 50-140 us after planning. Nothing here waits: the first
 // minibatch's ring slots have no earlier tenant in this forward, and the start handshake has made every
@@ -125,9 +125,8 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
 template <int kThreads>
 __device__ inline void pull_opening(const FusedParams& p, const RankState& rs, int lr, int cta, CommShared& cs) {
   static_assert(kPieceRows <= kThreads, "one thread resolves each row of a piece");
-  constexpr int kInFlight = 8;  // 16-byte loads in flight per thread
   const int32_t pieces = opening_blocks(rs.sizes->m_blocks, p.blocks_per_minibatch) * kPiecesPerBlock;
-  const uint32_t vecs = uint32_t(p.hidden) / 8, piece_vecs = kPieceRows * vecs;
+  const uint32_t row_bytes = uint32_t(p.hidden) * 2;
   const bool stalled = p.stall_rank == rs.rank;  // fault injection: this rank moves no rows
   for (int32_t q = stalled ? pieces : cta; q < pieces; q += p.ctas_per_rank) {
     const int32_t b = q / kPiecesPerBlock;
@@ -139,20 +138,7 @@ __device__ inline void pull_opening(const FusedParams& p, const RankState& rs, i
       cs.dst[threadIdx.x] = p.x_ring + ring_row(p, lr, b, r) * p.hidden;
     }
     __syncthreads();
-    for (uint32_t v = threadIdx.x; v < piece_vecs; v += kInFlight * kThreads) {
-      uint4 part[kInFlight] = {};  // zero-initialized: see move_rows
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u) {
-        const uint32_t i = v + u * kThreads, r = i / vecs;
-        if (i < piece_vecs && cs.src[r] != nullptr) part[u] = static_cast<const uint4*>(cs.src[r])[i - r * vecs];
-      }
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u) {
-        const uint32_t i = v + u * kThreads, r = i / vecs;
-        if (i < piece_vecs && cs.src[r] != nullptr) static_cast<uint4*>(cs.dst[r])[i - r * vecs] = part[u];
-      }
-    }
-    ptx::fence_proxy_async_global();  // our generic stores before GEMM1's TMA loads
+    copy_rows_by_warps<kThreads>(cs.src, cs.dst, kPieceRows, row_bytes, /*first_warp=*/0);
     __syncthreads();                  // every thread's stores (and its table reads) done
     if (threadIdx.x == 0) ptx::red_release_gpu_add(&rs.dispatched[b], 1);  // cumulative over the barrier
   }
