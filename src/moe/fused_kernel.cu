@@ -89,8 +89,8 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
   if (!rank_barrier(p, rs, 3, ok_flag)) return false;
 
   const int warp = threadIdx.x / 32;
-  // Chunks go round the CTAs first: their scattered stores would bind a few SMs' store throughput.
   if (cta < r.chunks() || cta == 0) steps::expert_offsets(r, o, ps.offsets, ps.warp_sums, /*publish=*/cta == 0);
+  // Chunks go round the CTAs first: their scattered stores would bind a few SMs' store throughput.
   for (int32_t chunk = cta + warp * p.ctas_per_rank; chunk < r.chunks(); chunk += p.ctas_per_rank * kWarps)
     steps::place_chunk(r, chunk, o, ps.offsets, ps.running[warp]);
   // Bad routing: every rank saw it in its own count step, before the barrier.
