@@ -5,8 +5,8 @@
 
 namespace pounce::baseline {
 
-planner::EpConfig single_rank_config(const MoeDims& d) {
-  planner::EpConfig c;
+EpConfig single_rank_config(const MoeDims& d) {
+  EpConfig c;
   c.ranks = 1;
   c.experts = int(d.experts);
   c.topk = int(d.topk);

@@ -27,7 +27,7 @@ struct MoeDims {
   int64_t experts = 0;
   int64_t topk = 0;
 };
-planner::EpConfig single_rank_config(const MoeDims& dims);
+EpConfig single_rank_config(const MoeDims& dims);
 
 enum class GemmCalls {
   kLoop,            // one cublasGemmEx per expert (Megatron's sequential MLP)

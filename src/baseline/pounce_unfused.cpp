@@ -4,7 +4,7 @@
 
 #include "baseline/moe_kernels.h"
 #include "common/cuda_check.h"
-#include "common/error.h"
+#include "common/require.h"
 
 namespace pounce::baseline {
 
@@ -75,7 +75,7 @@ void PounceUnfusedMoe::forward_with_device_schedule(const __nv_bfloat16* x, cons
                  tokens, " tokens (at most ", dims_.max_tokens, ") with topk_ids ", topk_ids ? "set" : "null");
   if (!device_planner_) {
     // One minibatch row count is as good as another: the unfused GEMMs ignore minibatches.
-    device_planner_ = std::make_unique<planner::DevicePlanner>(single_rank_config(dims_), planner::kBlockM);
+    device_planner_ = std::make_unique<planner::DevicePlanner>(single_rank_config(dims_), kBlockM);
     planner_ids_ = DeviceBuffer<const int32_t*>(1);
     planner_tokens_ = DeviceBuffer<int32_t>(1);
   }

@@ -1,14 +1,14 @@
 #include "baseline/routing_plan.h"
 
-#include "common/error.h"
+#include "common/require.h"
 
 namespace pounce::baseline {
 
-RoutingPlan make_routing_plan(const planner::EpConfig& config, std::span<const int32_t> topk_ids, int64_t tokens) {
+RoutingPlan make_routing_plan(const EpConfig& config, std::span<const int32_t> topk_ids, int64_t tokens) {
   POUNCE_REQUIRE(config.ranks == 1, "make_routing_plan plans one rank; config has ", config.ranks);
   const std::span<const int32_t> per_rank[1] = {topk_ids};
   const int64_t token_counts[1] = {tokens};
-  const planner::RankSchedule s = planner::build_schedule(config, 0, per_rank, token_counts, planner::kBlockM);
+  const planner::RankSchedule s = planner::build_schedule(config, 0, per_rank, token_counts, kBlockM);
 
   RoutingPlan plan;
   plan.tokens = tokens;

@@ -21,6 +21,6 @@ struct RoutingPlan {
 };
 
 // Validates topk_ids [tokens, k] against the config (ranks must be 1) and plans.
-RoutingPlan make_routing_plan(const planner::EpConfig& config, std::span<const int32_t> topk_ids, int64_t tokens);
+RoutingPlan make_routing_plan(const EpConfig& config, std::span<const int32_t> topk_ids, int64_t tokens);
 
 }  // namespace pounce::baseline

@@ -26,7 +26,7 @@
 #include "comm/nccl_window.h"
 #include "common/gpu.h"
 #include "moe/dispatch_probe.h"
-#include "moe/fused_moe.h"
+#include "moe/fused_params.h"
 #include "reference/synthetic_routing.h"
 
 namespace pounce::bench {
@@ -175,7 +175,7 @@ int run(int argc, char** argv) {
 
   std::mt19937_64 rng(42);
   auto config_for = [&](int P) {
-    return planner::EpConfig{.ranks = P, .experts = int(shape.model_experts), .topk = int(shape.topk),
+    return EpConfig{.ranks = P, .experts = int(shape.model_experts), .topk = int(shape.topk),
                              .hidden = H, .intermediate = shape.intermediate, .max_tokens_per_rank = T};
   };
   auto routing_for = [&](int P) {

@@ -20,7 +20,7 @@
 #include "comm/nccl_window.h"
 #include "common/device_buffer.h"
 #include "common/gpu.h"
-#include "moe/fused_moe.h"
+#include "pounce/fused_moe.h"
 #include "reference/synthetic_routing.h"
 
 namespace pounce::bench {
@@ -29,7 +29,7 @@ namespace {
 int run(int argc, char** argv) {
   std::string shape_name = default_shape().name, routing = "uniform", json_path;
   int reps = 20, warmup = 5;
-  moe::FusedMoeOptions options;
+  FusedMoeOptions options;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     auto value = [&] {
@@ -50,7 +50,7 @@ int run(int argc, char** argv) {
   POUNCE_REQUIRE(P >= 2, "pounce_ep_bench needs at least two GPUs; this machine has ", gpus);
   const MoeModelShape s = select_shapes(shape_name).front();
   POUNCE_REQUIRE(s.model_experts % P == 0, s.name, ": ", s.model_experts, " experts do not split over ", P, " GPUs");
-  const planner::EpConfig config{.ranks = P, .experts = int(s.model_experts), .topk = int(s.topk),
+  const EpConfig config{.ranks = P, .experts = int(s.model_experts), .topk = int(s.topk),
                                  .hidden = s.hidden, .intermediate = s.intermediate,
                                  .max_tokens_per_rank = s.slice_tokens};
   const int64_t T = s.slice_tokens, H = s.hidden, I = s.intermediate, E = s.model_experts, k = s.topk;
@@ -77,18 +77,21 @@ int run(int argc, char** argv) {
     }
   }
 
+  const int64_t w13_elems = E / P * 2 * I * H, w2_elems = E / P * H * I;
   std::vector<ncclComm_t> comms = comm::init_single_process_comms_on_first(P);
   std::vector<Timing> timings(P);
   int comm_ctas = 0;
+  int64_t layer_bytes = 0;
   std::vector<std::optional<DeviceBuffer<__nv_bfloat16>>> w13(P), w2(P), x(P), y(P);
   std::vector<std::optional<DeviceBuffer<int32_t>>> d_ids(P);
   std::vector<std::optional<DeviceBuffer<float>>> d_weights(P);
-  std::vector<std::optional<moe::FusedMoe>> layers(P);
+  std::vector<std::optional<FusedMoe>> layers(P);
   const std::vector<std::string> failures = comm::run_on_every_gpu(
       P,
       [&](int r) {
-        w13[r].emplace(E * 2 * I * H);
-        w2[r].emplace(E * H * I);
+        // Each GPU holds its own experts' weights only.
+        w13[r].emplace(w13_elems);
+        w2[r].emplace(w2_elems);
         x[r].emplace(T * H);
         y[r].emplace(T * H);
         fill_random_bf16(w13[r]->data(), w13[r]->size(), 11, 1.0f / std::sqrt(float(H)), nullptr);
@@ -98,10 +101,10 @@ int run(int argc, char** argv) {
         d_weights[r].emplace(weights[r]);
       },
       [&](int r) {
-        moe::FusedMoe& layer = layers[r].emplace(config, comms[r], options);
-        if (r == 0) comm_ctas = layer.comm_ctas();
-        layer.set_weights(w13[r]->data(), w2[r]->data());
-        const moe::RankIO io{x[r]->data(), d_ids[r]->data(), d_weights[r]->data(), T, y[r]->data()};
+        FusedMoe& layer = layers[r].emplace(config, comms[r], options);
+        if (r == 0) comm_ctas = layer.comm_ctas(), layer_bytes = layer.device_bytes();
+        layer.set_weights({w13[r]->data(), w2[r]->data()});
+        const RankIO io{x[r]->data(), d_ids[r]->data(), d_weights[r]->data(), T, y[r]->data()};
         // Every rank launches its forwards back to back; each forward's start handshake lines them up.
         timings[r] = time_on_stream([&](int) { layer.forward(std::span(&io, 1), nullptr); }, nullptr, warmup, reps);
         const cudaError_t synced = cudaDeviceSynchronize();
@@ -126,6 +129,12 @@ int run(int argc, char** argv) {
   out["routing"] = routing;
   out["tokens_per_gpu"] = T;
   out["comm_ctas"] = comm_ctas;
+  // Memory per GPU: its experts' weights, and what the layer allocated (ring, schedule, combine slots).
+  const int64_t weight_bytes = int64_t(w13_elems + w2_elems) * 2;
+  out["weight_bytes_per_gpu"] = weight_bytes;
+  out["layer_device_bytes_per_gpu"] = layer_bytes;
+  std::printf("per GPU: %.2f GiB of expert weights (%ld of %ld experts), %.2f GiB of layer buffers\n",
+              weight_bytes / double(1 << 30), long(E / P), long(E), layer_bytes / double(1 << 30));
   out["forward_ms_slowest_rank"] = slowest;
   Json ranks = Json::array();
   std::printf("%d communication CTAs per rank\n", comm_ctas);

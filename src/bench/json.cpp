@@ -4,7 +4,7 @@
 #include <cstdio>
 
 #include "bench/bench.h"
-#include "common/error.h"
+#include "common/require.h"
 
 namespace pounce::bench {
 

@@ -13,7 +13,7 @@
 
 #include "bench/bench.h"
 #include "bench/dense_ceiling.h"
-#include "common/error.h"
+#include "common/require.h"
 #include "common/gpu.h"
 #include "reference/moe_layer.h"
 #include "reference/moe_layer_ep.h"
@@ -86,7 +86,7 @@ int run_host_reference() {
 
   // The same layer split over 4 expert-parallel ranks must agree.
   const int P = 4;
-  planner::EpConfig config{.ranks = P, .experts = int(shape.experts), .topk = int(shape.topk), .hidden = shape.hidden,
+  EpConfig config{.ranks = P, .experts = int(shape.experts), .topk = int(shape.topk), .hidden = shape.hidden,
                            .intermediate = shape.intermediate, .max_tokens_per_rank = shape.tokens / P};
   std::vector<reference::EpRankInputs> ranks(P);
   const int64_t per = shape.tokens / P, H = shape.hidden, k = shape.topk;

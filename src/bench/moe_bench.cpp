@@ -15,7 +15,7 @@
 #include "bench/device_fill.h"
 #include "common/relative_error.h"
 #include "formats/numerics.h"
-#include "moe/fused_moe.h"
+#include "pounce/fused_moe.h"
 #include "reference/synthetic_routing.h"
 
 namespace pounce::bench {
@@ -109,12 +109,12 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   const baseline::RoutingPlan& plan = cublas.plan();
   DeviceBuffer<int32_t> d_ids(ids);
   DeviceBuffer<__nv_bfloat16> y_fused(T * H);
-  const planner::EpConfig one_rank{.ranks = 1, .experts = int(E), .topk = int(k), .hidden = H, .intermediate = I,
+  const EpConfig one_rank{.ranks = 1, .experts = int(E), .topk = int(k), .hidden = H, .intermediate = I,
                                    .max_tokens_per_rank = T};
-  moe::FusedMoe fused(one_rank);
-  fused.set_weights(w13.data(), w2.data());
-  auto fused_forward = [&](moe::FusedMoe& layer, int set, __nv_bfloat16* y) {
-    const moe::RankIO io{x[set].data(), d_ids.data(), d_weights.data(), T, y};
+  FusedMoe fused(one_rank);
+  fused.set_weights({w13.data(), w2.data()});
+  auto fused_forward = [&](FusedMoe& layer, int set, __nv_bfloat16* y) {
+    const RankIO io{x[set].data(), d_ids.data(), d_weights.data(), T, y};
     layer.forward(std::span(&io, 1), stream);
   };
 
@@ -183,20 +183,24 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
 
   if (o.sweeps) {
     // Each setting is its own layer on the same inputs, timed interleaved with the others and the default.
-    auto sweep = [&](const std::string& what, const std::vector<std::pair<std::string, moe::FusedMoeOptions>>& settings,
+    auto sweep = [&](const std::string& what, const std::vector<std::pair<std::string, FusedMoeOptions>>& settings,
                      int ranks = 1) {
-      std::vector<std::unique_ptr<moe::FusedMoe>> layers;
+      std::vector<std::unique_ptr<FusedMoe>> layers;
       std::vector<Candidate> candidates;
       for (const auto& [name, options] : settings) {
-        planner::EpConfig config = one_rank;
+        EpConfig config = one_rank;
         config.ranks = ranks;
         config.max_tokens_per_rank = (T + ranks - 1) / ranks;
-        layers.push_back(std::make_unique<moe::FusedMoe>(config, options));
-        layers.back()->set_weights(w13.data(), w2.data());
-        moe::FusedMoe* layer = layers.back().get();
+        layers.push_back(std::make_unique<FusedMoe>(config, options));
+        // Rank r is given its own experts only: [r E/P, (r+1) E/P) of the shape's weights.
+        std::vector<ExpertWeights> local(ranks);
+        for (int r = 0; r < ranks; ++r)
+          local[r] = {w13.data() + r * (E / ranks) * 2 * I * H, w2.data() + r * (E / ranks) * H * I};
+        layers.back()->set_weights(local);
+        FusedMoe* layer = layers.back().get();
         candidates.push_back({name, [&, layer, ranks](int rep) {
                                 // Rank r holds tokens [r T/P, (r+1) T/P) of the same batch.
-                                std::vector<moe::RankIO> io(ranks);
+                                std::vector<RankIO> io(ranks);
                                 const int64_t per_rank = (T + ranks - 1) / ranks;
                                 for (int r = 0; r < ranks; ++r) {
                                   const int64_t first = std::min(T, r * per_rank), n = std::min(T - first, per_rank);
@@ -229,10 +233,10 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       return j;
     };
     Json sweeps = Json::object();
-    std::vector<std::pair<std::string, moe::FusedMoeOptions>> settings;
+    std::vector<std::pair<std::string, FusedMoeOptions>> settings;
     // Communication CTAs at every shape: how many a layer needs depends on its bytes moved per FLOP.
     for (int comm : {2, 4, 6, 8, 10, 12, 16, 24, 32, 40}) {
-      moe::FusedMoeOptions m;
+      FusedMoeOptions m;
       m.comm_ctas = comm;
       settings.push_back({"comm CTAs " + std::to_string(comm), m});
     }
@@ -240,14 +244,14 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     settings.clear();
     if (s.name == default_shape().name) {
       for (int blocks : {2, 4, 8, 16, 32, 64}) {
-        moe::FusedMoeOptions m;
-        m.minibatch_rows = int64_t(blocks) * planner::kBlockM;
+        FusedMoeOptions m;
+        m.minibatch_rows = int64_t(blocks) * kBlockM;
         settings.push_back({"minibatch " + std::to_string(blocks) + " m-blocks", m});
       }
       sweeps["minibatch"] = sweep("fused: minibatch", settings);
       settings.clear();
       for (int rows : {0, 32, 48, 64, 96, 128}) {
-        moe::FusedMoeOptions m;
+        FusedMoeOptions m;
         m.engine_rows = rows;
         settings.push_back({"engine rows " + std::to_string(rows), m});
       }
@@ -255,10 +259,10 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       settings.clear();
       // The smallest ring with the default layer's minibatch and comm CTAs: rows combined through slots
       // reused all forward, against the default (at one rank: in place, nothing combined).
-      moe::FusedMoeOptions min_ring;
+      FusedMoeOptions min_ring;
       min_ring.minibatch_rows = fused.minibatch_rows();
       min_ring.comm_ctas = fused.comm_ctas();
-      min_ring.ring_blocks = 2 * ((fused.minibatch_rows() + planner::kBlockM - 1) / planner::kBlockM);
+      min_ring.ring_blocks = 2 * ((fused.minibatch_rows() + kBlockM - 1) / kBlockM);
       settings.push_back({std::string("ring default, ") + std::to_string(fused.ring_blocks()) + " m-blocks", {}});
       settings.push_back({std::string("ring minimum, ") + std::to_string(min_ring.ring_blocks) + " m-blocks", min_ring});
       sweeps["ring"] = sweep("fused: ring", settings);

@@ -2,7 +2,7 @@
 
 #include <sstream>
 
-#include "common/error.h"
+#include "common/require.h"
 
 namespace pounce::bench {
 

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "comm/peer_table.h"
-#include "common/error.h"
+#include "common/require.h"
 
 namespace pounce::comm {
 

@@ -6,7 +6,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include "common/error.h"
+#include "common/require.h"
 
 #define CUDA_CHECK(expr)                                                                      \
   do {                                                                                        \

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "common/error.h"
+#include "common/require.h"
 #include "common/relative_error.h"
 #include "formats/numerics.h"
 
@@ -55,6 +55,20 @@ double relative_l2_error(const std::vector<A>& got, const std::vector<B>& want) 
   if (got.size() != want.size()) return INFINITY;
   return pounce::relative_l2_error(std::span<const A>(got), std::span<const B>(want));
 }
+
+// The worst token's relative error (common/relative_error.h) over rows of `row_length` values.
+template <typename A, typename B>
+double worst_token_error(const std::vector<A>& got, const std::vector<B>& want, size_t row_length) {
+  EXPECT_EQ(got.size(), want.size());
+  if (got.size() != want.size()) return INFINITY;
+  return pounce::worst_row_error(std::span<const A>(got), std::span<const B>(want), row_length);
+}
+
+// Tolerances of a bf16 layer against a double-precision reference: bf16 rounding of x, the SwiGLU
+// output, the expert outputs and y puts the whole tensor near 3e-3 and the worst token near 5e-3. A
+// lost or doubled route puts its token near 1/k or worse (k <= 8 in every real model: >= 0.1).
+inline constexpr double kBf16LayerL2 = 1e-2;
+inline constexpr double kBf16LayerWorstToken = 3e-2;
 
 // The message of the pounce::Error that f() throws; "(no error)" when it throws none.
 template <typename F>

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "common/error.h"
+#include "common/require.h"
 #include "formats/numerics.h"
 
 namespace pounce::formats {

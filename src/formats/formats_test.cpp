@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "common/error.h"
+#include "common/require.h"
 #include "common/testing.h"
 #include "formats/blockwise.h"
 #include "formats/numerics.h"

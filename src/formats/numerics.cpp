@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 
-#include "common/error.h"
+#include "common/require.h"
 
 namespace pounce::formats {
 

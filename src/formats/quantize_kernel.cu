@@ -24,7 +24,7 @@
 #include <type_traits>
 
 #include "common/cuda_check.h"
-#include "common/error.h"
+#include "common/require.h"
 #include "formats/blockwise.h"
 #include "formats/numerics.h"
 #include "ptx/ptx.cuh"

@@ -25,12 +25,10 @@ namespace pounce::gemm::pipeline {
 // ---- configuration and shared memory ---------------------------------------------------------------
 
 constexpr int kStages = 4;
-constexpr int kConsumerWarpgroups = 2;
 constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
 constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
 constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;  // 64: one wgmma M
-constexpr int kStoreBoxCols = 64;  // a TMA store box is 64 bf16 (128 bytes, one swizzle row) wide...
-constexpr int kStoreBoxRows = kRowsPerConsumer;  // ...and one consumer's rows high
+static_assert(kStoreBoxRows == kRowsPerConsumer, "a store box is one consumer's rows high");
 constexpr int kStoreSlots = 2;     // per consumer: fill one box while the previous one is stored
 constexpr int kTileSlots = 2;      // the producer may run one tile ahead of the consumers
 constexpr int kDoneLagSlices = 4;  // a tile's completion counter is released this many K slices into the next
@@ -87,7 +85,8 @@ struct GemmOperands {
   Epilogue epilogue;
   const float* row_scale;  // optional, indexed by C row
   // Optional per-m-block completion counters: each consumer adds 1 once its half of a tile is in global
-  // memory (so a finished m-block has 2 * n-blocks arrivals). Without them stores stay asynchronous.
+  // memory (so a finished m-block has kConsumerWarpgroups * n-blocks arrivals). Without them stores
+  // stay asynchronous.
   uint32_t* done;
 };
 

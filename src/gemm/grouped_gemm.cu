@@ -15,8 +15,6 @@ namespace {
 
 using pipeline::GemmOperands;
 using pipeline::kSharedBytes;
-using pipeline::kStoreBoxCols;
-using pipeline::kStoreBoxRows;
 using pipeline::kThreads;
 using pipeline::TileInfo;
 

@@ -19,12 +19,17 @@
 
 #include "common/device_buffer.h"
 #include "common/device_error.h"
+#include "common/tiles.h"
 
 namespace pounce::gemm {
 
-inline constexpr int kBlockM = 128;
-inline constexpr int kBlockN = 256;
-inline constexpr int kBlockK = 64;
+// Consumer warpgroups of the engine's CTA (gemm/gemm_pipeline.cuh), each computing half of a tile's rows
+// and adding 1 to the tile's completion counter: a finished tile counts kConsumerWarpgroups.
+inline constexpr int kConsumerWarpgroups = 2;
+
+// TMA boxes of the C stores: 64 bf16 (128 bytes, one swizzle row) wide and one consumer's rows high.
+inline constexpr int kStoreBoxCols = 64;
+inline constexpr int kStoreBoxRows = kBlockM / kConsumerWarpgroups;
 
 enum class Epilogue {
   kStore,   // C = A . B^T                                  [rows, N]

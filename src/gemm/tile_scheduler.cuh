@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "common/tiles.h"
+
 namespace pounce::gemm {
 
 struct TileCoord {
@@ -12,8 +14,6 @@ struct TileCoord {
 };
 
 struct TileScheduler {
-  static constexpr int32_t kBlockM = 128;
-
   const int32_t* expert_offsets;  // [experts + 1], multiples of kBlockM
   int32_t experts;
   int32_t n_blocks;
@@ -23,24 +23,16 @@ struct TileScheduler {
 
   // tile < total_tiles().
   __device__ TileCoord decode(int64_t tile) const {
-    // Tiles of expert e are [first_m_block(e) * n_blocks, first_m_block(e + 1) * n_blocks): find the
-    // last expert starting at or before m-block tile / n_blocks. Empty experts share their start with the
-    // next expert, and "last" skips them.
-    const int32_t m_block_floor = int32_t(tile / n_blocks);
-    int32_t lo = 0, hi = experts - 1;
-    while (lo < hi) {
-      const int32_t mid = (lo + hi + 1) / 2;
-      if (expert_offsets[mid] / kBlockM <= m_block_floor) lo = mid;
-      else hi = mid - 1;
-    }
-    const int32_t first = expert_offsets[lo] / kBlockM;
-    const int32_t count = expert_offsets[lo + 1] / kBlockM - first;
+    // Tiles of expert e are [first_m_block(e) * n_blocks, first_m_block(e + 1) * n_blocks).
+    const int32_t expert = expert_of_row(expert_offsets, experts, (tile / n_blocks) * kBlockM);
+    const int32_t first = expert_offsets[expert] / kBlockM;
+    const int32_t count = expert_offsets[expert + 1] / kBlockM - first;
     const int64_t local = tile - int64_t(first) * n_blocks;
     const int32_t band = int32_t(local / (int64_t(band_m_blocks) * n_blocks));
     const int32_t band_first = band * band_m_blocks;
     const int32_t width = count - band_first < band_m_blocks ? count - band_first : band_m_blocks;  // last band may be narrower
     const int32_t in_band = int32_t(local - int64_t(band_first) * n_blocks);
-    return {lo, first + band_first + in_band % width, in_band / width};
+    return {expert, first + band_first + in_band % width, in_band / width};
   }
 };
 

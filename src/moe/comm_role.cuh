@@ -42,7 +42,6 @@ struct CommShared {
 template <int kThreads>
 __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs, int lr, CommShared& cs) {
   const planner::DeviceScheduleSizes sizes = *rs.sizes;
-  const int32_t n2_blocks = (p.hidden + gemm::kBlockN - 1) / gemm::kBlockN;
   const uint32_t row_bytes = uint32_t(p.hidden) * 2;
   const int64_t items = (p.in_place ? 1 : 2) * int64_t(sizes.m_blocks);  // in place: D(b) only
   const int64_t opening = opening_blocks(sizes.m_blocks, p.blocks_per_minibatch);
@@ -58,13 +57,13 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
         if (!item.combine) {
           const WaitSite site{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank};
           go = b < p.ring_blocks ||
-               counter_wait_bounded(&rs.combined[b - p.ring_blocks], p.epoch, site, WaitTarget::kRingSlotFree, b);
+               counter_wait_bounded(&rs.combined[b - p.ring_blocks], p.epoch * p.steps.combined, site, WaitTarget::kRingSlotFree, b);
           // The slot's last readers (GEMM1's TMA loads, the combine's bulk loads) and this item's bulk
           // writes are all async proxy, but they are ordered through generic-proxy counters.
           ptx::fence_proxy_async_global();
         } else {
           const WaitSite site{p.error, DeviceRole::kCombine, p.wait_timeout_ns, rs.rank};
-          go = counter_wait_bounded(&rs.gemm2_done[b], p.epoch * 2 * n2_blocks, site, WaitTarget::kGemm2Done, b);
+          go = counter_wait_bounded(&rs.gemm2_done[b], p.epoch * p.steps.gemm2_done, site, WaitTarget::kGemm2Done, b);
           ptx::fence_proxy_async_global();  // GEMM2's TMA stores, acquired above, before our bulk loads
         }
         cs.item = item;
@@ -98,7 +97,7 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
     move_rows<kThreads>(engine, cs.src, cs.dst, row_bytes, p.engine_rows);
     if (threadIdx.x == 0) {
       if (!item.combine) {
-        ptx::red_release_gpu_add(&rs.dispatched[b], kPiecesPerBlock);
+        ptx::red_release_gpu_add(&rs.dispatched[b], p.steps.dispatched);
       } else {
         // NOTES: release pattern for the arrivals: one system-scope fence orders every pushed row (landed
         // before move_rows' barrier, so cumulative) before the relaxed increments; the source rank
@@ -109,7 +108,7 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
           const int32_t rank = rs.row_source_rank[row];
           if (rank >= 0) ptx::red_relaxed_sys_add(&p.peers.arrivals[rank][rs.row_token[row]], 1);
         }
-        ptx::red_release_gpu_add(&rs.combined[b], 1);
+        ptx::red_release_gpu_add(&rs.combined[b], p.steps.combined);
       }
     }
   }
@@ -132,7 +131,7 @@ __device__ inline void pull_opening(const FusedParams& p, const RankState& rs, i
     const int32_t b = q / kPiecesPerBlock;
     if (threadIdx.x < kPieceRows) {
       const int r = (q % kPiecesPerBlock) * kPieceRows + threadIdx.x;
-      const int64_t row = int64_t(b) * kItemRows + r;
+      const int64_t row = int64_t(b) * kBlockM + r;
       const int32_t rank = rs.row_source_rank[row];
       cs.src[threadIdx.x] = rank >= 0 ? p.peers.x[rank] + int64_t(rs.row_token[row]) * p.hidden : nullptr;
       cs.dst[threadIdx.x] = p.x_ring + ring_row(p, lr, b, r) * p.hidden;

@@ -37,8 +37,8 @@ struct CopyJob {
 
 struct BenchShared {
   CopyEngine::Shared engine;
-  const void* src[kItemRows];
-  void* dst[kItemRows];
+  const void* src[kBlockM];
+  void* dst[kBlockM];
   int64_t item;
 };
 
@@ -46,14 +46,14 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(CopyJob job, DeviceError
   extern __shared__ __align__(128) uint8_t smem[];
   auto& s = *reinterpret_cast<BenchShared*>(smem);
   CopyEngine engine(s.engine, WaitSite{sink, DeviceRole::kDispatch, 2'000'000'000ull, 0});
-  const int64_t items = (job.rows + kItemRows - 1) / kItemRows;
+  const int64_t items = (job.rows + kBlockM - 1) / kBlockM;
   for (;;) {
     if (threadIdx.x == 0) s.item = atomicAdd(job.ticket, 1u);
     __syncthreads();  // also: the engine's barriers are initialized, the last item's table is used up
     const int64_t i = s.item;
     if (i >= items) break;
-    if (threadIdx.x < kItemRows) {
-      const int64_t row = i * kItemRows + threadIdx.x;
+    if (threadIdx.x < kBlockM) {
+      const int64_t row = i * kBlockM + threadIdx.x;
       s.src[threadIdx.x] = row < job.rows ? job.src + int64_t(job.src_row[row]) * job.row_bytes : nullptr;
       s.dst[threadIdx.x] = job.dst + row * job.row_bytes;
     }

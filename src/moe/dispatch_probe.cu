@@ -10,7 +10,7 @@
 #include "common/cuda_check.h"
 #include "common/gpu.h"
 #include "moe/copy_engine.cuh"
-#include "moe/fused_moe.h"
+#include "moe/fused_params.h"
 #include "moe/row_mover.cuh"
 #include "ptx/ptx.cuh"
 
@@ -18,8 +18,8 @@ namespace pounce::moe {
 namespace {
 
 constexpr int kThreads = 384;  // the fused kernel's comm CTAs (gemm::pipeline::kThreads), move_rows' CTA
-constexpr int kRows = planner::kBlockM;
-static_assert(kRows == kItemRows, "an item is at most one m-block, as move_rows' row table");
+constexpr int kRows = kBlockM;
+static_assert(kRows == kBlockM, "an item is at most one m-block, as move_rows' row table");
 
 // One rank of the launch.
 struct ProbeRank {
@@ -159,7 +159,7 @@ constexpr size_t kSharedBytes = sizeof(ProbeShared) + 128;
 
 }  // namespace
 
-DispatchProbe::DispatchProbe(const planner::EpConfig& config, std::span<const std::vector<int32_t>> topk_ids,
+DispatchProbe::DispatchProbe(const EpConfig& config, std::span<const std::vector<int32_t>> topk_ids,
                              const DispatchProbeOptions& options)
     : config_(config), options_(options) {
   setup(topk_ids, /*launch_ranks=*/config.ranks, /*first_rank=*/0);
@@ -180,7 +180,7 @@ DispatchProbe::DispatchProbe(const planner::EpConfig& config, std::span<const st
   peers_on_this_gpu_ = true;
 }
 
-DispatchProbe::DispatchProbe(const planner::EpConfig& config, std::span<const std::vector<int32_t>> topk_ids,
+DispatchProbe::DispatchProbe(const EpConfig& config, std::span<const std::vector<int32_t>> topk_ids,
                              ncclComm_t comm, const DispatchProbeOptions& options)
     : config_(config), options_(options) {
   int rank = 0, ranks = 0;

@@ -76,11 +76,11 @@ class DispatchProbe {
  public:
   // topk_ids[r]: rank r's [tokens_r, k] routing (tokens_r <= config.max_tokens_per_rank), for every rank.
   // Virtual ranks: all config.ranks ranks on the current GPU.
-  DispatchProbe(const planner::EpConfig& config, std::span<const std::vector<int32_t>> topk_ids,
+  DispatchProbe(const EpConfig& config, std::span<const std::vector<int32_t>> topk_ids,
                 const DispatchProbeOptions& options = {});
   // This GPU's rank of `comm`. Collective: every rank builds its probe with the same config, routing and
   // options (not checked: the window sizes follow from them).
-  DispatchProbe(const planner::EpConfig& config, std::span<const std::vector<int32_t>> topk_ids, ncclComm_t comm,
+  DispatchProbe(const EpConfig& config, std::span<const std::vector<int32_t>> topk_ids, ncclComm_t comm,
                 const DispatchProbeOptions& options = {});
   ~DispatchProbe();
 
@@ -89,7 +89,7 @@ class DispatchProbe {
   __nv_bfloat16* x(int rank) const;
   // Rank `rank`'s ring, ring_blocks() * 128 rows of H (this GPU's ranks only).
   __nv_bfloat16* ring(int rank) const;
-  const planner::EpConfig& config() const { return config_; }
+  const EpConfig& config() const { return config_; }
   int64_t ring_blocks() const { return ring_blocks_; }
   int comm_ctas() const { return options_.comm_ctas; }
   int engine_rows() const { return engine_rows_; }  // resolved: -1 replaced by the default
@@ -110,7 +110,7 @@ class DispatchProbe {
   void setup(std::span<const std::vector<int32_t>> topk_ids, int launch_ranks, int first_rank);
   int launch_rank(int rank) const;
 
-  planner::EpConfig config_;
+  EpConfig config_;
   DispatchProbeOptions options_;
   int first_rank_ = 0, device_ = -1, engine_rows_ = 0;
   int64_t ring_blocks_ = 0;

@@ -13,7 +13,7 @@
 #include "common/gpu.h"
 #include "common/testing.h"
 #include "moe/dispatch_probe.h"
-#include "moe/fused_moe.h"
+#include "moe/fused_params.h"
 #include "reference/synthetic_routing.h"
 
 namespace pounce::moe {
@@ -43,7 +43,7 @@ void PrintTo(const Case& c, std::ostream* out) {
 
 // Every rank's tokens and routing, on the host.
 struct Inputs {
-  planner::EpConfig config;
+  EpConfig config;
   std::vector<std::vector<uint16_t>> x;  // [tokens_r * H] bf16 bits
   std::vector<std::vector<int32_t>> ids;
 };
@@ -67,9 +67,9 @@ Ring expected_ring(const Inputs& in, int d, int64_t ring_blocks) {
   std::vector<std::span<const int32_t>> ids(in.ids.begin(), in.ids.end());
   std::vector<int64_t> tokens;
   for (const auto& r : in.ids) tokens.push_back(int64_t(r.size()) / in.config.topk);
-  const planner::RankSchedule s = planner::build_schedule(in.config, d, ids, tokens, planner::kBlockM);
-  Ring ring(ring_blocks * planner::kBlockM * H, 0xFFFF);
-  const int64_t rows = std::min(ring_blocks, s.m_blocks()) * planner::kBlockM;
+  const planner::RankSchedule s = planner::build_schedule(in.config, d, ids, tokens, kBlockM);
+  Ring ring(ring_blocks * kBlockM * H, 0xFFFF);
+  const int64_t rows = std::min(ring_blocks, s.m_blocks()) * kBlockM;
   for (int64_t row = 0; row < rows; ++row)
     if (s.row_source_rank[row] >= 0) {
       const uint16_t* src = in.x[s.row_source_rank[row]].data() + s.row_token[row] * H;
@@ -96,7 +96,7 @@ void upload_x(const DispatchProbe& probe, const Inputs& in, int rank) {
 // One run in `mode` of this GPU's `ranks` on freshly poisoned rings; checks the counts it reports and
 // returns the rings.
 std::vector<Ring> run_mode(DispatchProbe& probe, DispatchMode mode, std::span<const int> ranks) {
-  const size_t ring_elements = probe.ring_blocks() * planner::kBlockM * size_t(probe.config().hidden);
+  const size_t ring_elements = probe.ring_blocks() * kBlockM * size_t(probe.config().hidden);
   for (int r : ranks) CUDA_CHECK(cudaMemset(probe.ring(r), 0xFF, ring_elements * sizeof(uint16_t)));
   const DispatchRun run = probe.run(mode, nullptr);
   EXPECT_EQ(run.ranks.size(), ranks.size());
@@ -105,7 +105,7 @@ std::vector<Ring> run_mode(DispatchProbe& probe, DispatchMode mode, std::span<co
   for (size_t i = 0; i < ranks.size(); ++i) {
     const DispatchRankTimes& t = run.ranks[i];
     EXPECT_EQ(t.rank, ranks[i]);
-    EXPECT_LE(t.rows, t.blocks * planner::kBlockM);
+    EXPECT_LE(t.rows, t.blocks * kBlockM);
     EXPECT_GE(t.rows, t.blocks);
     EXPECT_LE(t.remote_rows, t.rows);
     EXPECT_GE(t.first_us, 0);

@@ -2,13 +2,13 @@
 
 #include <algorithm>
 
-#include "common/error.h"
+#include "common/require.h"
 
 namespace pounce::moe {
 
 const char* dispatch_mode_name(DispatchMode mode) { return mode == DispatchMode::kPull ? "pull" : "push"; }
 
-std::vector<planner::RankSchedule> dispatch_schedules(const planner::EpConfig& config,
+std::vector<planner::RankSchedule> dispatch_schedules(const EpConfig& config,
                                                       std::span<const std::vector<int32_t>> topk_ids) {
   planner::validate_config(config);
   POUNCE_REQUIRE(int(topk_ids.size()) == config.ranks, "dispatch probe: routing of ", topk_ids.size(),
@@ -18,7 +18,7 @@ std::vector<planner::RankSchedule> dispatch_schedules(const planner::EpConfig& c
   for (const auto& r : topk_ids) tokens.push_back(int64_t(r.size()) / config.topk);
   std::vector<planner::RankSchedule> schedules;
   for (int d = 0; d < config.ranks; ++d)  // build_schedule validates the routing
-    schedules.push_back(planner::build_schedule(config, d, ids, tokens, planner::kBlockM));
+    schedules.push_back(planner::build_schedule(config, d, ids, tokens, kBlockM));
   return schedules;
 }
 
@@ -30,7 +30,7 @@ RankDispatchPlan plan_dispatch(std::span<const planner::RankSchedule> schedules,
   auto add_item = [&](DispatchMode mode, int d, int64_t b, int only) {
     DispatchWork& w = plan.moves[int(mode)];
     const int32_t first = int32_t(w.rows.size());
-    for (int64_t row = b * planner::kBlockM; row < (b + 1) * planner::kBlockM; ++row) {
+    for (int64_t row = b * kBlockM; row < (b + 1) * kBlockM; ++row) {
       const int32_t source = schedules[d].row_source_rank[row];
       if (source >= 0 && (only < 0 || source == only)) w.rows.push_back({source, schedules[d].row_token[row], int32_t(row)});
     }

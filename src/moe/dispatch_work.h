@@ -44,7 +44,7 @@ struct RankDispatchPlan {
 };
 
 // Every rank's schedule (topk_ids[r]: rank r's [tokens_r, k] routing); validates config and routing.
-std::vector<planner::RankSchedule> dispatch_schedules(const planner::EpConfig& config,
+std::vector<planner::RankSchedule> dispatch_schedules(const EpConfig& config,
                                                       std::span<const std::vector<int32_t>> topk_ids);
 
 RankDispatchPlan plan_dispatch(std::span<const planner::RankSchedule> schedules, int rank, int64_t ring_blocks);

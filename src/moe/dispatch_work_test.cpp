@@ -29,7 +29,7 @@ int64_t key(int32_t source, int32_t token) { return int64_t(source) << 32 | uint
 void check_case(const Case& c, std::mt19937_64& rng) {
   SCOPED_TRACE("P " + std::to_string(c.ranks) + ", " + reference::routing_pattern_name(c.pattern) + ", ring " +
                std::to_string(c.ring_blocks));
-  const planner::EpConfig config{.ranks = c.ranks, .experts = c.experts, .topk = c.topk, .hidden = 64,
+  const EpConfig config{.ranks = c.ranks, .experts = c.experts, .topk = c.topk, .hidden = 64,
                                  .intermediate = 64, .max_tokens_per_rank = c.tokens + 3 * c.ranks};
   std::vector<std::vector<int32_t>> ids;
   for (int r = 0; r < c.ranks; ++r)
@@ -41,13 +41,13 @@ void check_case(const Case& c, std::mt19937_64& rng) {
 
   // What every ring must hold, and the rows per m-block.
   const int P = c.ranks;
-  std::vector<std::vector<int64_t>> want(P, std::vector<int64_t>(ring_blocks * planner::kBlockM, -1));
+  std::vector<std::vector<int64_t>> want(P, std::vector<int64_t>(ring_blocks * kBlockM, -1));
   std::vector<std::vector<uint32_t>> block_rows(P);
   for (int d = 0; d < P; ++d) {
     const auto& s = schedules[d];
     for (int64_t b = 0; b < std::min(ring_blocks, s.m_blocks()); ++b) {
       block_rows[d].push_back(0);
-      for (int64_t row = b * planner::kBlockM; row < (b + 1) * planner::kBlockM; ++row)
+      for (int64_t row = b * kBlockM; row < (b + 1) * kBlockM; ++row)
         if (s.row_source_rank[row] >= 0) {
           want[d][row] = key(s.row_source_rank[row], s.row_token[row]);
           ++block_rows[d][b];
@@ -67,13 +67,13 @@ void check_case(const Case& c, std::mt19937_64& rng) {
 
   for (DispatchMode mode : {DispatchMode::kPull, DispatchMode::kPush}) {
     SCOPED_TRACE(dispatch_mode_name(mode));
-    std::vector<std::vector<int64_t>> got(P, std::vector<int64_t>(ring_blocks * planner::kBlockM, -1));
+    std::vector<std::vector<int64_t>> got(P, std::vector<int64_t>(ring_blocks * kBlockM, -1));
     std::vector<std::map<int32_t, uint32_t>> arrived(P);  // [dest] m-block -> rows counted
     for (int mover = 0; mover < P; ++mover) {
       const DispatchWork& w = plans[mover].moves[int(mode)];
       std::pair<int32_t, int32_t> previous{-1, -1};  // (block, dest)
       for (const DispatchItem& item : w.items) {
-        ASSERT_TRUE(item.rows >= 1 && item.rows <= planner::kBlockM);
+        ASSERT_TRUE(item.rows >= 1 && item.rows <= kBlockM);
         ASSERT_LE(int64_t(item.first_row) + item.rows, int64_t(w.rows.size()));
         ASSERT_TRUE(item.dest >= 0 && item.dest < P);
         if (mode == DispatchMode::kPull) {
@@ -88,7 +88,7 @@ void check_case(const Case& c, std::mt19937_64& rng) {
           if (mode == DispatchMode::kPush) {
             EXPECT_EQ(row.source, mover);
           }
-          ASSERT_EQ(row.ring_row / planner::kBlockM, item.block);
+          ASSERT_EQ(row.ring_row / kBlockM, item.block);
           EXPECT_EQ(got[item.dest][row.ring_row], -1) << "ring row " << row.ring_row << " written twice";
           got[item.dest][row.ring_row] = key(row.source, row.token);
         }

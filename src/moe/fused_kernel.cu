@@ -52,17 +52,15 @@ __device__ bool nobody_reported(const FusedParams& p, int32_t* ok_flag) {
 // push refers to an m-block past this rank's M or to a token past its token count.
 __device__ void top_up_unused_counters(const FusedParams& p, const RankState& rs, int cta) {
   const int64_t worker = int64_t(cta) * kThreads + threadIdx.x, workers = int64_t(p.ctas_per_rank) * kThreads;
-  const uint32_t n1_blocks = (2 * p.intermediate + gemm::kBlockN - 1) / gemm::kBlockN;
-  const uint32_t n2_blocks = (p.hidden + gemm::kBlockN - 1) / gemm::kBlockN;
-  const int64_t max_m_blocks = p.capacity_rows / gemm::kBlockM;
+  const int64_t max_m_blocks = p.capacity_rows / kBlockM;
   for (int64_t b = rs.sizes->m_blocks + worker; b < max_m_blocks; b += workers) {
-    rs.dispatched[b] += kPiecesPerBlock;
-    rs.gemm1_done[b] += 2 * n1_blocks;
-    rs.gemm2_done[b] += 2 * n2_blocks;
-    rs.combined[b] += 1;
+    rs.dispatched[b] += p.steps.dispatched;
+    rs.gemm1_done[b] += p.steps.gemm1_done;
+    rs.gemm2_done[b] += p.steps.gemm2_done;
+    rs.combined[b] += p.steps.combined;
   }
   uint32_t* arrivals = p.peers.arrivals[rs.rank];
-  for (int64_t t = rs.tokens + worker; t < p.max_tokens; t += workers) arrivals[t] += uint32_t(p.topk);
+  for (int64_t t = rs.tokens + worker; t < p.max_tokens; t += workers) arrivals[t] += p.steps.arrivals;
 }
 
 // Returns false when the forward must stop (a wait gave up, or the routing is invalid).
@@ -119,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
   }
   __shared__ gemm::pipeline::GemmOperands tile_operands[2];
-  FusedTiles tiles(p, rs, lr, maps.m, tile_operands);
+  FusedTiles tiles(p, rs, lr, maps, tile_operands);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, gemm::pipeline::pipeline_timeout_ns(p.wait_timeout_ns),
                            rs.rank};
   gemm::pipeline::run_gemm_cta(gemm::pipeline::shared_storage(smem_raw), tiles, pipe_site,

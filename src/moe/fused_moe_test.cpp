@@ -1,14 +1,19 @@
-// The fused MoE forward on virtual ranks against the host reference of the expert-parallel layer
-// (reference::moe_layer_ep), on fresh random inputs every run; outputs are poisoned with NaN first.
-// Also: bitwise-identical repeats, a stalled rank that must end in an error (not a hang), bad input.
+// The fused MoE forward (pounce::FusedMoe) on virtual ranks against the host reference of the
+// expert-parallel layer (reference::moe_layer_ep), on fresh random inputs every run; outputs are
+// poisoned with NaN first and compared over the whole tensor and token by token. Also: bitwise-
+// identical repeats, each rank holding only its experts, a stalled rank that must end in an error (not
+// a hang), bad input named and contained.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
 
+#include "comm/nccl_window.h"
+#include "common/device_buffer.h"
 #include "common/gpu.h"
 #include "common/testing.h"
-#include "moe/fused_moe.h"
+#include "moe/layer_testing.h"
+#include "pounce/fused_moe.h"
 #include "reference/moe_layer_ep.h"
 #include "reference/synthetic_routing.h"
 
@@ -44,15 +49,15 @@ __nv_bfloat16* bf16(const DeviceBuffer<uint16_t>& b) { return reinterpret_cast<_
 
 // Inputs of every rank on the host (reference) and on the device (layer).
 struct Problem {
-  planner::EpConfig config;
+  EpConfig config;
   std::vector<int64_t> tokens;
   std::vector<std::vector<float>> x, weights;
   std::vector<std::vector<int32_t>> ids;
-  std::vector<float> w13, w2;
+  std::vector<float> w13, w2;  // every expert's, for the reference
   std::vector<DeviceBuffer<uint16_t>> d_x, d_y;
   std::vector<DeviceBuffer<int32_t>> d_ids;
   std::vector<DeviceBuffer<float>> d_weights;
-  DeviceBuffer<uint16_t> d_w13, d_w2;
+  std::vector<DeviceBuffer<uint16_t>> d_w13, d_w2;  // [rank]: its own experts only, an allocation each
 
   std::vector<RankIO> io() const {
     std::vector<RankIO> out(config.ranks);
@@ -60,7 +65,12 @@ struct Problem {
       out[r] = {bf16(d_x[r]), d_ids[r].data(), d_weights[r].data(), tokens[r], bf16(d_y[r])};
     return out;
   }
-  void load_weights(FusedMoe& layer) const { layer.set_weights(bf16(d_w13), bf16(d_w2)); }
+  std::vector<ExpertWeights> local_weights() const {
+    std::vector<ExpertWeights> out;
+    for (int r = 0; r < config.ranks; ++r) out.push_back({bf16(d_w13[r]), bf16(d_w2[r])});
+    return out;
+  }
+  void load_weights(FusedMoe& layer) const { layer.set_weights(local_weights()); }
   void poison_outputs() {
     for (auto& y : d_y) y.fill_bytes(0xFF);  // NaN in bf16: an unwritten element fails the comparison
   }
@@ -89,8 +99,13 @@ Problem make_problem(std::mt19937_64& rng, const Case& c) {
   }
   p.w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
   p.w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
-  p.d_w13 = DeviceBuffer<uint16_t>(testing::to_bf16_bits(p.w13));
-  p.d_w2 = DeviceBuffer<uint16_t>(testing::to_bf16_bits(p.w2));
+  // Rank r's weights: experts [r E/P, (r+1) E/P), in an allocation of exactly that size.
+  const int64_t w13_share = E / c.ranks * 2 * I * H, w2_share = E / c.ranks * H * I;
+  const auto w13_bits = testing::to_bf16_bits(p.w13), w2_bits = testing::to_bf16_bits(p.w2);
+  for (int r = 0; r < c.ranks; ++r) {
+    p.d_w13.emplace_back(std::span(w13_bits).subspan(r * w13_share, w13_share));
+    p.d_w2.emplace_back(std::span(w2_bits).subspan(r * w2_share, w2_share));
+  }
   return p;
 }
 
@@ -109,14 +124,15 @@ void run_and_check(FusedMoe& layer, Problem& p) {
   CUDA_CHECK(synced);
 }
 
-void expect_matches(const std::vector<std::vector<uint16_t>>& outputs, const std::vector<reference::EpRankResult>& want) {
+void expect_matches(const std::vector<std::vector<uint16_t>>& outputs, const std::vector<reference::EpRankResult>& want,
+                    int64_t hidden) {
   for (size_t r = 0; r < outputs.size(); ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     std::vector<float> got;
     for (uint16_t b : outputs[r]) got.push_back(formats::bf16_to_float(b));
-    // bf16 rounding of x, the SwiGLU output, the expert outputs and y: a few 1e-3.
     if (!got.empty()) {
-      EXPECT_LT(testing::relative_l2_error(got, want[r].y), 1e-2);
+      EXPECT_LT(testing::relative_l2_error(got, want[r].y), testing::kBf16LayerL2);
+      EXPECT_LT(testing::worst_token_error(got, want[r].y, hidden), testing::kBf16LayerWorstToken);
     }
   }
 }
@@ -124,7 +140,7 @@ void expect_matches(const std::vector<std::vector<uint16_t>>& outputs, const std
 // One forward on fresh (poisoned) outputs, checked against the host reference.
 void run_and_expect_reference(FusedMoe& layer, Problem& p) {
   run_and_check(layer, p);
-  expect_matches(p.outputs(), reference_forward(p));
+  expect_matches(p.outputs(), reference_forward(p), p.config.hidden);
 }
 
 class FusedMoeTest : public ::testing::TestWithParam<Case> {};
@@ -247,7 +263,7 @@ void run_changing_forwards(int ranks, ncclComm_t comm = nullptr, bool in_place =
     run_and_check(layer, p);
     auto outputs = p.outputs();
     for (int r = 0; r < ranks; ++r) outputs[r].resize(p.tokens[r] * shape.hidden);  // rows past the count: unused
-    expect_matches(outputs, reference_forward(p));
+    expect_matches(outputs, reference_forward(p), shape.hidden);
     ++forward;
   }
 }
@@ -282,11 +298,11 @@ TEST(FusedMoe, StalledRankEndsInATimeoutErrorAndTheLayerRecovers) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
   Problem p = make_problem(rng, Case{2, 200, 256, 128, 8, 2, RoutingPattern::kUniform});
-  FusedMoeOptions stalled;
-  stalled.stall_rank = 1;
-  stalled.wait_timeout_ns = 100'000'000;
-  FusedMoe layer(p.config, stalled);
+  FusedMoeOptions options;
+  options.wait_timeout_ns = 100'000'000;
+  FusedMoe layer(p.config, options);
   p.load_weights(layer);
+  LayerTesting::stall_rank(layer, 1);
   const std::string message = testing::error_message([&] { run_and_check(layer, p); });
   EXPECT_THAT(message, HasSubstr("gave up after"));
   EXPECT_THAT(message, AnyOf(HasSubstr("rank 1, gemm producer"), HasSubstr("arrivals counter"),
@@ -376,7 +392,7 @@ TEST(FusedMoe, RejectsBadHostInputWithClearErrors) {
   options = {};
   options.minibatch_rows = 256;
   options.ring_blocks = 3;
-  planner::EpConfig big = p.config;
+  EpConfig big = p.config;
   big.max_tokens_per_rank = 1000;
   testing::expect_error([&] { FusedMoe bad(big, options); }, "is below the minimum 4");
   options = {};

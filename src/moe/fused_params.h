@@ -12,17 +12,40 @@
 #include <cstdint>
 
 #include "common/device_error.h"
+#include "common/tiles.h"
+#include "gemm/grouped_gemm.h"
 #include "planner/device_planner.h"
 
 namespace pounce::moe {
 
 inline constexpr int kMaxRanks = 8;
-inline constexpr int kItemRows = 128;  // rows of one dispatch or combine item: one m-block
 // The opening (moe/comm_role.cuh) pulls m-blocks in pieces; dispatched[b] counts pieces, so a whole
 // D(b) item counts kPiecesPerBlock.
 inline constexpr int kPiecesPerBlock = 8;
-inline constexpr int kPieceRows = kItemRows / kPiecesPerBlock;
-static_assert(kItemRows % kPiecesPerBlock == 0, "the opening's pieces must tile an m-block");
+inline constexpr int kPieceRows = kBlockM / kPiecesPerBlock;
+static_assert(kBlockM % kPiecesPerBlock == 0, "the opening's pieces must tile an m-block");
+
+// Rows of each 128-row comm item that the bulk-copy engine moves beside the CTA's warps
+// (moe/row_mover.cuh), balanced for rows of `row_bytes`: the default of FusedMoeOptions::engine_rows.
+// The engine costs about the same per row whatever its length, the warps move bytes, so long rows give
+// the engine more. On the H200 (pounce_copy_bench) the best splits were 16 / 32 / 64 rows for 4 / 8 /
+// 14 KB rows, within a few percent of warps alone: the two paths share the SM's memory throughput.
+inline int balanced_engine_rows(int64_t row_bytes) { return int(row_bytes / 224 < kBlockM ? row_bytes / 224 : kBlockM); }
+
+// What each counter gains per forward. Counters are never reset: forward number `epoch` waits for
+// epoch times these.
+struct CounterSteps {
+  uint32_t dispatched;  // per m-block: its pieces (kPiecesPerBlock)
+  uint32_t gemm1_done;  // per m-block: consumer halves of its GEMM1 tiles
+  uint32_t gemm2_done;  // per m-block: consumer halves of its GEMM2 tiles
+  uint32_t combined;    // per m-block: its one combine item
+  uint32_t arrivals;    // per token: its k combined output rows
+};
+
+inline CounterSteps counter_steps(const EpConfig& c) {
+  return {kPiecesPerBlock, uint32_t(gemm::kConsumerWarpgroups * n_blocks(2 * c.intermediate)),
+          uint32_t(gemm::kConsumerWarpgroups * n_blocks(c.hidden)), 1, uint32_t(c.topk)};
+}
 
 // Words of RankState::control.
 enum ControlWord : int {
@@ -74,6 +97,7 @@ struct FusedParams {
   int32_t blocks_per_minibatch;
   int32_t ring_blocks;         // m-blocks of ring per rank
   uint32_t epoch;
+  CounterSteps steps;
   uint64_t wait_timeout_ns;
   int32_t stall_rank;          // fault injection for tests: this rank moves no rows, neither in the opening
                                // nor in its comm CTAs (-1: none)

@@ -18,20 +18,20 @@ namespace pounce::moe {
 
 class FusedTiles {
  public:
-  // maps: x_ring (A of GEMM1), w13, h_ring store box, h_ring load box (A of GEMM2), w2, out_ring store box.
   // ops: shared [2], filled here by thread 0 and published by run_gemm_cta's first __syncthreads. Indexed by
   // the tile's GEMM, an array in the object would live in local memory, and with ~230 KB of shared
   // memory the SM's L1 is too small to keep the consumers' local reads in it: every epilogue then waited
   // on L2 for the operands (measured ~0.8 us a tile against the stand-alone engine).
-  __device__ FusedTiles(const FusedParams& p, const RankState& rs, int lr, const CUtensorMap* maps,
+  __device__ FusedTiles(const FusedParams& p, const RankState& rs, int lr, const FusedMaps& maps,
                         gemm::pipeline::GemmOperands* ops)
       : p_(p), rs_(rs), lr_(lr), sizes_(*rs.sizes), ops_(ops) {
-    n_blocks_[0] = (2 * p.intermediate + gemm::kBlockN - 1) / gemm::kBlockN;
-    n_blocks_[1] = (p.hidden + gemm::kBlockN - 1) / gemm::kBlockN;
+    n_blocks_[0] = n_blocks(2 * p.intermediate);
+    n_blocks_[1] = n_blocks(p.hidden);
     if (threadIdx.x == 0) {
-      ops[0] = {&maps[0], &maps[1], &maps[2], p.hidden / gemm::kBlockK, gemm::Epilogue::kSwiGLU, nullptr, rs.gemm1_done};
-      ops[1] = {&maps[3], &maps[4], &maps[5], p.intermediate / gemm::kBlockK, gemm::Epilogue::kStore, nullptr,
-                rs.gemm2_done};
+      ops[0] = {&maps.x_ring, &maps.w13[lr], &maps.h_ring_store, p.hidden / kBlockK, gemm::Epilogue::kSwiGLU, nullptr,
+                rs.gemm1_done};
+      ops[1] = {&maps.h_ring_load, &maps.w2[lr], &maps.out_ring_store, p.intermediate / kBlockK, gemm::Epilogue::kStore,
+                nullptr, rs.gemm2_done};
     }
   }
 
@@ -41,17 +41,18 @@ class FusedTiles {
     if (!decode(ticket, gemm, m_block, n_block)) return false;
     const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
     const bool ready =
-        gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], p_.epoch * kPiecesPerBlock, site,
+        gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], p_.epoch * p_.steps.dispatched, site,
                                          WaitTarget::kMBlockReady, m_block)
-                  : counter_wait_bounded(&rs_.gemm1_done[m_block], p_.epoch * 2 * uint32_t(n_blocks_[0]), site,
+                  : counter_wait_bounded(&rs_.gemm1_done[m_block], p_.epoch * p_.steps.gemm1_done, site,
                                          WaitTarget::kGemm1Done, m_block);
     if (!ready) return false;
     // NOTES: the A rows were written by other CTAs (bulk copies, TMA stores) and acquired above through
     // the generic proxy; our TMA loads read through the async proxy.
     ptx::fence_proxy_async_global();
-    const int32_t expert = p_.local_experts * rs_.rank + expert_of(m_block);
+    // Weight rows of this rank's own experts: its weights hold the local experts only.
+    const int32_t expert = expert_of_row(rs_.expert_offsets, p_.local_experts, int64_t(m_block) * kBlockM);
     const int32_t n = gemm == 0 ? 2 * p_.intermediate : p_.hidden;
-    info = {gemm, expert * n + n_block * gemm::kBlockN, int32_t(ring_row(p_, lr_, m_block, 0)), n_block, m_block, 1};
+    info = {gemm, expert * n + n_block * kBlockN, int32_t(ring_row(p_, lr_, m_block, 0)), n_block, m_block, 1};
     return true;
   }
 
@@ -65,19 +66,6 @@ class FusedTiles {
     if (!queue.tile(t, tile)) return false;
     gemm = tile.gemm, m_block = tile.m_block, n_block = tile.n_block;
     return true;
-  }
-
-  // Local expert of an m-block: the last expert starting at or before it (empty experts share their
-  // start with the next one, and "last" skips them).
-  __device__ int32_t expert_of(int32_t m_block) const {
-    const int32_t row = m_block * 128;
-    int32_t lo = 0, hi = p_.local_experts - 1;
-    while (lo < hi) {
-      const int32_t mid = (lo + hi + 1) / 2;
-      if (rs_.expert_offsets[mid] <= row) lo = mid;
-      else hi = mid - 1;
-    }
-    return lo;
   }
 
   const FusedParams& p_;

@@ -53,7 +53,7 @@ __device__ inline void move_rows(CopyEngine& engine, const void* const* src, voi
       if (src[r] != nullptr) engine.copy(src[r], dst[r], row_bytes);
   }
   // Warp 0 waits for its lane 0 while the engine runs, so the warps' rows go to warps 1.. then.
-  copy_rows_by_warps<kThreads>(src + engine_rows, dst + engine_rows, kItemRows - engine_rows, row_bytes,
+  copy_rows_by_warps<kThreads>(src + engine_rows, dst + engine_rows, kBlockM - engine_rows, row_bytes,
                                engine_rows > 0 ? 1 : 0);
   if (threadIdx.x == 0) engine.flush();
   __syncthreads();

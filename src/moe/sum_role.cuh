@@ -26,7 +26,6 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
   // In place the k rows are where GEMM2 stored them in the ring, else in the token's combine slots.
   const uint4* rows = reinterpret_cast<const uint4*>(p.in_place ? p.out_ring : p.peers.slots[rs.rank]);
   const int64_t vecs = p.hidden / 8;  // 16-byte vectors of 8 bf16 per row
-  const uint32_t gemm2_tiles = 2 * uint32_t((p.hidden + gemm::kBlockN - 1) / gemm::kBlockN);
   for (;;) {
     int32_t t = 0;
     if (lane == 0) t = int32_t(atomicAdd(&rs.control[kSumTicket], 1u));
@@ -46,10 +45,10 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
     if (p.in_place) {
       for (int k = lane; k < p.topk && ok; k += 32) {
         const int64_t m_block = (k == lane ? lane_row : row_of(k)) / 128;
-        ok = counter_wait_bounded(&rs.gemm2_done[m_block], p.epoch * gemm2_tiles, site, WaitTarget::kGemm2Done, m_block);
+        ok = counter_wait_bounded(&rs.gemm2_done[m_block], p.epoch * p.steps.gemm2_done, site, WaitTarget::kGemm2Done, m_block);
       }
     } else if (lane == 0) {
-      const uint32_t target = p.epoch * uint32_t(p.topk);
+      const uint32_t target = p.epoch * p.steps.arrivals;
       ok = p.peers_on_this_gpu
                ? counter_wait_bounded<Scope::kGpu>(&arrivals[t], target, site, WaitTarget::kTokenArrivals, t)
                : counter_wait_bounded<Scope::kSystem>(&arrivals[t], target, site, WaitTarget::kTokenArrivals, t);

@@ -9,11 +9,7 @@
 
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define POUNCE_HOST_DEVICE __host__ __device__
-#else
-#define POUNCE_HOST_DEVICE
-#endif
+#include "common/tiles.h"
 
 namespace pounce::moe {
 

@@ -5,7 +5,7 @@
 #include <functional>
 #include <tuple>
 
-#include "common/error.h"
+#include "common/require.h"
 #include "common/testing.h"
 #include "planner/schedule.h"
 #include "planner/wave_model.h"

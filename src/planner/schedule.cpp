@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "common/error.h"
+#include "common/require.h"
 
 namespace pounce::planner {
 

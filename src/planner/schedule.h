@@ -13,22 +13,10 @@
 #include <span>
 #include <vector>
 
+#include "common/tiles.h"
+#include "pounce/config.h"
+
 namespace pounce::planner {
-
-inline constexpr int kBlockM = 128;      // rows per GEMM tile and per m-block
-inline constexpr int kShapeQuantum = 64; // hidden and intermediate must be multiples of this
-
-struct EpConfig {
-  int ranks = 1;                  // P, the expert-parallel group size
-  int experts = 0;                // E, global; rank r owns experts [r*E/P, (r+1)*E/P)
-  int topk = 0;                   // k
-  int64_t hidden = 0;             // H
-  int64_t intermediate = 0;       // I
-  int64_t max_tokens_per_rank = 0;  // T_max: every buffer is sized from it
-
-  int local_experts() const { return experts / ranks; }
-  int first_local_expert(int rank) const { return rank * local_experts(); }
-};
 
 // Throws pounce::Error naming the first problem: P < 1, E not divisible by P, k outside [1, E],
 // H or I not a positive multiple of 64, T_max < 0.

@@ -1,6 +1,6 @@
 #include "planner/wave_model.h"
 
-#include "common/error.h"
+#include "common/require.h"
 
 namespace pounce::planner {
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "common/error.h"
+#include "common/require.h"
 #include "reference/stable_math.h"
 
 namespace pounce::reference {

@@ -1,11 +1,11 @@
 #include "reference/moe_layer_ep.h"
 
-#include "common/error.h"
+#include "common/require.h"
 #include "reference/moe_layer.h"
 
 namespace pounce::reference {
 
-std::vector<EpRankResult> moe_layer_ep(const planner::EpConfig& c, std::span<const EpRankInputs> ranks,
+std::vector<EpRankResult> moe_layer_ep(const EpConfig& c, std::span<const EpRankInputs> ranks,
                                        std::span<const float> w13, std::span<const float> w2, bool with_backward) {
   planner::validate_config(c);
   POUNCE_REQUIRE(int64_t(ranks.size()) == c.ranks, "moe_layer_ep: got inputs for ", ranks.size(), " ranks, config has ",
@@ -41,7 +41,7 @@ std::vector<EpRankResult> moe_layer_ep(const planner::EpConfig& c, std::span<con
   std::vector<EpRankResult> results(c.ranks);
   for (int rank = 0; rank < c.ranks; ++rank) {
     // minibatch_rows only shapes the schedule's minibatch list, which the reference does not use.
-    planner::RankSchedule s = planner::build_schedule(c, rank, ids, tokens, planner::kBlockM);
+    planner::RankSchedule s = planner::build_schedule(c, rank, ids, tokens, kBlockM);
 
     // Dispatch: one row per route (padding rows are not data), expert ids made local.
     std::vector<float> x_routed, w_routed;

@@ -36,7 +36,7 @@ struct EpRankResult {
 
 // w13 [E, 2I, H] and w2 [E, H, I] hold all experts; rank r uses experts [r*E/P, (r+1)*E/P).
 // with_backward = false leaves the backward fields empty and ignores dy.
-std::vector<EpRankResult> moe_layer_ep(const planner::EpConfig& config, std::span<const EpRankInputs> ranks,
+std::vector<EpRankResult> moe_layer_ep(const EpConfig& config, std::span<const EpRankInputs> ranks,
                                        std::span<const float> w13, std::span<const float> w2, bool with_backward);
 
 }  // namespace pounce::reference

@@ -24,7 +24,7 @@ class MoeLayerEpTest : public ::testing::TestWithParam<EpCase> {};
 TEST_P(MoeLayerEpTest, MatchesSingleDevice) {
   auto rng = testing::fresh_rng();
   const auto [P, pattern] = GetParam();
-  planner::EpConfig c{.ranks = P, .experts = 16, .topk = 4, .hidden = 64, .intermediate = 64,
+  EpConfig c{.ranks = P, .experts = 16, .topk = 4, .hidden = 64, .intermediate = 64,
                       .max_tokens_per_rank = 40};
   const int64_t H = c.hidden, I = c.intermediate, k = c.topk, E = c.experts;
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "common/error.h"
+#include "common/require.h"
 #include "common/testing.h"
 
 namespace pounce::reference {

@@ -5,7 +5,7 @@
 #include <limits>
 #include <numeric>
 
-#include "common/error.h"
+#include "common/require.h"
 #include "reference/stable_math.h"
 
 namespace pounce::reference {

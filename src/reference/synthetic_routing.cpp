@@ -4,7 +4,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "common/error.h"
+#include "common/require.h"
 
 namespace pounce::reference {
 

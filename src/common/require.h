@@ -1,19 +1,13 @@
-// Host-side error reporting shared by every module. Pure C++: no CUDA headers here, so the host
-// reference and planner build and test on machines without a GPU toolkit in the loop.
+// Raising pounce::Error from host code. Pure C++: no CUDA headers here, so the host reference and
+// planner build and test on machines without a GPU toolkit in the loop.
 #pragma once
 
 #include <sstream>
-#include <stdexcept>
 #include <string>
 
-namespace pounce {
+#include "pounce/error.h"
 
-// Every error pounce raises on purpose. The message names what was wrong ("topk_ids[token 5][k 2] = 300
-// is out of range [0, 256)"), never just "invalid argument".
-class Error : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+namespace pounce {
 
 namespace detail {
 template <typename... Parts>

@@ -1,0 +1,115 @@
+// pounce::FusedMoe — the fused Mixture-of-Experts layer, forward. One persistent kernel per forward
+// plans the routing on the GPU, pulls token rows from their source ranks, runs GEMM1 + SwiGLU and GEMM2
+// on the compute SMs as rows arrive, pushes every output row back to its token's [token, k] slot and
+// sums y[t] = sum_k w[t, k] * out[t, k] in fixed k order (bitwise deterministic).
+//
+// Two ways to run an expert-parallel group of P ranks:
+//   virtual ranks: all P ranks on the current GPU, in one launch (P = 1 is the plain one-GPU layer);
+//   NCCL:          one rank per GPU, given an NCCL communicator of P ranks (one process per GPU, or one
+//                  process driving several GPUs).
+// Each rank holds the weights of its own E/P experts only.
+//
+// Limits (each enforced with a pounce::Error that names it):
+//   ranks 1..8 (one NVLink node); experts divisible by ranks, at most 1024 per rank; top-k in [1, E];
+//   hidden and intermediate positive multiples of 64, at most 65536; max_tokens_per_rank < 2^24;
+//   tensors 16-byte aligned, on the layer's GPU. A forward occupies every SM it is given (one CTA per
+//   SM, a cooperative launch): kernels on other streams do not run beside it.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "pounce/config.h"
+#include "pounce/error.h"
+
+struct ncclComm;  // nccl.h: typedef struct ncclComm* ncclComm_t
+
+namespace pounce {
+
+namespace moe {
+class FusedLayer;
+struct LayerTesting;
+}  // namespace moe
+
+// Optional tuning. Zero means "choose from the shape and the GPU"; the defaults are what the
+// benchmarks measured best.
+struct FusedMoeOptions {
+  int ctas_per_rank = 0;       // CTAs (one per SM) per rank; 0: the GPU's SMs / ranks on this GPU
+  int comm_ctas = 0;           // of those, CTAs that move rows (dispatch, combine); 0: from the shape
+  int engine_rows = -1;        // rows of each 128-row copy item the bulk-copy engine moves (the CTA's
+                               // warps move the rest); -1: balanced for the row length
+  int64_t minibatch_rows = 0;  // routed rows per minibatch; 0: two waves of GEMM1 tiles
+  int64_t ring_blocks = 0;     // ring size in 128-row blocks per rank; 0: as ring_bytes allows
+  int64_t ring_bytes = 0;      // ring budget per rank; 0: one rank: every routed row (then nothing is
+                               // combined), more ranks: 1 GiB. docs/fused_moe.md gives the formula.
+  uint64_t wait_timeout_ns = 5'000'000'000ull;  // any single wait inside the kernel; then a named error
+};
+
+// This rank's experts, bf16, in device memory on the layer's GPU, 16-byte aligned.
+struct ExpertWeights {
+  const __nv_bfloat16* w13 = nullptr;  // [E/P, 2I, H]: gate and up rows interleaved in groups of 8
+  const __nv_bfloat16* w2 = nullptr;   // [E/P, H, I]
+};
+
+// One rank's tensors for one forward, device pointers on the layer's GPU, 16-byte aligned.
+struct RankIO {
+  const __nv_bfloat16* x = nullptr;     // [tokens, H]
+  const int32_t* topk_ids = nullptr;    // [tokens, k], global expert ids, distinct within a token
+  const float* topk_weights = nullptr;  // [tokens, k]
+  int64_t tokens = 0;                   // 0 .. max_tokens_per_rank
+  __nv_bfloat16* y = nullptr;           // [tokens, H], written by the forward
+};
+
+class FusedMoe {
+ public:
+  // Virtual ranks: all config.ranks ranks on the current GPU.
+  explicit FusedMoe(const EpConfig& config, const FusedMoeOptions& options = {});
+  // This GPU's rank of `comm`, a communicator of config.ranks ranks, one per GPU. Collective: every
+  // rank constructs its layer with the same config and options (a mismatch throws, naming the field).
+  FusedMoe(const EpConfig& config, ncclComm* comm, const FusedMoeOptions& options = {});
+  ~FusedMoe();
+  FusedMoe(FusedMoe&&) noexcept;
+  FusedMoe& operator=(FusedMoe&&) noexcept;
+
+  // The weights of every rank on this GPU, in rank order: config.ranks entries for virtual ranks, one
+  // for an NCCL rank. The layer keeps the pointers (no copy): the tensors must outlive its forwards, and
+  // an update in place is seen by the next forward.
+  void set_weights(std::span<const ExpertWeights> ranks);
+  void set_weights(const ExpertWeights& weights) { set_weights(std::span(&weights, 1)); }
+
+  // Enqueues one forward of every rank on this GPU on `stream`: one launch, no host synchronization, so
+  // it can be captured in a CUDA graph. Throws on bad host-visible input (shapes, null or misaligned
+  // pointers, calls in the wrong order). Bad routing ids are found on the device: check_device_errors()
+  // reports them, and y is left untouched.
+  void forward(std::span<const RankIO> ranks, cudaStream_t stream);
+  void forward(const RankIO& rank, cudaStream_t stream) { forward(std::span(&rank, 1), stream); }
+
+  // After the stream has synchronized: throws pounce::Error describing a failure inside the kernel (bad
+  // routing; or a wait that gave up, with its likely cause and the counter it watched). On one GPU the
+  // layer is then ready for the next forward; a layer spanning GPUs must be rebuilt on every rank.
+  void check_device_errors();
+
+  const EpConfig& config() const;
+  int ranks_on_this_gpu() const;
+  // What the layer resolved its options to.
+  int ctas_per_rank() const;
+  int comm_ctas() const;
+  int engine_rows() const;
+  int64_t minibatch_rows() const;
+  int64_t ring_blocks() const;
+  bool in_place() const;  // one rank whose ring holds every routed row: nothing is combined
+  int64_t max_m_blocks() const;
+  // Device memory the layer allocated on this GPU (ring, schedule, counters, combine slots), weights
+  // and the caller's tensors not included.
+  int64_t device_bytes() const;
+
+ private:
+  friend struct moe::LayerTesting;
+  std::unique_ptr<moe::FusedLayer> layer_;
+};
+
+}  // namespace pounce

@@ -1,0 +1,387 @@
+#include "moe/fused_layer.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+
+#include "common/device_pointer.h"
+#include "common/gpu.h"
+#include "gemm/grouped_gemm.h"
+#include "gemm/tensor_map.h"
+#include "planner/device_planner.h"
+#include "planner/wave_model.h"
+
+namespace pounce::moe {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Communication CTAs of a rank: it moves 4·H bytes per routed row (dispatch and combine) for 6·H·I
+// FLOPs of GEMM, so the CTAs that keep rows ahead of the GEMMs go as 1 / I against the GEMM CTAs. The
+// constant comes from the H200 comm-CTA sweeps of every catalogue shape at one rank with rows combined
+// (docs/results.md: best 8 of 132 at I = 3072, 10 at 2048, 16 at 1536, >= 32 at 768, <= 4 at 14336).
+int default_comm_ctas(int ctas, int64_t intermediate) {
+  const double per_gemm_cta = 190.0 / double(intermediate);
+  return std::clamp(int(std::lround(ctas * per_gemm_cta / (1 + per_gemm_cta))), 1, std::max(1, ctas / 2));
+}
+
+// Communication CTAs of a rank in place: they only dispatch, then run GEMM tiles, so too many cost
+// little. Empirical (H200, every catalogue shape, 132 CTAs): with the candidates timed in shuffled
+// order (docs/results.md, 67d2f73) 6 to 40 lie within ~4% of each other, except 4 KB rows, which need
+// 12 or more; ~380 / H per CTA (7 at H 7168, 12 at 4096, 24 at 2048) sits inside that range everywhere.
+int in_place_comm_ctas(int ctas, int64_t hidden) {
+  return std::clamp(int(std::lround(ctas * 380.0 / double(hidden))), 1, std::max(1, ctas / 2));
+}
+
+// Counter words of one rank, in this order inside the rank's slice of counters_.
+struct CounterLayout {
+  int64_t m_blocks;
+  int64_t dispatched() const { return 0; }
+  int64_t gemm1_done() const { return m_blocks; }
+  int64_t gemm2_done() const { return 2 * m_blocks; }
+  int64_t combined() const { return 3 * m_blocks; }
+  int64_t control() const { return 4 * m_blocks; }
+  int64_t words() const { return control() + kControlWords; }
+};
+
+}  // namespace
+
+FusedLayer::FusedLayer(const EpConfig& config, const FusedMoeOptions& options) : config_(config) {
+  setup(config, options, /*launch_ranks=*/config.ranks, /*first_rank=*/0);
+  // Virtual ranks: every rank's symmetric buffers in this GPU's memory; x and topk_ids stay the caller's.
+  const int P = config.ranks;
+  const int64_t T = std::max<int64_t>(config.max_tokens_per_rank, 1);
+  peer_words_ = DeviceBuffer<uint32_t>(P * (T + P));
+  token_counts_ = DeviceBuffer<int32_t>(P * P);
+  slots_ = DeviceBuffer<__nv_bfloat16>(P * slot_elems_);
+  CUDA_CHECK(cudaMemset(peer_words_.data(), 0, peer_words_.bytes()));
+  for (int r = 0; r < P; ++r) {
+    params_.peers.arrivals[r] = peer_words_.data() + r * (T + P);
+    params_.peers.start_flags[r] = params_.peers.arrivals[r] + T;
+    params_.peers.token_counts[r] = token_counts_.data() + r * P;
+    params_.peers.slots[r] = params_.in_place ? nullptr : slots_.data() + r * slot_elems_;
+  }
+  params_.peers_on_this_gpu = 1;
+}
+
+FusedLayer::FusedLayer(const EpConfig& config, ncclComm_t comm, const FusedMoeOptions& options)
+    : config_(config) {
+  int rank = 0, ranks = 0;
+  NCCL_CHECK(ncclCommUserRank(comm, &rank));
+  NCCL_CHECK(ncclCommCount(comm, &ranks));
+  POUNCE_REQUIRE(ranks == config.ranks, "fused MoE: the communicator has ", ranks, " ranks, the config ",
+                 config.ranks);
+  check_same_config_on_every_rank(config, options, comm);
+  setup(config, options, /*launch_ranks=*/1, /*first_rank=*/rank);
+
+  // One symmetric window per rank: what the other ranks read (x, topk_ids, token counts) and write
+  // (combine slots, arrivals, start flags). NcclWindow hands it out zeroed.
+  const int P = config.ranks;
+  const int64_t T = std::max<int64_t>(config.max_tokens_per_rank, 1), k = config.topk, H = config.hidden;
+  comm::WindowLayout layout;
+  // What peers read (x, topk_ids, token counts) is double-buffered by forward parity: a rank writes
+  // forward e + 1's copy while a slower peer may still read forward e's (nobody can be two forwards
+  // behind: forward e + 1 ends only after every rank has started it).
+  std::array<size_t, 2> x_at, ids_at, counts_at;
+  for (int parity = 0; parity < 2; ++parity) {
+    x_at[parity] = layout.add(T * H * 2);
+    ids_at[parity] = layout.add(T * k * 4);
+    counts_at[parity] = layout.add(P * 4);
+  }
+  const size_t slots_at = layout.add(slot_elems_ * 2);
+  const size_t arrivals_at = layout.add(T * 4);
+  const size_t flags_at = layout.add(P * 4);
+  window_ = std::make_unique<comm::NcclWindow>(comm, layout.bytes());
+  window_bytes_ = int64_t(layout.bytes());
+  window_->require_team_is_communicator("fused MoE");
+  const comm::PeerTable& peers = window_->peers();
+  for (int r = 0; r < P; ++r) {
+    for (int parity = 0; parity < 2; ++parity) {
+      window_x_[parity][r] = reinterpret_cast<__nv_bfloat16*>(peers.at(r, x_at[parity]));
+      window_ids_[parity][r] = reinterpret_cast<int32_t*>(peers.at(r, ids_at[parity]));
+      window_counts_[parity][r] = reinterpret_cast<int32_t*>(peers.at(r, counts_at[parity]));
+    }
+    params_.peers.slots[r] = params_.in_place ? nullptr : reinterpret_cast<__nv_bfloat16*>(peers.at(r, slots_at));
+    params_.peers.arrivals[r] = reinterpret_cast<uint32_t*>(peers.at(r, arrivals_at));
+    params_.peers.start_flags[r] = reinterpret_cast<uint32_t*>(peers.at(r, flags_at));
+  }
+  params_.peers_on_this_gpu = P == 1;
+}
+
+FusedLayer::~FusedLayer() = default;
+
+// Every rank must run the same layer: a mismatch would size buffers differently and read past them.
+void FusedLayer::check_same_config_on_every_rank(const EpConfig& c, const FusedMoeOptions& o, ncclComm_t comm) {
+  const std::vector<int64_t> mine = {c.ranks, c.experts, c.topk, c.hidden, c.intermediate, c.max_tokens_per_rank,
+                                     o.minibatch_rows, o.ring_blocks, o.ring_bytes};
+  const char* names[] = {"ranks", "experts", "topk", "hidden", "intermediate", "max_tokens_per_rank",
+                         "minibatch_rows", "ring_blocks", "ring_bytes"};
+  const size_t n = mine.size();
+  DeviceBuffer<int64_t> send(mine), all(n * c.ranks);
+  NCCL_CHECK(ncclAllGather(send.data(), all.data(), n, ncclInt64, comm, nullptr));
+  CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  const std::vector<int64_t> got = all.download();
+  for (int r = 0; r < c.ranks; ++r)
+    for (size_t i = 0; i < n; ++i)
+      POUNCE_REQUIRE(got[r * n + i] == mine[i], "fused MoE: rank ", r, " has ", names[i], " = ", got[r * n + i],
+                     ", this rank ", mine[i], ": every rank must build the same layer");
+}
+
+void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, int launch_ranks,
+                     int first_rank) {
+  CUDA_CHECK(cudaGetDevice(&device_));
+  capacity_ = planner::worst_case_capacity(config);  // validates the config
+  const int P = config.ranks;
+  POUNCE_REQUIRE(P <= kMaxRanks, "fused MoE: ", P, " ranks; at most ", kMaxRanks, " (one NVLink node)");
+  POUNCE_REQUIRE(config.local_experts() <= planner::kPlannerMaxLocalExperts, "fused MoE: ", config.local_experts(),
+                 " local experts per rank; at most ", planner::kPlannerMaxLocalExperts);
+  POUNCE_REQUIRE(config.hidden <= 65536 && config.intermediate <= 65536 && config.max_tokens_per_rank < (1 << 24),
+                 "fused MoE: hidden ", config.hidden, ", intermediate ", config.intermediate, " or max tokens ",
+                 config.max_tokens_per_rank, " too large");
+  POUNCE_REQUIRE(gpu_is_hopper(), "fused MoE needs a Hopper GPU (sm_90a); this one is ",
+                 gpu_info().present ? gpu_info().name : gpu_info().why_absent);
+
+  POUNCE_REQUIRE(options.wait_timeout_ns > 0 && options.wait_timeout_ns <= 3'600'000'000'000ull,
+                 "fused MoE: wait_timeout_ns = ", options.wait_timeout_ns, " must be in (0, one hour]");
+  const int sms = gpu_info().multiprocessors;
+  const int ctas = options.ctas_per_rank > 0 ? options.ctas_per_rank : sms / launch_ranks;
+  POUNCE_REQUIRE(ctas * launch_ranks <= sms, "fused MoE: ", ctas, " CTAs per rank x ", launch_ranks,
+                 " ranks exceeds the GPU's ", sms, " multiprocessors (the kernel needs every CTA resident)");
+  // One rank whose ring holds every m-block (the default at one rank) runs in place: nothing combined,
+  // communication CTAs only dispatch and then run GEMM tiles. Across ranks they stay communication
+  // CTAs all forward.
+  POUNCE_REQUIRE(options.ring_blocks >= 0 && options.ring_bytes >= 0, "fused MoE: ring_blocks = ", options.ring_blocks,
+                 " and ring_bytes = ", options.ring_bytes, " must not be negative (0: default)");
+  // Bytes of ring per m-block: x, h and out rows.
+  const int64_t block_bytes = kBlockM * (2 * config.hidden + config.intermediate) * 2;
+  const int64_t all_blocks_bytes = capacity_.max_m_blocks * block_bytes;
+  // At one rank a ring_bytes budget picks in place whenever that takes no more memory than the bounded
+  // ring plus the combine slots it would need.
+  const int64_t slot_elems = std::max<int64_t>(config.max_tokens_per_rank, 1) * config.topk * config.hidden;
+  const bool in_place = P == 1 && (options.ring_blocks >= capacity_.max_m_blocks ||
+                                   (options.ring_blocks == 0 && (options.ring_bytes == 0 ||
+                                                                 all_blocks_bytes <= options.ring_bytes + 2 * slot_elems)));
+  slot_elems_ = in_place ? 0 : slot_elems;
+  const int comm = options.comm_ctas > 0 ? options.comm_ctas
+                   : in_place            ? in_place_comm_ctas(ctas, config.hidden)
+                                         : default_comm_ctas(ctas, config.intermediate);
+  POUNCE_REQUIRE(comm >= 1 && comm < ctas, "fused MoE: comm_ctas = ", comm, " must be in [1, ctas_per_rank = ", ctas,
+                 ")");
+  const int gemm_ctas = ctas - comm;
+  POUNCE_REQUIRE(options.engine_rows >= -1 && options.engine_rows <= kBlockM, "fused MoE: engine_rows = ",
+                 options.engine_rows, " must be -1 (default) or in [0, ", kBlockM, "]");
+  const int engine_rows = options.engine_rows >= 0 ? options.engine_rows : balanced_engine_rows(config.hidden * 2);
+
+  // Minibatch: two waves of GEMM1 tiles over the compute CTAs (planner/wave_model.h).
+  POUNCE_REQUIRE(options.minibatch_rows >= 0, "fused MoE: minibatch_rows = ", options.minibatch_rows,
+                 " must not be negative (0: default)");
+  const int64_t minibatch_rows =
+      options.minibatch_rows > 0 ? options.minibatch_rows
+                                 : planner::minibatch_rows_for({.compute_sms = gemm_ctas}, config.intermediate);
+  const int64_t bpm = ceil_div(minibatch_rows, kBlockM);
+  // Ring: at least two minibatches (the tile queue's deadlock-freedom needs it) or everything.
+  const int64_t min_ring = std::min(2 * bpm, capacity_.max_m_blocks);
+  // One rank: by default the ring holds every m-block, as the unfused chain's buffers do, and nothing
+  // needs combining (in place). Otherwise the ring is bounded by ring_bytes (1 GiB when not set).
+  const int64_t budget = options.ring_bytes > 0 ? options.ring_bytes : int64_t(1) << 30;
+  const int64_t default_ring = in_place ? capacity_.max_m_blocks
+                                        : std::max(min_ring, std::min(capacity_.max_m_blocks, budget / block_bytes));
+  int64_t ring = options.ring_blocks > 0 ? options.ring_blocks : default_ring;
+  ring = std::min(ring, capacity_.max_m_blocks);
+  POUNCE_REQUIRE(ring >= min_ring, "fused MoE: ring_blocks = ", options.ring_blocks, " is below the minimum ", min_ring,
+                 " (two minibatches of ", bpm, " m-blocks)");
+  ring = std::max<int64_t>(ring, 1);
+
+  FusedParams& p = params_;
+  p.ranks = P;
+  p.first_rank = first_rank;
+  p.launch_ranks = launch_ranks;
+  p.experts = config.experts;
+  p.local_experts = config.local_experts();
+  p.topk = config.topk;
+  p.hidden = int32_t(config.hidden);
+  p.intermediate = int32_t(config.intermediate);
+  p.max_tokens = int32_t(config.max_tokens_per_rank);
+  p.chunks_per_rank = int32_t(std::max<int64_t>(1, ceil_div(config.max_tokens_per_rank, planner::kPlannerChunkTokens)));
+  p.capacity_rows = capacity_.max_padded_rows;
+  p.ctas_per_rank = ctas;
+  p.comm_ctas = comm;
+  p.engine_rows = engine_rows;
+  p.blocks_per_minibatch = int32_t(bpm);
+  p.ring_blocks = int32_t(ring);
+  p.wait_timeout_ns = options.wait_timeout_ns;
+  p.steps = counter_steps(config);
+  p.stall_rank = -1;
+  p.in_place = in_place;
+  p.error = errors_.device_sink();
+
+  // This launch's ranks' private buffers: L slices each.
+  const int L = launch_ranks;
+  const int64_t E = p.local_experts, rows = capacity_.max_padded_rows;
+  const int64_t chunks = int64_t(P) * p.chunks_per_rank;
+  chunk_counts_ = DeviceBuffer<int32_t>(L * chunks * E);
+  expert_routes_ = DeviceBuffer<int32_t>(L * E);
+  expert_offsets_ = DeviceBuffer<int32_t>(L * (E + 1));
+  row_source_rank_ = DeviceBuffer<int32_t>(L * rows);
+  row_token_ = DeviceBuffer<int32_t>(L * rows);
+  row_k_ = DeviceBuffer<int32_t>(L * rows);
+  minibatch_starts_ = DeviceBuffer<int32_t>(L * (capacity_.max_m_blocks + 2));
+  sizes_ = DeviceBuffer<planner::DeviceScheduleSizes>(L);
+  topk_tables_ = DeviceBuffer<const int32_t*>(L * P);
+  route_row_ = DeviceBuffer<int32_t>(p.in_place ? config.max_tokens_per_rank * config.topk : 0);
+  const CounterLayout layout{capacity_.max_m_blocks};
+  counters_ = DeviceBuffer<uint32_t>(L * layout.words());
+  const int64_t ring_rows = L * ring * kBlockM;
+  x_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.hidden);
+  h_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.intermediate);
+  out_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.hidden);
+  x_ring_.fill_bytes(0);  // padding rows are never written: start them at zero
+  p.x_ring = x_ring_.data();
+  p.h_ring = h_ring_.data();
+  p.out_ring = out_ring_.data();
+
+  for (int lr = 0; lr < L; ++lr) {
+    RankState& rs = p.rank_state[lr];
+    rs.rank = first_rank + lr;
+    rs.chunk_counts = chunk_counts_.data() + lr * chunks * E;
+    rs.expert_routes = expert_routes_.data() + lr * E;
+    rs.expert_offsets = expert_offsets_.data() + lr * (E + 1);
+    rs.row_source_rank = row_source_rank_.data() + lr * rows;
+    rs.row_token = row_token_.data() + lr * rows;
+    rs.row_k = row_k_.data() + lr * rows;
+    rs.minibatch_starts = minibatch_starts_.data() + lr * (capacity_.max_m_blocks + 2);
+    rs.sizes = sizes_.data() + lr;
+    rs.topk_table = topk_tables_.data() + lr * P;
+    uint32_t* c = counters_.data() + lr * layout.words();
+    rs.dispatched = c + layout.dispatched();
+    rs.gemm1_done = c + layout.gemm1_done();
+    rs.gemm2_done = c + layout.gemm2_done();
+    rs.combined = c + layout.combined();
+    rs.control = c + layout.control();
+    rs.route_row = route_row_.data();  // in place only (one rank)
+  }
+  CUDA_CHECK(cudaMemset(counters_.data(), 0, counters_.bytes()));
+
+  const uint64_t H = config.hidden, I = config.intermediate;
+  using gemm::kStoreBoxCols, gemm::kStoreBoxRows;
+  maps_.x_ring = gemm::make_bf16_tensor_map(x_ring_.data(), H, ring_rows, kBlockK, kBlockM);
+  maps_.h_ring_store = gemm::make_bf16_tensor_map(h_ring_.data(), I, ring_rows, kStoreBoxCols, kStoreBoxRows);
+  maps_.h_ring_load = gemm::make_bf16_tensor_map(h_ring_.data(), I, ring_rows, kBlockK, kBlockM);
+  maps_.out_ring_store = gemm::make_bf16_tensor_map(out_ring_.data(), H, ring_rows, kStoreBoxCols, kStoreBoxRows);
+}
+
+// After a device error on one GPU: counters start over. Across GPUs the other ranks' words are theirs
+// to clear, so a failed multi-GPU layer refuses further forwards and is rebuilt (collectively).
+void FusedLayer::reset_counters() {
+  CUDA_CHECK(cudaMemset(counters_.data(), 0, counters_.bytes()));
+  if (peer_words_.size() > 0) CUDA_CHECK(cudaMemset(peer_words_.data(), 0, peer_words_.bytes()));
+  if (window_) {
+    CUDA_CHECK(cudaMemset(params_.peers.arrivals[0], 0, config_.max_tokens_per_rank * sizeof(uint32_t)));
+    CUDA_CHECK(cudaMemset(params_.peers.start_flags[0], 0, sizeof(uint32_t)));
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());  // cleared before a forward on any stream reads them
+  params_.epoch = 0;
+}
+
+void FusedLayer::set_weights(std::span<const ExpertWeights> ranks) {
+  const int L = params_.launch_ranks;
+  POUNCE_REQUIRE(int64_t(ranks.size()) == L, "FusedMoe::set_weights: got ", ranks.size(),
+                 " ranks' weights, the layer has ", L, L == config_.ranks ? " ranks" : " rank on this GPU");
+  const uint64_t E = config_.local_experts(), H = config_.hidden, I = config_.intermediate;
+  const int64_t w13_bytes = int64_t(E * 2 * I * H * 2), w2_bytes = int64_t(E * H * I * 2);
+  FusedMaps maps = maps_;  // all or nothing: a bad rank leaves the layer's weights as they were
+  for (int lr = 0; lr < L; ++lr) {
+    const int r = params_.first_rank + lr;
+    require_device_tensor(ranks[lr].w13, w13_bytes, device_, "w13", r);
+    require_device_tensor(ranks[lr].w2, w2_bytes, device_, "w2", r);
+    maps.w13[lr] = gemm::make_bf16_tensor_map(ranks[lr].w13, H, E * 2 * I, kBlockK, kBlockN);
+    maps.w2[lr] = gemm::make_bf16_tensor_map(ranks[lr].w2, I, E * H, kBlockK, kBlockN);
+  }
+  maps_ = maps;
+  has_weights_ = true;
+}
+
+// Host-visible checks of one rank's tensors, before anything of the forward is enqueued.
+void FusedLayer::check_io(const RankIO& io, int r) const {
+  POUNCE_REQUIRE(io.tokens >= 0 && io.tokens <= config_.max_tokens_per_rank, "FusedMoe::forward: rank ", r, " has ",
+                 io.tokens, " tokens, outside [0, max_tokens_per_rank = ", config_.max_tokens_per_rank, "]");
+  const int64_t T = io.tokens, H = config_.hidden, k = config_.topk;
+  require_device_tensor(io.x, T * H * 2, device_, "x", r);
+  require_device_tensor(io.topk_ids, T * k * 4, device_, "topk_ids", r);
+  require_device_tensor(io.topk_weights, T * k * 4, device_, "topk_weights", r);
+  require_device_tensor(io.y, T * H * 2, device_, "y", r);
+}
+
+void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream) {
+  POUNCE_REQUIRE(has_weights_, "FusedMoe::forward: call set_weights first");
+  int device = -1;
+  CUDA_CHECK(cudaGetDevice(&device));
+  POUNCE_REQUIRE(device == device_, "FusedMoe::forward: the layer lives on GPU ", device_, ", the current device is ",
+                 device, " (cudaSetDevice first)");
+  POUNCE_REQUIRE(!errors_.has_error(), "FusedMoe::forward: an earlier forward reported a device error that "
+                 "check_device_errors() has not collected: ", errors_.describe());
+  POUNCE_REQUIRE(!failed_, "FusedMoe::forward: this layer failed in an earlier forward (", failed_reason_,
+                 "); across GPUs its counters cannot be reset alone: rebuild the layer on every rank");
+  const int L = params_.launch_ranks;
+  POUNCE_REQUIRE(int64_t(ranks.size()) == L, "FusedMoe::forward: got ", ranks.size(), " ranks' tensors, the layer has ",
+                 L, L == config_.ranks ? " ranks" : " rank on this GPU");
+  for (int lr = 0; lr < L; ++lr) check_io(ranks[lr], params_.first_rank + lr);
+
+  const int parity = int((params_.epoch + 1) % 2);  // of the forward about to run
+  if (window_) {
+    for (int r = 0; r < config_.ranks; ++r) {
+      params_.peers.x[r] = window_x_[parity][r];
+      params_.peers.topk_ids[r] = window_ids_[parity][r];
+      params_.peers.token_counts[r] = window_counts_[parity][r];
+    }
+  }
+  for (int lr = 0; lr < L; ++lr) {
+    const RankIO& io = ranks[lr];
+    const int r = params_.first_rank + lr;
+    RankState& rs = params_.rank_state[lr];
+    rs.tokens = int32_t(io.tokens);
+    rs.topk_weights = io.topk_weights;
+    rs.y = io.y;
+    if (window_) {  // peers read this rank's tokens from its symmetric window
+      if (io.tokens > 0) {
+        CUDA_CHECK(cudaMemcpyAsync(window_x_[parity][r], io.x, io.tokens * config_.hidden * sizeof(__nv_bfloat16),
+                                   cudaMemcpyDeviceToDevice, stream));
+        CUDA_CHECK(cudaMemcpyAsync(window_ids_[parity][r], io.topk_ids, io.tokens * config_.topk * sizeof(int32_t),
+                                   cudaMemcpyDeviceToDevice, stream));
+      }
+    } else {
+      params_.peers.x[r] = io.x;
+      params_.peers.topk_ids[r] = io.topk_ids;
+    }
+  }
+  ++params_.epoch;
+  launch_fused_moe(params_, maps_, stream);
+}
+
+int64_t FusedLayer::device_bytes() const {
+  int64_t bytes = window_bytes_;
+  for (size_t b : {chunk_counts_.bytes(), expert_routes_.bytes(), expert_offsets_.bytes(), row_source_rank_.bytes(),
+                   row_token_.bytes(), row_k_.bytes(), minibatch_starts_.bytes(), sizes_.bytes(), topk_tables_.bytes(),
+                   route_row_.bytes(), counters_.bytes(), x_ring_.bytes(), h_ring_.bytes(), out_ring_.bytes(),
+                   peer_words_.bytes(), token_counts_.bytes(), slots_.bytes()})
+    bytes += int64_t(b);
+  return bytes;
+}
+
+void FusedLayer::check_device_errors() {
+  if (!errors_.has_error()) return;
+  // The record is read before anything else: after a trap the context is gone and every CUDA call fails.
+  const std::string what = errors_.describe();
+  const cudaError_t synced = cudaDeviceSynchronize();
+  POUNCE_REQUIRE(synced == cudaSuccess, "kernel stopped: ", what, "; the CUDA context is lost (",
+                 cudaGetErrorString(synced), "): the kernel trapped after reporting");
+  if (window_ && config_.ranks > 1) {
+    failed_ = true;
+    failed_reason_ = what;
+  } else {
+    reset_counters();
+  }
+  errors_.check();
+}
+
+}  // namespace pounce::moe

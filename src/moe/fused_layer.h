@@ -1,0 +1,101 @@
+// The fused MoE layer behind pounce::FusedMoe (include/pounce/fused_moe.h): buffers, setup, and the
+// launch of one persistent kernel per forward that runs the routing planner, pull-based dispatch into a
+// fixed ring of token rows, GEMM1 + SwiGLU and GEMM2 on the compute SMs gated by per-m-block counters,
+// push-based combine into each source rank's [token, k] slots and the weighted sum, for an
+// expert-parallel group of P ranks (docs/fused_moe.md).
+//
+// Two transports, one kernel:
+//   virtual ranks: all P ranks on ONE GPU, one launch whose CTAs are partitioned by rank, each rank with
+//                  its own schedule, ring, counters and weights, talking through the same protocol and
+//                  peer pointers a multi-GPU group uses. P = 1 is the plain single-GPU layer.
+//   NCCL:          one rank per GPU (one process per GPU, or one process driving several), peers
+//                  reached through an NCCL 2.28 symmetric window's LSA (NVLink load/store) pointers.
+//
+// Weights: each rank's own E/P experts, w13 [E/P, 2I, H] (gate and up interleaved in groups of 8 rows,
+// reference::w13_row) and w2 [E/P, H, I], bf16; the kernel indexes them by local expert.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "comm/nccl_window.h"
+#include "common/device_buffer.h"
+#include "common/device_error.h"
+#include "moe/fused_kernel.h"
+#include "planner/schedule.h"
+#include "pounce/fused_moe.h"
+
+namespace pounce::moe {
+
+class FusedLayer {
+ public:
+  // Virtual ranks: all config.ranks ranks on the current GPU. Throws pounce::Error on an invalid config
+  // or options, naming the first problem.
+  FusedLayer(const EpConfig& config, const FusedMoeOptions& options);
+  // This GPU's rank of `comm` (config.ranks ranks, one per GPU). Collective: every rank constructs its
+  // layer with the same config and options (checked: a mismatch throws, naming the field and rank).
+  FusedLayer(const EpConfig& config, ncclComm_t comm, const FusedMoeOptions& options);
+  ~FusedLayer();
+
+  void set_weights(std::span<const ExpertWeights> ranks);
+  void forward(std::span<const RankIO> ranks, cudaStream_t stream);
+  void check_device_errors();
+
+  const EpConfig& config() const { return config_; }
+  int ctas_per_rank() const { return params_.ctas_per_rank; }
+  int comm_ctas() const { return params_.comm_ctas; }
+  int engine_rows() const { return params_.engine_rows; }
+  int64_t minibatch_rows() const { return int64_t(params_.blocks_per_minibatch) * kBlockM; }
+  int64_t ring_blocks() const { return params_.ring_blocks; }
+  // One rank whose ring holds every m-block: GEMM2's rows are summed where they are, no combine step.
+  bool in_place() const { return params_.in_place != 0; }
+  int64_t max_m_blocks() const { return capacity_.max_m_blocks; }
+  int ranks_on_this_gpu() const { return params_.launch_ranks; }
+  int64_t device_bytes() const;
+
+  // Fault injection for tests (moe/layer_testing.h): this rank's CTAs move no rows.
+  void stall_rank(int rank) { params_.stall_rank = rank; }
+
+ private:
+  void setup(const EpConfig& config, const FusedMoeOptions& options, int launch_ranks, int first_rank);
+  void check_io(const RankIO& io, int rank) const;
+  static void check_same_config_on_every_rank(const EpConfig& config, const FusedMoeOptions& options,
+                                              ncclComm_t comm);
+  void reset_counters();
+
+  EpConfig config_;
+  planner::Capacity capacity_;
+  FusedParams params_{};
+  FusedMaps maps_{};
+  bool has_weights_ = false;
+  DeviceErrorSlot errors_;
+  // This launch's ranks' private buffers, a slice per rank.
+  DeviceBuffer<int32_t> chunk_counts_, expert_routes_, expert_offsets_, row_source_rank_, row_token_, row_k_,
+      minibatch_starts_;
+  DeviceBuffer<planner::DeviceScheduleSizes> sizes_;
+  DeviceBuffer<const int32_t*> topk_tables_;
+  DeviceBuffer<int32_t> route_row_;  // in place: [T_max, k] ring row of every route
+  DeviceBuffer<uint32_t> counters_;  // dispatched, gemm1_done, gemm2_done, combined, control
+  DeviceBuffer<__nv_bfloat16> x_ring_, h_ring_, out_ring_;
+  // Symmetric buffers: virtual ranks keep them here; the NCCL transport in its window.
+  DeviceBuffer<uint32_t> peer_words_;  // per rank: arrivals [T_max], start flags [P]
+  DeviceBuffer<int32_t> token_counts_;
+  DeviceBuffer<__nv_bfloat16> slots_;
+  int64_t slot_elems_ = 0;  // per rank: combine slots [T_max, k, H]; 0 in place (setup)
+  std::unique_ptr<comm::NcclWindow> window_;
+  int64_t window_bytes_ = 0;
+  __nv_bfloat16* window_x_[2][kMaxRanks] = {};  // [forward parity][rank]
+  int32_t* window_ids_[2][kMaxRanks] = {};
+  int32_t* window_counts_[2][kMaxRanks] = {};
+  int device_ = -1;      // the GPU the layer's buffers live on
+  bool failed_ = false;  // NCCL, P > 1: a device error ended this layer
+  std::string failed_reason_;
+};
+
+}  // namespace pounce::moe
