@@ -6,6 +6,12 @@
 
 namespace pounce {
 
+// What the fused layer supports; check_config() names the first limit a config breaks.
+inline constexpr int kMaxRanks = 8;                                 // one NVLink node
+inline constexpr int kMaxLocalExperts = 1024;                       // experts per rank
+inline constexpr int64_t kMaxHidden = 65536;                        // and intermediate; both multiples of 64
+inline constexpr int64_t kMaxTokensPerRank = (int64_t(1) << 24) - 1;
+
 struct EpConfig {
   int ranks = 1;                    // P, the expert-parallel group size (1 to 8)
   int experts = 0;                  // E, global; rank r owns experts [r E/P, (r+1) E/P)
@@ -17,5 +23,10 @@ struct EpConfig {
   int local_experts() const { return experts / ranks; }
   int first_local_expert(int rank) const { return rank * local_experts(); }
 };
+
+// Throws pounce::Error naming the first problem: ranks outside [1, kMaxRanks], experts not divisible by
+// ranks or more than kMaxLocalExperts per rank, topk outside [1, experts], hidden or intermediate not a
+// positive multiple of 64 or above kMaxHidden, max_tokens_per_rank outside [0, kMaxTokensPerRank].
+void check_config(const EpConfig& config);
 
 }  // namespace pounce

@@ -8,10 +8,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "pounce/config.h"
+
 namespace pounce::comm {
 
 struct PeerTable {
-  static constexpr int kMaxRanks = 8;  // one NVLink node
+  static constexpr int kMaxRanks = pounce::kMaxRanks;
   int32_t ranks = 0;
   int32_t rank = 0;    // this rank
   size_t bytes = 0;    // of each rank's symmetric buffer

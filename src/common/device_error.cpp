@@ -40,10 +40,53 @@ static const char* role_name(uint32_t role) {
   return "unknown role";
 }
 
+// What a user should check when a wait gave up, in their words; the counter details follow it.
+static std::string likely_cause(const DeviceErrorRecord& r) {
+  std::ostringstream out;
+  switch (WaitTarget(r.target)) {
+    case WaitTarget::kStartFlag:
+      out << "rank " << r.index << " never started this forward: check that every rank calls forward() once per "
+          << "step, on layers built with the same config, and that no rank has exited or failed";
+      break;
+    case WaitTarget::kTokenArrivals:
+      out << "rank " << r.rank << " waited for the expert outputs of its token " << r.index
+          << ", which never all came back: a rank holding one of its experts stalled or failed in this forward";
+      break;
+    case WaitTarget::kMBlockReady:
+      out << "rank " << r.rank << "'s experts waited for token rows that never arrived: a source rank, or this "
+          << "rank's communication CTAs, stalled or failed in this forward";
+      break;
+    case WaitTarget::kRingSlotFree:
+    case WaitTarget::kGemm1Done:
+    case WaitTarget::kGemm2Done:
+      out << "rank " << r.rank << "'s pipeline stopped moving (its communication or GEMM CTAs stalled): a kernel "
+          << "fault, or CTAs that never ran";
+      break;
+    case WaitTarget::kRankBarrier:
+      out << "not every CTA of rank " << r.rank << " reached a barrier: the forward's CTAs were not all running "
+          << "(another kernel holding SMs?) or one of them failed";
+      break;
+    case WaitTarget::kStageFull:
+    case WaitTarget::kStageEmpty:
+    case WaitTarget::kTileInfo:
+    case WaitTarget::kTileInfoFree:
+    case WaitTarget::kCopyLanded:
+      out << "a copy or GEMM pipeline inside one CTA of rank " << r.rank << " stopped (a faulting TMA or bulk "
+          << "copy: check that the weights and tensors are valid device memory of the layer's GPU)";
+      break;
+    default:
+      return "";
+  }
+  out << " [wait timeout: " << r.waited_ns / 1000000.0 << " ms; raise FusedMoeOptions::wait_timeout_ns only if "
+      << "ranks legitimately start far apart]. Details: ";
+  return out.str();
+}
+
 std::string DeviceErrorSlot::describe() const {
   if (!has_error()) return "";
   const DeviceErrorRecord r = *host_;
   std::ostringstream out;
+  if (DeviceErrorCode(r.code) == DeviceErrorCode::kWaitTimeout) out << likely_cause(r);
   out << "rank " << r.rank << ", " << role_name(r.role) << ", CTA " << r.block << ": ";
   switch (WaitTarget(r.target)) {
     case WaitTarget::kMBlockReady:

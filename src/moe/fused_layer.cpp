@@ -66,6 +66,8 @@ FusedLayer::FusedLayer(const EpConfig& config, const FusedMoeOptions& options) :
 
 FusedLayer::FusedLayer(const EpConfig& config, ncclComm_t comm, const FusedMoeOptions& options)
     : config_(config) {
+  check_config(config);
+  POUNCE_REQUIRE(comm != nullptr, "fused MoE: the NCCL communicator is null");
   int rank = 0, ranks = 0;
   NCCL_CHECK(ncclCommUserRank(comm, &rank));
   NCCL_CHECK(ncclCommCount(comm, &ranks));
@@ -129,15 +131,10 @@ void FusedLayer::check_same_config_on_every_rank(const EpConfig& c, const FusedM
 
 void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, int launch_ranks,
                      int first_rank) {
+  check_config(config);
   CUDA_CHECK(cudaGetDevice(&device_));
-  capacity_ = planner::worst_case_capacity(config);  // validates the config
+  capacity_ = planner::worst_case_capacity(config);
   const int P = config.ranks;
-  POUNCE_REQUIRE(P <= kMaxRanks, "fused MoE: ", P, " ranks; at most ", kMaxRanks, " (one NVLink node)");
-  POUNCE_REQUIRE(config.local_experts() <= planner::kPlannerMaxLocalExperts, "fused MoE: ", config.local_experts(),
-                 " local experts per rank; at most ", planner::kPlannerMaxLocalExperts);
-  POUNCE_REQUIRE(config.hidden <= 65536 && config.intermediate <= 65536 && config.max_tokens_per_rank < (1 << 24),
-                 "fused MoE: hidden ", config.hidden, ", intermediate ", config.intermediate, " or max tokens ",
-                 config.max_tokens_per_rank, " too large");
   POUNCE_REQUIRE(gpu_is_hopper(), "fused MoE needs a Hopper GPU (sm_90a); this one is ",
                  gpu_info().present ? gpu_info().name : gpu_info().why_absent);
 

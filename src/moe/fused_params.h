@@ -18,7 +18,6 @@
 
 namespace pounce::moe {
 
-inline constexpr int kMaxRanks = 8;
 // The opening (moe/comm_role.cuh) pulls m-blocks in pieces; dispatched[b] counts pieces, so a whole
 // D(b) item counts kPiecesPerBlock.
 inline constexpr int kPiecesPerBlock = 8;

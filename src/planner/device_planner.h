@@ -21,7 +21,7 @@ namespace pounce::planner {
 // Tokens per planner chunk: one warp places a chunk's routes in order, so smaller chunks mean more warps
 // in parallel (64: 128 warps for 8192 tokens).
 inline constexpr int kPlannerChunkTokens = 64;
-inline constexpr int kPlannerMaxLocalExperts = 1024;    // local experts per rank the planner supports
+inline constexpr int kPlannerMaxLocalExperts = kMaxLocalExperts;  // bounds its shared-memory tables
 
 // Sizes of the schedule the last plan() produced, in device memory (read them there, or copy back).
 struct DeviceScheduleSizes {

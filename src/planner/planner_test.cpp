@@ -51,8 +51,14 @@ TEST(WaveModel, RejectsBadArguments) {
   WaveModel m{.compute_sms = 0};
   EXPECT_THAT(error_message([&] { min_minibatch_rows(m, 2048); }), HasSubstr("compute_sms = 0"));
   m.compute_sms = 100;
-  m.block_n = 192;
-  EXPECT_THAT(error_message([&] { min_minibatch_rows(m, 2048); }), HasSubstr("does not divide"));
+  EXPECT_THAT(error_message([&] { min_minibatch_rows(m, 0); }), HasSubstr("intermediate = 0"));
+}
+
+TEST(WaveModel, CountsAPartialLastTile) {
+  // Intermediate 320: GEMM1's N = 640 is 2.5 tiles of 256, so 3 tiles per row block.
+  WaveModel m{.compute_sms = 132, .block_m = 128, .block_n = 256, .waves = 2};
+  EXPECT_EQ(min_minibatch_rows(m, 320), 11264);  // 2*132*128/3
+  EXPECT_EQ(minibatch_rows_for(m, 320), 11264);  // 88 m-blocks
 }
 
 TEST(Config, RejectsByName) {
@@ -65,6 +71,42 @@ TEST(Config, RejectsByName) {
   c.intermediate = 96;
   EXPECT_THAT(error_message([&] { validate_config(c); }), HasSubstr("intermediate = 96 is not supported"));
   EXPECT_NO_THROW(validate_config(small_config(8, 256, 8, 8192)));
+}
+
+// The fused layer's documented limits (README, include/pounce/config.h), each named when broken, and the
+// largest config inside every limit accepted.
+TEST(Config, FusedLayerLimitsAreNamed) {
+  const auto rejects = [](EpConfig c, const std::string& needle) {
+    EXPECT_THAT(error_message([&] { check_config(c); }), HasSubstr(needle));
+  };
+  const EpConfig ok = small_config(8, 8 * kMaxLocalExperts, 8, 4096);
+  EXPECT_NO_THROW(check_config(ok));
+  auto c = ok;
+  c.ranks = 9, c.experts = 9 * 16;
+  rejects(c, "ranks = 9 is not supported: 1 to 8 ranks");
+  c = ok, c.ranks = 0;
+  rejects(c, "ranks = 0 is not supported");
+  c = ok, c.experts = 8 * (kMaxLocalExperts + 1);
+  rejects(c, "1025 experts per rank (experts = 8200 over ranks = 8) is above the limit of 1024");
+  c = ok, c.experts = 12;
+  rejects(c, "experts = 12 is not divisible by ranks = 8");
+  c = ok, c.topk = 0;
+  rejects(c, "topk = 0 must lie in [1, experts");
+  c = ok, c.hidden = kMaxHidden + 64;
+  rejects(c, "hidden = 65600 is above the limit of 65536");
+  c = ok, c.hidden = 7000;
+  rejects(c, "hidden = 7000 is not supported: it must be a positive multiple of 64");
+  c = ok, c.intermediate = kMaxHidden + 64;
+  rejects(c, "intermediate = 65600 is above the limit of 65536");
+  c = ok, c.intermediate = 0;
+  rejects(c, "intermediate = 0 is not supported");
+  c = ok, c.max_tokens_per_rank = kMaxTokensPerRank + 1;
+  rejects(c, "max_tokens_per_rank = 16777216 is above the limit of 16777215");
+  c = ok, c.max_tokens_per_rank = -1;
+  rejects(c, "max_tokens_per_rank = -1 is negative");
+  // Inside every limit but more routed rows than int32 row indices hold: 8 ranks x 2^24 tokens x top-32.
+  c = small_config(8, 8 * 64, 32, kMaxTokensPerRank);
+  rejects(c, "do not fit int32 row indices");
 }
 
 TEST(Routing, RejectsByName) {

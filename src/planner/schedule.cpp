@@ -22,6 +22,29 @@ void validate_config(const EpConfig& c) {
                  " is negative");
 }
 
+}  // namespace pounce::planner
+
+namespace pounce {
+
+void check_config(const EpConfig& c) {
+  POUNCE_REQUIRE(c.ranks >= 1 && c.ranks <= kMaxRanks, "EP config: ranks = ", c.ranks, " is not supported: 1 to ",
+                 kMaxRanks, " ranks (one NVLink node)");
+  planner::validate_config(c);
+  POUNCE_REQUIRE(c.local_experts() <= kMaxLocalExperts, "EP config: ", c.local_experts(),
+                 " experts per rank (experts = ", c.experts, " over ranks = ", c.ranks, ") is above the limit of ",
+                 kMaxLocalExperts);
+  POUNCE_REQUIRE(c.hidden <= kMaxHidden, "EP config: hidden = ", c.hidden, " is above the limit of ", kMaxHidden);
+  POUNCE_REQUIRE(c.intermediate <= kMaxHidden, "EP config: intermediate = ", c.intermediate, " is above the limit of ",
+                 kMaxHidden);
+  POUNCE_REQUIRE(c.max_tokens_per_rank <= kMaxTokensPerRank, "EP config: max_tokens_per_rank = ",
+                 c.max_tokens_per_rank, " is above the limit of ", kMaxTokensPerRank);
+  planner::worst_case_capacity(c);  // the routed rows must fit int32 row indices
+}
+
+}  // namespace pounce
+
+namespace pounce::planner {
+
 void validate_routing(const EpConfig& c, int rank, std::span<const int32_t> topk_ids, int64_t tokens) {
   POUNCE_REQUIRE(tokens >= 0 && tokens <= c.max_tokens_per_rank, "rank ", rank, " has ", tokens,
                  " tokens, outside [0, max_tokens_per_rank = ", c.max_tokens_per_rank, "]");

@@ -8,10 +8,9 @@ int64_t min_minibatch_rows(const WaveModel& m, int64_t intermediate) {
   POUNCE_REQUIRE(m.compute_sms > 0 && m.block_m > 0 && m.block_n > 0 && m.waves > 0,
                  "wave model: compute_sms = ", m.compute_sms, ", block_m = ", m.block_m, ", block_n = ", m.block_n,
                  ", waves = ", m.waves, " must all be positive");
-  const int64_t n_gemm1 = 2 * intermediate;
-  POUNCE_REQUIRE(intermediate > 0 && n_gemm1 % m.block_n == 0, "wave model: block_n = ", m.block_n,
-                 " does not divide GEMM1's N = 2 * intermediate = ", n_gemm1);
-  const int64_t tiles_per_row_block = n_gemm1 / m.block_n;
+  POUNCE_REQUIRE(intermediate > 0, "wave model: intermediate = ", intermediate, " must be positive");
+  // A partial last n-block is a tile too: GEMM1's N = 2 * intermediate need not be a multiple of block_n.
+  const int64_t tiles_per_row_block = (2 * intermediate + m.block_n - 1) / m.block_n;
   const int64_t numerator = int64_t(m.waves) * m.compute_sms * m.block_m;
   return (numerator + tiles_per_row_block - 1) / tiles_per_row_block;
 }

@@ -1,23 +1,26 @@
-// Minibatch sizing by GEMM waves (DESIGN.md §1.3). A minibatch must hold enough routed rows that the
+// Minibatch sizing by GEMM waves (docs/design.md). A minibatch must hold enough routed rows that the
 // first GEMM of the expert FFN gives every compute SM at least `waves` tiles:
-//   rows >= waves * compute_sms * block_m / tiles_per_row_block,   tiles_per_row_block = n_gemm1 / block_n
+//   rows >= waves * compute_sms * block_m / tiles_per_row_block,   tiles_per_row_block = ceil(n_gemm1 / block_n)
 // with n_gemm1 = 2 * intermediate (gate and up). Fewer rows leave SMs idle in the GEMM's tail; many
-// more rows delay the first tile (it waits for the whole minibatch to be dispatched).
+// more rows delay the first tile (it waits for the whole minibatch to be dispatched). The fused layer's
+// default minibatch is minibatch_rows_for() its GEMM CTAs.
 #pragma once
 
 #include <cstdint>
+
+#include "common/tiles.h"
 
 namespace pounce::planner {
 
 struct WaveModel {
   int compute_sms = 0;
-  int block_m = 128;
-  int block_n = 256;
+  int block_m = kBlockM;
+  int block_n = kBlockN;
   int waves = 2;
 };
 
 // Minimum minibatch rows for GEMM1 with N = 2 * intermediate. Throws pounce::Error on non-positive
-// arguments or when block_n does not divide 2 * intermediate.
+// arguments.
 int64_t min_minibatch_rows(const WaveModel& model, int64_t intermediate);
 
 // min_minibatch_rows rounded up to whole m-blocks of model.block_m rows.
