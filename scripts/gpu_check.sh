@@ -7,8 +7,8 @@
 #   --sanitize  also run small grouped-GEMM, unfused, fused-layer and planner tests under compute-sanitizer
 #               (memcheck, racecheck, synccheck)
 #   --prebuilt  use build/pounce_tests_gpu, pounce_bench, pounce_ep_bench, pounce_copy_bench and
-#               pounce_dispatch_bench built on the workstation (carried to the device) instead of
-#               building here: saves the build's minutes
+#               pounce_dispatch_bench built beforehand (here or on another machine with the same
+#               toolkit and NCCL, then copied into build/) instead of building: saves the build's minutes
 # The commit recorded in the JSON is $POUNCE_COMMIT, else `git rev-parse HEAD`.
 set -uo pipefail
 

@@ -6,7 +6,7 @@ usage: summarize_results.py BENCH.json [TORCH.json]
 Each rate is also given as a fraction of the cuBLAS 8192^3 BF16 GEMM timed interleaved with the same
 comparison ("of dense"): under sustained load the H200 runs at its power cap with lowered clocks, so a
 ceiling measured on a cool GPU at the start of the run overstates what any kernel can sustain.
-PyTorch's numbers come from a later phase of the same device call. Two bridges compare them with
+PyTorch's numbers come from a later phase of the same run. Two bridges compare them with
 pounce's without comparing raw TFLOP/s across phases: each process's fraction of its own interleaved
 dense GEMM, and each process's speedup over the same per-expert cuBLAS loop timed interleaved with it.
 """

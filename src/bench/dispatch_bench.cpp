@@ -1,4 +1,4 @@
-// pounce_dispatch_bench: dispatch only, pull against push (issue #4; moe/dispatch_probe.h). The
+// pounce_dispatch_bench: dispatch only, pull against push (docs/dispatch_probe.md; moe/dispatch_probe.h). The
 // DeepSeek-V3 slice (H 7168, top-8, 8192 tokens per rank, 256 experts split over the ranks), uniform
 // routing: how long after a synchronized start each rank's first m-block is in its ring (when the first
 // expert tile could start), and when every m-block is. Virtual ranks P = 1, 2, 4, 8 on GPU 0, then one

@@ -1,4 +1,4 @@
-// The benchmark's shape catalogue: public model configs (DESIGN.md §8) and the one-GPU slice each is
+// The benchmark's shape catalogue: public model configs (docs/design.md §10) and the one-GPU slice each is
 // measured at. The slice keeps the per-rank load of expert parallelism over 8 GPUs: E/8 local experts
 // and 8192 tokens give the same rows per expert as EP8 with 8192 tokens per rank.
 #pragma once

@@ -1,4 +1,4 @@
-// Dispatch-only probe (issue #4): how long after a synchronized start the first expert tile of each rank
+// Dispatch-only probe (docs/dispatch_probe.md): how long after a synchronized start the first expert tile of each rank
 // could begin, when rows move by PULL (the fused kernel's way) or by PUSH. Not a production path: it
 // moves the first R m-blocks of every rank's schedule into that rank's ring with the fused layer's row
 // mover (moe/row_mover.cuh: 384-thread CTAs, the bulk-copy engine beside the warps' 16-byte copies) and

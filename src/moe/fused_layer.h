@@ -2,7 +2,7 @@
 // launch of one persistent kernel per forward that runs the routing planner, pull-based dispatch into a
 // fixed ring of token rows, GEMM1 + SwiGLU and GEMM2 on the compute SMs gated by per-m-block counters,
 // push-based combine into each source rank's [token, k] slots and the weighted sum, for an
-// expert-parallel group of P ranks (docs/fused_moe.md).
+// expert-parallel group of P ranks (docs/design.md §3, §4; docs/fused_moe.md).
 //
 // Two transports, one kernel:
 //   virtual ranks: all P ranks on ONE GPU, one launch whose CTAs are partitioned by rank, each rank with

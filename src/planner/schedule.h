@@ -1,5 +1,5 @@
 // Routing planner: from every rank's topk_ids, the schedule of routes one rank's local experts will
-// process (DESIGN.md §3 step 1). Host reference now; the device planner must reproduce it bit for bit.
+// process (docs/design.md §4 step 2). Host reference now; the device planner must reproduce it bit for bit.
 //
 // Layout of one rank's schedule ("routed rows"):
 //   routes to the rank's local experts, sorted by (local expert, source rank, token, k);

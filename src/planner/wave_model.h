@@ -1,4 +1,4 @@
-// Minibatch sizing by GEMM waves (docs/design.md). A minibatch must hold enough routed rows that the
+// Minibatch sizing by GEMM waves (docs/design.md §3.4). A minibatch must hold enough routed rows that the
 // first GEMM of the expert FFN gives every compute SM at least `waves` tiles:
 //   rows >= waves * compute_sms * block_m / tiles_per_row_block,   tiles_per_row_block = ceil(n_gemm1 / block_n)
 // with n_gemm1 = 2 * intermediate (gate and up). Fewer rows leave SMs idle in the GEMM's tail; many
