@@ -77,7 +77,7 @@ static std::string likely_cause(const DeviceErrorRecord& r) {
     default:
       return "";
   }
-  out << " [wait timeout: " << r.waited_ns / 1000000.0 << " ms; raise FusedMoeOptions::wait_timeout_ns only if "
+  out << " [wait timeout: " << r.waited_ns / 1000000.0 << " ms; raise the wait timeout only if "
       << "ranks legitimately start far apart]. Details: ";
   return out.str();
 }

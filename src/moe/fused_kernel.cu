@@ -27,6 +27,9 @@ namespace steps = planner::steps;
 constexpr int kThreads = gemm::pipeline::kThreads;
 constexpr int kWarps = kThreads / 32;
 static_assert(sizeof(CommShared) + 1024 <= gemm::pipeline::kSharedBytes, "comm CTA state exceeds shared memory");
+// The parameters pass by value (__grid_constant__): above the classic 4 KB, within the 32764 bytes
+// CUDA 12.1+ allows every architecture.
+static_assert(sizeof(FusedParams) + sizeof(FusedMaps) <= 32764, "kernel parameters exceed the launch limit");
 
 // The planner's shared tables, carved out of the dynamic shared memory before any role uses it.
 struct PlannerShared {
