@@ -6,9 +6,9 @@
 #   --quick     benchmarks at the default shape only (uniform routing), no PyTorch eager sweep
 #   --sanitize  also run small grouped-GEMM, unfused, fused-layer and planner tests under compute-sanitizer
 #               (memcheck, racecheck, synccheck)
-#   --prebuilt  use build/pounce_tests_gpu, pounce_bench, pounce_ep_bench, pounce_copy_bench and
-#               pounce_dispatch_bench built beforehand (here or on another machine with the same
-#               toolkit and NCCL, then copied into build/) instead of building: saves the build's minutes
+#   --prebuilt  use the binaries and libpounce.so in build/bin, built beforehand (here or on another
+#               machine with the same toolkit, then copied into build/bin) instead of building: saves the
+#               build's minutes
 # The commit recorded in the JSON is $POUNCE_COMMIT, else `git rev-parse HEAD`.
 set -uo pipefail
 
@@ -45,15 +45,15 @@ else
   echo "build ok ($(grep -c 'bytes spill' "$out/build.log") ptxas reports, $(grep 'bytes spill' "$out/build.log" | grep -vc ' 0 bytes spill stores, 0 bytes spill loads') with spills)"
 fi
 [ -n "$nccl_root" ] && export LD_LIBRARY_PATH="$nccl_root/lib:${LD_LIBRARY_PATH:-}"
+bin=$build/bin
 
+# The GPU suite, then the experiments' tests (their CPU half runs in CI too).
 status=0
-if [ $prebuilt = 1 ]; then
-  timeout 600 "$build/pounce_tests_gpu" > "$out/gpu-tests.log" 2>&1 || status=1
-  grep -E "^\[  PASSED|^\[  FAILED|tests ran" "$out/gpu-tests.log"
-else
-  ctest --test-dir "$build" -L gpu --output-on-failure --timeout 300 > "$out/gpu-tests.log" 2>&1 || status=1
-  grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(SEGFAULT\)|Exception" "$out/gpu-tests.log"
-fi
+for suite in pounce_tests_gpu pounce_experiment_tests; do
+  timeout 600 "$bin/$suite" > "$out/$suite.log" 2>&1 || status=1
+  echo "$suite: $(grep -E '^\[  PASSED|^\[  FAILED  \] [0-9]+ test' "$out/$suite.log" | tr '\n' ' ')"
+  grep -E '^\[  FAILED  \] [A-Za-z]' "$out/$suite.log" || true
+done
 
 if [ $sanitize = 1 ]; then
   # The grouped GEMM and unfused chain under all three tools; small fused-layer and device-planner cases
@@ -66,7 +66,7 @@ if [ $sanitize = 1 ]; then
     filter="$gemm:$fused"
     [ $tool = racecheck ] && filter="$gemm:VirtualRanks/FusedMoeTest.*/P1_T300*:DevicePlanner.*"
     echo "== compute-sanitizer --tool $tool --gtest_filter=$filter" >> "$out/sanitizer.log"
-    timeout 240 compute-sanitizer --tool $tool --error-exitcode 1 "$build/pounce_tests_gpu" --gtest_filter="$filter" \
+    timeout 240 compute-sanitizer --tool $tool --error-exitcode 1 "$bin/pounce_tests_gpu" --gtest_filter="$filter" \
       >> "$out/sanitizer.log" 2>&1 && echo "sanitizer $tool: clean" || { echo "sanitizer $tool: FAILED"; status=1; }
   done
 fi
@@ -76,20 +76,20 @@ fi
 nvidia-smi dmon -s pcu -d 1 > "$out/dmon.log" 2>&1 &
 dmon=$!
 if [ $quick = 1 ]; then
-  timeout 400 "$build/pounce_bench" --sweeps --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 || status=1
+  timeout 400 "$bin/pounce_bench" --sweeps --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 || status=1
 else
-  timeout 400 "$build/pounce_bench" --shapes all --sweeps --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 || status=1
-  timeout 300 "$build/pounce_bench" --shapes all --routing zipf --reps 10 --json "$out/bench-zipf.json" >> "$out/bench.log" 2>&1 || status=1
+  timeout 400 "$bin/pounce_bench" --shapes all --sweeps --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 || status=1
+  timeout 300 "$bin/pounce_bench" --shapes all --routing zipf --reps 10 --json "$out/bench-zipf.json" >> "$out/bench.log" 2>&1 || status=1
 fi
 sed -n '/^shape /,$p' "$out/bench.log"
 # The row movers (GB/s per comm CTA) and the dispatch-only pull-versus-push probe (virtual ranks on
 # GPU 0, and across GPUs over NCCL when there are several).
-timeout 120 "$build/pounce_copy_bench" --json "$out/copy.json" > "$out/copy.log" 2>&1 || status=1
-timeout 300 "$build/pounce_dispatch_bench" --json "$out/dispatch.json" > "$out/dispatch.log" 2>&1 || status=1
+timeout 120 "$bin/pounce_copy_bench" --json "$out/copy.json" > "$out/copy.log" 2>&1 || status=1
+timeout 300 "$bin/pounce_dispatch_bench" --json "$out/dispatch.json" > "$out/dispatch.log" 2>&1 || status=1
 cat "$out/dispatch.log"
 # Expert parallelism across GPUs, when the machine has several.
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  timeout 300 "$build/pounce_ep_bench" --json "$out/ep.json" > "$out/ep.log" 2>&1 || status=1
+  timeout 300 "$bin/pounce_ep_bench" --json "$out/ep.json" > "$out/ep.log" 2>&1 || status=1
   cat "$out/ep.log"
 fi
 echo "== PyTorch baselines" >> "$out/bench.log"

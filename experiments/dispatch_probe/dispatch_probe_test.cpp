@@ -12,7 +12,7 @@
 #include "comm/nccl_window.h"
 #include "common/gpu.h"
 #include "common/testing.h"
-#include "moe/dispatch_probe.h"
+#include "dispatch_probe/dispatch_probe.h"
 #include "moe/fused_params.h"
 #include "reference/synthetic_routing.h"
 

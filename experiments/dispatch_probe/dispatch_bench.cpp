@@ -25,7 +25,7 @@
 #include "comm/gpu_threads.h"
 #include "comm/nccl_window.h"
 #include "common/gpu.h"
-#include "moe/dispatch_probe.h"
+#include "dispatch_probe/dispatch_probe.h"
 #include "moe/fused_params.h"
 #include "reference/synthetic_routing.h"
 

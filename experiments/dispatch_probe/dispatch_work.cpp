@@ -1,4 +1,4 @@
-#include "moe/dispatch_work.h"
+#include "dispatch_probe/dispatch_work.h"
 
 #include <algorithm>
 

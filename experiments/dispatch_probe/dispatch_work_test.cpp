@@ -7,7 +7,7 @@
 #include <map>
 
 #include "common/testing.h"
-#include "moe/dispatch_work.h"
+#include "dispatch_probe/dispatch_work.h"
 #include "reference/synthetic_routing.h"
 
 namespace pounce::moe {

@@ -1,6 +1,6 @@
 // The dispatch probe's kernel and its host side (moe/dispatch_probe.h). Per rank of the launch:
 // comm_ctas row-moving CTAs, then one tile-gate CTA whose first thread does the timing.
-#include "moe/dispatch_probe.h"
+#include "dispatch_probe/dispatch_probe.h"
 
 #include <algorithm>
 #include <string>

@@ -33,7 +33,7 @@
 #include "comm/nccl_window.h"
 #include "common/device_buffer.h"
 #include "common/device_error.h"
-#include "moe/dispatch_work.h"
+#include "dispatch_probe/dispatch_work.h"
 #include "planner/schedule.h"
 
 namespace pounce::moe {
