@@ -3,14 +3,17 @@
 
 #include <cuda_runtime.h>
 
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
-#include "bench/json.h"
 #include "bench/shapes.h"
 #include "bench/timing.h"
 
 namespace pounce::bench {
+
+// Results keep their fields in the order written (summaries and diffs read better that way).
+using Json = nlohmann::ordered_json;
 
 struct Options {
   std::string shapes;
@@ -31,7 +34,11 @@ struct Row {
 };
 
 void print_table(const std::vector<Row>& rows);
-Json timing_json(const Timing& t);
+
+// nlohmann's hook for Timing (found by argument-dependent lookup: `j["timing"] = timing`).
+inline void to_json(Json& j, const Timing& t) {
+  j = {{"median_ms", t.median_ms}, {"p10_ms", t.p10_ms}, {"p90_ms", t.p90_ms}, {"min_ms", t.min_ms}, {"reps", t.reps}};
+}
 
 // Times every MoE forward implementation (and, with options.gemms, each GEMM alone) at one shape;
 // appends table rows and returns the shape's JSON.

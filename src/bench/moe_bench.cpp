@@ -55,13 +55,8 @@ Json compare(const std::string& shape, const std::string& what, double flops, co
     const Timing& t = timings[i];
     const double tflops = (c.flops > 0 ? c.flops : flops) / (t.median_ms * 1e-3) / 1e12;
     rows.push_back({shape, what, c.impl, t.median_ms, tflops, tflops / dense_tflops, 0});
-    Json j = Json::object();
-    j["what"] = what;
-    j["impl"] = c.impl;
-    j["timing"] = timing_json(t);
-    j["tflops"] = tflops;
-    j["fraction_of_dense_bf16"] = tflops / dense_tflops;
-    out.push_back(j);
+    out.push_back({{"what", what}, {"impl", c.impl}, {"timing", t}, {"tflops", tflops},
+                   {"fraction_of_dense_bf16", tflops / dense_tflops}});
   }
   // Speedups among the implementations of the step; reference rows (own flops) get none.
   double slowest = 0;
@@ -118,21 +113,10 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     layer.forward(std::span(&io, 1), stream);
   };
 
-  Json result = Json::object();
-  result["shape"] = s.name;
-  result["hidden"] = H;
-  result["intermediate"] = I;
-  result["model_experts"] = s.model_experts;
-  result["local_experts"] = E;
-  result["tokens"] = T;
-  result["topk"] = k;
-  result["routing"] = o.routing;
-  result["routes"] = plan.routes;
-  result["padded_rows"] = plan.padded_rows;
-  Json sizes = Json::array();
-  for (int32_t r : plan.expert_routes) sizes.push_back(r);
-  result["expert_routes"] = sizes;
-  result["forward_flops"] = s.forward_flops();
+  Json result = {{"shape", s.name}, {"hidden", H}, {"intermediate", I}, {"model_experts", s.model_experts},
+                 {"local_experts", E}, {"tokens", T}, {"topk", k}, {"routing", o.routing}, {"routes", plan.routes},
+                 {"padded_rows", plan.padded_rows}, {"expert_routes", plan.expert_routes},
+                 {"forward_flops", s.forward_flops()}};
 
   // Same inputs through both chains once: their outputs must agree before their times mean anything.
   cublas.forward(x[0].data(), d_weights.data(), y_cublas.data(), GemmCalls::kGroupedBatched, stream);
@@ -174,12 +158,9 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   forward.push_back({"pounce_fused", [&](int rep) { fused_forward(fused, rep % kSets, y_fused.data()); }});
   forward.push_back(dense_reference);
   result["forward"] = compare(s.name, "forward", s.forward_flops(), forward, o, dense_tflops, table, stream);
-  result["fused_config"] = Json::object();
-  result["fused_config"]["comm_ctas"] = fused.comm_ctas();
-  result["fused_config"]["engine_rows"] = fused.engine_rows();
-  result["fused_config"]["ctas_per_rank"] = fused.ctas_per_rank();
-  result["fused_config"]["minibatch_rows"] = fused.minibatch_rows();
-  result["fused_config"]["ring_blocks"] = fused.ring_blocks();
+  result["fused_config"] = {{"comm_ctas", fused.comm_ctas()}, {"engine_rows", fused.engine_rows()},
+                            {"ctas_per_rank", fused.ctas_per_rank()}, {"minibatch_rows", fused.minibatch_rows()},
+                            {"ring_blocks", fused.ring_blocks()}};
 
   if (o.sweeps) {
     // Each setting is its own layer on the same inputs, timed interleaved with the others and the default.
@@ -216,14 +197,9 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       Json configs = Json::array();
       for (size_t i = 0; i < layers.size(); ++i) {
         layers[i]->check_device_errors();
-        Json c = Json::object();
-        c["impl"] = settings[i].first;
-        c["minibatch_rows"] = layers[i]->minibatch_rows();
-        c["comm_ctas"] = layers[i]->comm_ctas();
-        c["engine_rows"] = layers[i]->engine_rows();
-        c["ring_blocks"] = layers[i]->ring_blocks();
-        c["ctas_per_rank"] = layers[i]->ctas_per_rank();
-        configs.push_back(c);
+        configs.push_back({{"impl", settings[i].first}, {"minibatch_rows", layers[i]->minibatch_rows()},
+                           {"comm_ctas", layers[i]->comm_ctas()}, {"engine_rows", layers[i]->engine_rows()},
+                           {"ring_blocks", layers[i]->ring_blocks()}, {"ctas_per_rank", layers[i]->ctas_per_rank()}});
       }
       j["layers"] = configs;
       return j;
