@@ -148,35 +148,51 @@ int run_gpu(const Options& o) {
                      {"dense_fp8_fast_accum_8192_tflops", fp8_fast.rate},
                      {"hbm_copy_4GiB_gbps", copy.rate}};
 
-  std::vector<Row> table;
+  Report report;
   Json shapes = Json::array();
-  for (const MoeModelShape& s : select_shapes(o.shapes)) shapes.push_back(bench_shape(s, o, bf16.rate, table, stream));
+  for (const MoeModelShape& s : select_shapes(o.shapes)) shapes.push_back(bench_shape(s, o, bf16.rate, report, stream));
   doc["shapes"] = shapes;
-  print_table(table);
+  doc["check_tolerances"] = {{"relative_l2", kMaxRelativeL2}, {"worst_token", kMaxWorstToken}};
+  doc["check_failures"] = report.failures;
+  print_table(report.table);
   CUDA_CHECK(cudaStreamDestroy(stream));
 
   if (!o.json_path.empty()) {
     std::ofstream(o.json_path) << doc.dump(2) << '\n';
     std::printf("results written to %s\n", o.json_path.c_str());
   }
-  return 0;
+  if (report.failures.empty()) return 0;
+  std::fflush(stdout);
+  std::fprintf(stderr, "\n*** %zu OUTPUT CHECK(S) FAILED: these timings are of wrong results ***\n",
+               report.failures.size());
+  for (const std::string& f : report.failures) std::fprintf(stderr, "  %s\n", f.c_str());
+  return 1;
 }
 
 }  // namespace
 
 void print_table(const std::vector<Row>& rows) {
-  std::printf("\n%-18s %-14s %-24s %9s %9s %9s %8s\n", "shape", "what", "implementation", "ms", "TFLOP/s", "of dense",
-              "speedup");
-  for (const Row& r : rows) {
-    std::printf("%-18s %-14s %-24s %9.3f %9.1f %8.1f%%", r.shape.c_str(), r.what.c_str(), r.impl.c_str(), r.ms, r.tflops,
-                100 * r.fraction_of_dense);
-    if (r.speedup > 0) std::printf(" %7.2fx\n", r.speedup);
-    else std::printf("        -\n");
-  }
-  std::printf("(of dense: share of the cuBLAS 8192^3 BF16 rate measured at the start of this run; the \"cublas dense\"\n"
-              " rows time it again interleaved with each GEMM comparison; speedup: against the slowest implementation\n"
-              " of the same shape and step; repetitions of one step's candidates are interleaved; cuBLAS GEMM1\n"
-              " writes gate/up without SwiGLU)\n");
+  std::printf("\n%-18s %-14s %-31s %9s %9s %9s %8s %10s %6s\n", "shape", "what", "implementation", "ms", "TFLOP/s",
+              "of dense", "speedup", "vs unfused", "check");
+  auto ratio = [](double r) {
+    char s[16] = "-";
+    if (r > 0) std::snprintf(s, sizeof s, "%.2fx", r);
+    return std::string(s);
+  };
+  for (const Row& r : rows)
+    std::printf("%-18s %-14s %-31s %9.3f %9.1f %8.1f%% %8s %10s %6s\n", r.shape.c_str(), r.what.c_str(),
+                r.impl.c_str(), r.ms, r.tflops, 100 * r.fraction_of_dense, ratio(r.speedup).c_str(),
+                ratio(r.vs_unfused).c_str(), r.check.c_str());
+  std::printf(
+      "(of dense: share of the cuBLAS 8192^3 BF16 rate measured at the start of this run; the \"cublas dense\"\n"
+      " rows time it again interleaved with each comparison; repetitions of one step's candidates are\n"
+      " interleaved. speedup: the fastest baseline's median over this row's, baselines being the cuBLAS\n"
+      " chains of the same shape and step (so the best of them shows 1.00x, the other its time relative to it);\n"
+      " for pounce_fused and the fused sweep settings, the fastest of those and pounce_unfused; reference\n"
+      " rows (dense GEMM, GEMMs alone) have none. vs unfused: pounce_unfused's median over the fused row's.\n"
+      " check: the output of the first run and of the last timed run against the cuBLAS grouped-batched\n"
+      " chain's (limits: relative L2 %.0e, worst token or row %.0e). cuBLAS GEMM1 writes gate/up without SwiGLU)\n",
+      kMaxRelativeL2, kMaxWorstToken);
 }
 
 }  // namespace pounce::bench
