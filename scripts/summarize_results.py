@@ -28,6 +28,8 @@ def main():
           f"Cold-start ceilings: cuBLAS 8192^3 BF16 {ceil['dense_bf16_8192_tflops']:.0f} TFLOP/s, "
           f"FP8 {ceil['dense_fp8_8192_tflops']:.0f} (fast accumulation {ceil['dense_fp8_fast_accum_8192_tflops']:.0f}), "
           f"HBM copy {ceil['hbm_copy_4GiB_gbps']:.0f} GB/s.\n")
+    for failure in bench.get("check_failures", []):  # absent from results older than the checks
+        print(f"**OUTPUT CHECK FAILED, these timings are of wrong results:** {failure}\n")
     steps = (("forward", "forward", "eager_forward", "pounce_unfused"),
              ("GEMM1 gate/up (+SwiGLU)", "gemm1_gate_up", "grouped_mm_gemm1_gate_up", "pounce (SwiGLU fused)"),
              ("GEMM2 down", "gemm2_down", "grouped_mm_gemm2_down", "pounce"))
@@ -73,9 +75,11 @@ def main():
         udm = ud["timing"]["median_ms"] if ud else float("nan")
         gemms = r.get("pounce GEMM1 + GEMM2 alone")
         gemms_ms = f"{gemms['timing']['median_ms']:.3f}" if gemms else "-"
+        l2 = s["relative_l2_difference"].get("y_pounce_fused_vs_cublas")  # null when the output had a NaN
+        l2 = float("nan") if l2 is None else l2
         print(f"| {s['shape']} | {fm:.3f} | {f['tflops']:.0f} | {f['tflops'] / dense:.3f} | {um:.3f} / {udm:.3f} | "
               f"{um / fm:.2f}x / {udm / fm:.2f}x | {gemms_ms} | {best / fm:.2f}x | "
-              f"{via_dense} | {via_loop} | {s['relative_l2_difference'].get('y_pounce_fused_vs_cublas', float('nan')):.1e} |")
+              f"{via_dense} | {via_loop} | {l2:.1e} |")
 
     for s in bench["shapes"]:
         if "fused_sweeps" not in s:

@@ -5,11 +5,7 @@
 // NCCL rank per visible GPU when there are at least two. Medians over --reps runs after --warmup; the
 // two modes alternate run by run so drift affects both alike.
 //
-// usage: pounce_dispatch_bench [--comm-ctas N] [--engine-rows N] [--ring-blocks N] [--reps N] [--warmup N]
-//                              [--json PATH]
-//   --engine-rows: rows of each item the bulk-copy engine moves beside the warps (0..128); default the
-//   fused layer's for the row length (moe::balanced_engine_rows).
-//   $POUNCE_COMMIT is recorded in the JSON.
+// Options: --help. $POUNCE_COMMIT is recorded in the JSON.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -20,8 +16,8 @@
 
 #include "bench/device_fill.h"
 #include "bench/guarded_main.h"
-#include "bench/json.h"
-#include "bench/shapes.h"
+#include "bench/bench.h"
+#include "bench/cli.h"
 #include "comm/gpu_threads.h"
 #include "comm/nccl_window.h"
 #include "common/gpu.h"
@@ -70,30 +66,17 @@ Json summarize(DispatchMode mode, const char* transport, int P, int gpus, int co
   const double gbps = all_us > 0 ? double(bytes) / gpus / (all_us * 1e-6) / 1e9 : 0;
   std::printf("%-5s %-9s %2d %5d %14.1f %13.1f %10.3f %9.1f\n", moe::dispatch_mode_name(mode), transport, P,
               comm_ctas, first_us, all_us, launch_ms, gbps);
-  Json j = Json::object();
-  j["mode"] = moe::dispatch_mode_name(mode);
-  j["transport"] = transport;
-  j["ranks"] = P;
-  j["gpus"] = gpus;
-  j["comm_ctas"] = comm_ctas;
-  j["first_tile_us_slowest_rank"] = first_us;
-  j["all_ready_us_slowest_rank"] = all_us;
-  j["launch_ms"] = launch_ms;
-  j["bytes_moved"] = bytes;
-  j["bytes_from_other_ranks"] = remote_bytes;
-  j["gbps_per_gpu"] = gbps;
+  Json j = {{"mode", moe::dispatch_mode_name(mode)}, {"transport", transport}, {"ranks", P}, {"gpus", gpus},
+            {"comm_ctas", comm_ctas}, {"first_tile_us_slowest_rank", first_us}, {"all_ready_us_slowest_rank", all_us},
+            {"launch_ms", launch_ms}, {"bytes_moved", bytes}, {"bytes_from_other_ranks", remote_bytes},
+            {"gbps_per_gpu", gbps}};
   Json per_rank = Json::array();
   for (size_t r = 0; r < any.size(); ++r) {
     std::vector<double> f, a;
     for (const auto& ranks : s.reps) f.push_back(ranks[r].first_us), a.push_back(ranks[r].all_us);
-    Json pr = Json::object();
-    pr["rank"] = any[r].rank;
-    pr["m_blocks"] = any[r].blocks;
-    pr["rows"] = any[r].rows;
-    pr["remote_rows"] = any[r].remote_rows;
-    pr["first_tile_us"] = median(f);
-    pr["all_ready_us"] = median(a);
-    per_rank.push_back(pr);
+    per_rank.push_back({{"rank", any[r].rank}, {"m_blocks", any[r].blocks}, {"rows", any[r].rows},
+                        {"remote_rows", any[r].remote_rows}, {"first_tile_us", median(f)},
+                        {"all_ready_us", median(a)}});
   }
   j["per_rank"] = per_rank;
   return j;
@@ -124,21 +107,19 @@ void add(Series& s, const std::vector<moe::DispatchRun>& runs) {
 int run(int argc, char** argv) {
   Settings o;
   std::string json_path;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&] {
-      POUNCE_REQUIRE(i + 1 < argc, "option ", arg, " needs a value");
-      return std::string(argv[++i]);
-    };
-    if (arg == "--comm-ctas") o.comm_ctas = std::stoi(value());
-    else if (arg == "--engine-rows") o.engine_rows = std::stoi(value());
-    else if (arg == "--ring-blocks") o.ring_blocks = std::stoll(value());
-    else if (arg == "--reps") o.reps = std::stoi(value());
-    else if (arg == "--warmup") o.warmup = std::stoi(value());
-    else if (arg == "--json") json_path = value();
-    else POUNCE_FAIL("unknown option '", arg, "'");
-  }
-  POUNCE_REQUIRE(o.reps >= 1 && o.warmup >= 0, "--reps must be at least 1 and --warmup not negative");
+  CLI::App app("pounce_dispatch_bench: dispatch only, pull against push, on the DeepSeek-V3 slice");
+  app.option_defaults()->always_capture_default();
+  app.add_option("--comm-ctas", o.comm_ctas, "row-moving CTAs per rank")->check(at_least(1));
+  app.add_option("--engine-rows", o.engine_rows,
+                 "rows of each 128-row item the bulk-copy engine moves beside the warps; -1: the fused layer's "
+                 "default for the row length (moe::balanced_engine_rows)")
+      ->check(CLI::Range(-1, 128));
+  app.add_option("--ring-blocks", o.ring_blocks, "m-blocks moved per rank; 0: every m-block")
+      ->check(at_least(0));
+  app.add_option("--reps", o.reps, "timed runs of each mode (medians are reported)")->check(at_least(1));
+  app.add_option("--warmup", o.warmup, "untimed runs of each mode first")->check(at_least(0));
+  app.add_option("--json", json_path, "write the results to this file");
+  CLI11_PARSE(app, argc, argv);
   comm::disable_multicast();  // before any NCCL initialization
   POUNCE_REQUIRE(gpu_is_hopper(), "pounce_dispatch_bench needs a Hopper GPU; this one is ",
                  gpu_info().present ? gpu_info().name : gpu_info().why_absent);
@@ -157,20 +138,10 @@ int run(int argc, char** argv) {
               o.ring_blocks ? std::to_string(o.ring_blocks).c_str() : "every m-block", o.reps);
   std::printf("mode  transport  P  comm  first-tile us  all-ready us  launch ms  GB/s/GPU\n");
 
-  Json doc = Json::object();
-  doc["gpu"] = gpu_info().name;
-  doc["visible_gpus"] = gpus;
-  doc["commit"] = commit ? commit : "unknown";
-  doc["shape"] = shape.name;
-  doc["hidden"] = H;
-  doc["topk"] = shape.topk;
-  doc["experts"] = shape.model_experts;
-  doc["tokens_per_rank"] = T;
-  doc["routing"] = "uniform";
-  doc["engine_rows"] = engine_rows;
-  doc["ring_blocks_option"] = o.ring_blocks;
-  doc["reps"] = o.reps;
-  doc["warmup"] = o.warmup;
+  Json doc = {{"gpu", gpu_info().name}, {"visible_gpus", gpus}, {"commit", commit ? commit : "unknown"},
+              {"shape", shape.name}, {"hidden", H}, {"topk", shape.topk}, {"experts", shape.model_experts},
+              {"tokens_per_rank", T}, {"routing", "uniform"}, {"engine_rows", engine_rows},
+              {"ring_blocks_option", o.ring_blocks}, {"reps", o.reps}, {"warmup", o.warmup}};
   Json rows = Json::array();
 
   std::mt19937_64 rng(42);
@@ -236,7 +207,7 @@ int run(int argc, char** argv) {
     }
   }
   doc["rows"] = rows;
-  if (!json_path.empty()) std::ofstream(json_path) << doc.dump() << "\n";
+  if (!json_path.empty()) std::ofstream(json_path) << doc.dump(2) << '\n';
   return 0;
 }
 

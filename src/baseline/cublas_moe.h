@@ -55,8 +55,11 @@ class CublasMoe {
   void run_gemm(Gemm gemm, GemmCalls calls, cudaStream_t stream);
 
   const RoutingPlan& plan() const { return plan_; }
-  // The SwiGLU output of the last forward(): [rows, I], expert-contiguous, padded to 128-row m-blocks.
+  // What the last forward() or run_gemm() left, expert-contiguous, padded to 128-row m-blocks (the GEMMs
+  // skip padding rows): GEMM1's gate/up [rows, 2I], the SwiGLU output [rows, I], GEMM2's output [rows, H].
+  const __nv_bfloat16* gate_up() const { return h13_.data(); }
   const __nv_bfloat16* hidden() const { return hidden_.data(); }
+  const __nv_bfloat16* expert_out() const { return out_.data(); }
 
  private:
   MoeDims dims_;

@@ -39,7 +39,10 @@ class PounceUnfusedMoe {
   void check_device_errors();
 
   const RoutingPlan& plan() const { return plan_; }
+  // What the last forward() or run_gemm() left, expert-contiguous: GEMM1's SwiGLU output [rows, I] and
+  // GEMM2's output [rows, H].
   const __nv_bfloat16* hidden() const { return hidden_.data(); }
+  const __nv_bfloat16* expert_out() const { return out_.data(); }
 
  private:
   gemm::GroupedGemmArgs gemm_args(Gemm which, const int32_t* expert_offsets) const;

@@ -2,9 +2,7 @@
 // GPU, one process, a thread per GPU), at a catalogue shape with its model's full expert count split
 // over the GPUs and the slice's tokens on every rank. Reports the forward time (the slowest rank's
 // median), per-GPU TFLOP/s, and the NVLink bytes each GPU sent and received per second (rows pulled
-// from and pushed to other GPUs). JSON to --json.
-//
-// usage: pounce_ep_bench [--shape NAME] [--routing uniform|zipf] [--reps N] [--comm-ctas N] [--json PATH]
+// from and pushed to other GPUs). JSON to --json; options: --help.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -14,6 +12,7 @@
 #include <random>
 
 #include "bench/bench.h"
+#include "bench/cli.h"
 #include "bench/device_fill.h"
 #include "bench/guarded_main.h"
 #include "comm/gpu_threads.h"
@@ -28,21 +27,18 @@ namespace {
 
 int run(int argc, char** argv) {
   std::string shape_name = default_shape().name, routing = "uniform", json_path;
-  int reps = 20, warmup = 5;
+  int reps = 20;
+  const int warmup = 5;
   FusedMoeOptions options;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&] {
-      POUNCE_REQUIRE(i + 1 < argc, "option ", arg, " needs a value");
-      return std::string(argv[++i]);
-    };
-    if (arg == "--shape") shape_name = value();
-    else if (arg == "--routing") routing = value();
-    else if (arg == "--reps") reps = std::stoi(value());
-    else if (arg == "--comm-ctas") options.comm_ctas = std::stoi(value());
-    else if (arg == "--json") json_path = value();
-    else POUNCE_FAIL("unknown option '", arg, "'");
-  }
+  CLI::App app("pounce_ep_bench: the fused layer expert-parallel across every visible GPU (2 to 8)");
+  app.option_defaults()->always_capture_default();
+  app.add_option("--shape", shape_name, "catalogue shape")->check(CLI::IsMember(shape_names()));
+  app.add_option("--routing", routing, "synthetic routing pattern")->check(CLI::IsMember(routing_names()));
+  app.add_option("--reps", reps, "timed forwards per rank (the median is reported)")->check(at_least(1));
+  app.add_option("--comm-ctas", options.comm_ctas, "communication CTAs per rank; 0: the layer's default")
+      ->check(at_least(0));
+  app.add_option("--json", json_path, "write the results to this file");
+  CLI11_PARSE(app, argc, argv);
   comm::disable_multicast();
   int gpus = 0;
   CUDA_CHECK(cudaGetDeviceCount(&gpus));
@@ -120,22 +116,16 @@ int run(int argc, char** argv) {
 
   double slowest = 0;
   for (const Timing& t : timings) slowest = std::max(slowest, t.median_ms);
-  Json out = Json::object();
   const char* commit = std::getenv("POUNCE_COMMIT");
-  out["gpu"] = gpu_info().name;
-  out["commit"] = commit ? commit : "unknown";
-  out["shape"] = s.name;
-  out["gpus"] = P;
-  out["routing"] = routing;
-  out["tokens_per_gpu"] = T;
-  out["comm_ctas"] = comm_ctas;
+  Json out = {{"gpu", gpu_info().name}, {"commit", commit ? commit : "unknown"}, {"shape", s.name}, {"gpus", P},
+              {"routing", routing}, {"tokens_per_gpu", T}, {"comm_ctas", comm_ctas},
+              {"forward_ms_slowest_rank", slowest}};
   // Memory per GPU: its experts' weights, and what the layer allocated (ring, schedule, combine slots).
   const int64_t weight_bytes = int64_t(w13_elems + w2_elems) * 2;
   out["weight_bytes_per_gpu"] = weight_bytes;
   out["layer_device_bytes_per_gpu"] = layer_bytes;
   std::printf("per GPU: %.2f GiB of expert weights (%ld of %ld experts), %.2f GiB of layer buffers\n",
               weight_bytes / double(1 << 30), long(E / P), long(E), layer_bytes / double(1 << 30));
-  out["forward_ms_slowest_rank"] = slowest;
   Json ranks = Json::array();
   std::printf("%d communication CTAs per rank\n", comm_ctas);
   std::printf("rank  median ms  TFLOP/s  NVLink GB/s out  in\n");
@@ -144,16 +134,11 @@ int run(int argc, char** argv) {
     const double tflops = 6.0 * routes_in[r] * double(H) * double(I) / (slowest * 1e-3) / 1e12;
     const double out_gbps = sent[r] / (slowest * 1e-3) / 1e9, in_gbps = received[r] / (slowest * 1e-3) / 1e9;
     std::printf("%4d  %9.3f  %7.1f  %15.1f  %5.1f\n", r, ms, tflops, out_gbps, in_gbps);
-    Json j = Json::object();
-    j["rank"] = r;
-    j["timing"] = timing_json(timings[r]);
-    j["tflops_at_slowest"] = tflops;
-    j["nvlink_out_gbps"] = out_gbps;
-    j["nvlink_in_gbps"] = in_gbps;
-    ranks.push_back(j);
+    ranks.push_back({{"rank", r}, {"timing", timings[r]}, {"tflops_at_slowest", tflops}, {"nvlink_out_gbps", out_gbps},
+                     {"nvlink_in_gbps", in_gbps}});
   }
   out["ranks"] = ranks;
-  if (!json_path.empty()) std::ofstream(json_path) << out.dump() << "\n";
+  if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << '\n';
   return 0;
 }
 

@@ -12,7 +12,10 @@
 #include <vector>
 
 #include "bench/bench.h"
+#include "bench/cli.h"
 #include "bench/dense_ceiling.h"
+#include "comm/nccl_window.h"
+#include "common/cuda_check.h"
 #include "common/require.h"
 #include "common/gpu.h"
 #include "reference/moe_layer.h"
@@ -22,38 +25,24 @@
 namespace pounce::bench {
 namespace {
 
-void usage() {
-  std::printf(
-      "usage: pounce_bench [--shapes NAMES|all] [--routing uniform|zipf|one_expert|half_empty]\n"
-      "                    [--warmup N] [--reps N] [--json PATH] [--commit HASH] [--no-gemms] [--sweeps]\n"
-      "shapes:");
-  for (const auto& s : shape_catalogue()) std::printf(" %s", s.name.c_str());
-  std::printf("\n");
-}
-
-Options parse(int argc, char** argv) {
-  Options o;
+// The command line, into `o`: option names and defaults are what scripts/gpu_check.sh passes.
+void add_options(CLI::App& app, Options& o) {
   o.shapes = default_shape().name;
-  if (const char* c = std::getenv("POUNCE_COMMIT")) o.commit = c;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      POUNCE_REQUIRE(i + 1 < argc, "option ", arg, " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--shapes") o.shapes = value();
-    else if (arg == "--routing") o.routing = value();
-    else if (arg == "--json") o.json_path = value();
-    else if (arg == "--commit") o.commit = value();
-    else if (arg == "--warmup") o.warmup = std::stoi(value());
-    else if (arg == "--reps") o.reps = std::stoi(value());
-    else if (arg == "--no-gemms") o.gemms = false;
-    else if (arg == "--sweeps") o.sweeps = true;
-    else if (arg == "--help" || arg == "-h") { usage(); std::exit(0); }
-    else POUNCE_FAIL("unknown option '", arg, "' (see --help)");
-  }
-  POUNCE_REQUIRE(o.reps >= 1 && o.warmup >= 0, "--reps must be >= 1 and --warmup >= 0");
-  return o;
+  std::string names;
+  for (const std::string& n : shape_names()) names += " " + n;
+  app.option_defaults()->always_capture_default();
+  app.add_option("--shapes", o.shapes, "catalogue shapes, comma-separated, or all; shapes:" + names)
+      ->check(kShapeList);
+  app.add_option("--routing", o.routing, "synthetic routing pattern")->check(CLI::IsMember(routing_names()));
+  app.add_option("--warmup", o.warmup, "untimed runs of every candidate before timing")
+      ->check(at_least(0));
+  app.add_option("--reps", o.reps, "timed runs of every candidate (the median is reported)")
+      ->check(at_least(1));
+  app.add_option("--json", o.json_path, "write the results to this file");
+  app.add_option("--commit", o.commit, "git commit recorded with the results")->envname("POUNCE_COMMIT");
+  app.add_flag_callback("--no-gemms", [&o] { o.gemms = false; }, "skip timing each grouped GEMM alone");
+  app.add_flag("--sweeps", o.sweeps, "fused layer sweeps: comm CTAs at every shape; minibatch, engine rows, "
+                                     "ring and virtual ranks at the default shape");
 }
 
 // ---- no GPU: the host reference at a small shape ---------------------------------------------------
@@ -115,25 +104,24 @@ int run_host_reference() {
 Json environment(const Options& o) {
   const GpuInfo& gpu = gpu_info();
   int driver = 0, runtime = 0, nccl = 0;
-  cudaDriverGetVersion(&driver);
-  cudaRuntimeGetVersion(&runtime);
-  ncclGetVersion(&nccl);
-  Json env = Json::object();
-  env["gpu"] = gpu.name;
-  env["sm"] = std::to_string(gpu.sm_major) + "." + std::to_string(gpu.sm_minor);
-  env["multiprocessors"] = gpu.multiprocessors;
-  env["l2_bytes"] = gpu.l2_bytes;
-  env["memory_bytes"] = gpu.global_memory_bytes;
-  env["cuda_driver"] = driver;
-  env["cuda_runtime"] = runtime;
-  env["cublaslt"] = int64_t(cublasLtGetVersion());
-  env["nccl_runtime"] = nccl;
-  env["nccl_headers"] = NCCL_VERSION_CODE;
-  env["git_commit"] = o.commit.empty() ? "unknown" : o.commit;
+  CUDA_CHECK(cudaDriverGetVersion(&driver));
+  CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+  NCCL_CHECK(ncclGetVersion(&nccl));
   const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
   char date[32];
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  env["date"] = date;
+  const Json env = {{"gpu", gpu.name},
+                    {"sm", std::to_string(gpu.sm_major) + "." + std::to_string(gpu.sm_minor)},
+                    {"multiprocessors", gpu.multiprocessors},
+                    {"l2_bytes", gpu.l2_bytes},
+                    {"memory_bytes", gpu.global_memory_bytes},
+                    {"cuda_driver", driver},
+                    {"cuda_runtime", runtime},
+                    {"cublaslt", cublasLtGetVersion()},
+                    {"nccl_runtime", nccl},
+                    {"nccl_headers", NCCL_VERSION_CODE},
+                    {"git_commit", o.commit.empty() ? "unknown" : o.commit},
+                    {"date", date}};
   std::printf("GPU %s (sm_%d%d, %d SMs), CUDA driver %d runtime %d, cuBLASLt %ld, NCCL runtime %d headers %d, commit %s\n",
               gpu.name.c_str(), gpu.sm_major, gpu.sm_minor, gpu.multiprocessors, driver, runtime,
               long(cublasLtGetVersion()), nccl, NCCL_VERSION_CODE, o.commit.empty() ? "unknown" : o.commit.c_str());
@@ -143,8 +131,7 @@ Json environment(const Options& o) {
 }
 
 int run_gpu(const Options& o) {
-  Json doc = Json::object();
-  doc["environment"] = environment(o);
+  Json doc = {{"environment", environment(o)}};
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreate(&stream));
 
@@ -155,50 +142,68 @@ int run_gpu(const Options& o) {
   const Measured copy = hbm_copy(int64_t(4) << 30, o.warmup, o.reps, stream);
   std::printf("\nceilings: cuBLAS 8192^3 BF16 %.1f TFLOP/s (%.3f ms), FP8 %.1f (fast accumulation %.1f), "
               "HBM copy %.0f GB/s\n", bf16.rate, bf16.timing.median_ms, fp8.rate, fp8_fast.rate, copy.rate);
-  Json& c = doc["ceilings"];
-  c["dense_bf16_8192_tflops"] = bf16.rate;
-  c["dense_bf16_8192_timing"] = timing_json(bf16.timing);
-  c["dense_fp8_8192_tflops"] = fp8.rate;
-  c["dense_fp8_fast_accum_8192_tflops"] = fp8_fast.rate;
-  c["hbm_copy_4GiB_gbps"] = copy.rate;
+  doc["ceilings"] = {{"dense_bf16_8192_tflops", bf16.rate},
+                     {"dense_bf16_8192_timing", bf16.timing},
+                     {"dense_fp8_8192_tflops", fp8.rate},
+                     {"dense_fp8_fast_accum_8192_tflops", fp8_fast.rate},
+                     {"hbm_copy_4GiB_gbps", copy.rate}};
 
-  std::vector<Row> table;
+  Report report;
   Json shapes = Json::array();
-  for (const MoeModelShape& s : select_shapes(o.shapes)) shapes.push_back(bench_shape(s, o, bf16.rate, table, stream));
+  for (const MoeModelShape& s : select_shapes(o.shapes)) shapes.push_back(bench_shape(s, o, bf16.rate, report, stream));
   doc["shapes"] = shapes;
-  print_table(table);
+  doc["check_tolerances"] = {{"relative_l2", kMaxRelativeL2}, {"worst_token", kMaxWorstToken}};
+  doc["check_failures"] = report.failures;
+  print_table(report.table);
   CUDA_CHECK(cudaStreamDestroy(stream));
 
   if (!o.json_path.empty()) {
-    std::ofstream(o.json_path) << doc.dump();
+    std::ofstream(o.json_path) << doc.dump(2) << '\n';
     std::printf("results written to %s\n", o.json_path.c_str());
   }
-  return 0;
+  if (report.failures.empty()) return 0;
+  std::fflush(stdout);
+  std::fprintf(stderr, "\n*** %zu OUTPUT CHECK(S) FAILED: these timings are of wrong results ***\n",
+               report.failures.size());
+  for (const std::string& f : report.failures) std::fprintf(stderr, "  %s\n", f.c_str());
+  return 1;
 }
 
 }  // namespace
 
 void print_table(const std::vector<Row>& rows) {
-  std::printf("\n%-18s %-14s %-24s %9s %9s %9s %8s\n", "shape", "what", "implementation", "ms", "TFLOP/s", "of dense",
-              "speedup");
-  for (const Row& r : rows) {
-    std::printf("%-18s %-14s %-24s %9.3f %9.1f %8.1f%%", r.shape.c_str(), r.what.c_str(), r.impl.c_str(), r.ms, r.tflops,
-                100 * r.fraction_of_dense);
-    if (r.speedup > 0) std::printf(" %7.2fx\n", r.speedup);
-    else std::printf("        -\n");
-  }
-  std::printf("(of dense: share of the cuBLAS 8192^3 BF16 rate measured at the start of this run; the \"cublas dense\"\n"
-              " rows time it again interleaved with each GEMM comparison; speedup: against the slowest implementation\n"
-              " of the same shape and step; repetitions of one step's candidates are interleaved; cuBLAS GEMM1\n"
-              " writes gate/up without SwiGLU)\n");
+  std::printf("\n%-18s %-14s %-31s %9s %9s %9s %8s %10s %6s\n", "shape", "what", "implementation", "ms", "TFLOP/s",
+              "of dense", "speedup", "vs unfused", "check");
+  auto ratio = [](double r) {
+    char s[16] = "-";
+    if (r > 0) std::snprintf(s, sizeof s, "%.2fx", r);
+    return std::string(s);
+  };
+  for (const Row& r : rows)
+    std::printf("%-18s %-14s %-31s %9.3f %9.1f %8.1f%% %8s %10s %6s\n", r.shape.c_str(), r.what.c_str(),
+                r.impl.c_str(), r.ms, r.tflops, 100 * r.fraction_of_dense, ratio(r.speedup).c_str(),
+                ratio(r.vs_unfused).c_str(), r.check.c_str());
+  std::printf(
+      "(of dense: share of the cuBLAS 8192^3 BF16 rate measured at the start of this run; the \"cublas dense\"\n"
+      " rows time it again interleaved with each comparison; repetitions of one step's candidates are\n"
+      " interleaved. speedup: the fastest baseline's median over this row's, baselines being the cuBLAS\n"
+      " chains of the same shape and step (so the best of them shows 1.00x, the other its time relative to it);\n"
+      " for pounce_fused and the fused sweep settings, the fastest of those and pounce_unfused; reference\n"
+      " rows (dense GEMM, GEMMs alone) have none. vs unfused: pounce_unfused's median over the fused row's.\n"
+      " check: the output of the first run and of the last timed run against the cuBLAS grouped-batched\n"
+      " chain's (limits: relative L2 %.0e, worst token or row %.0e). cuBLAS GEMM1 writes gate/up without SwiGLU)\n",
+      kMaxRelativeL2, kMaxWorstToken);
 }
 
 }  // namespace pounce::bench
 
 int main(int argc, char** argv) {
   using namespace pounce;
+  bench::Options options;
+  CLI::App app("pounce_bench: the MoE layer benchmark (without a GPU: the host reference)");
+  bench::add_options(app, options);
+  CLI11_PARSE(app, argc, argv);
   try {
-    const bench::Options options = bench::parse(argc, argv);
     if (!gpu_info().present) {
       std::printf("No CUDA GPU here (%s): the GPU benchmark cannot run.\n", gpu_info().why_absent.c_str());
       return bench::run_host_reference();

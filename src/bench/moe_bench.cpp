@@ -1,11 +1,13 @@
 // Per-shape benchmark: the MoE forward through every implementation, then each grouped GEMM alone,
-// all on the same weights, tokens and routing, in one process.
+// all on the same weights, tokens and routing, in one process. Every timed output is checked against
+// the reference chain's, on its first run and on its last timed run.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 
 #include "baseline/cublas_moe.h"
@@ -13,8 +15,7 @@
 #include "bench/bench.h"
 #include "bench/dense_ceiling.h"
 #include "bench/device_fill.h"
-#include "common/relative_error.h"
-#include "formats/numerics.h"
+#include "bench/output_check.h"
 #include "pounce/fused_moe.h"
 #include "reference/synthetic_routing.h"
 
@@ -25,59 +26,138 @@ namespace {
 using baseline::Gemm;
 using baseline::GemmCalls;
 
-// Relative L2 difference of two bf16 device buffers of n elements.
-double relative_difference(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n) {
-  std::vector<float> values[2];
-  for (int i = 0; i < 2; ++i) {
-    std::vector<uint16_t> bits(n);
-    CUDA_CHECK(cudaMemcpy(bits.data(), i == 0 ? a : b, n * sizeof(uint16_t), cudaMemcpyDeviceToHost));
-    for (uint16_t v : bits) values[i].push_back(formats::bf16_to_float(v));
-  }
-  return relative_l2_error(std::span<const float>(values[0]), std::span<const float>(values[1]));
-}
+// What a row's speedup is measured against (compare()).
+enum class Role {
+  kBaseline,   // the cuBLAS chains: speedups are against the fastest of them
+  kUnfused,    // pounce_unfused: a pounce row, and a baseline of the fused layer too
+  kPounce,     // pounce's other rows: against the fastest baseline
+  kFused,      // the fused layer: against the fastest of the baselines and pounce_unfused
+  kReference,  // the dense GEMM and other yardsticks: no speedup
+};
+
+// A candidate's output and what it must match: got [rows, width] after the run of repetition `rep`
+// against want(rep), rows whose row_token entry is negative (padding) skipped.
+struct Output {
+  const __nv_bfloat16* got = nullptr;  // null: nothing to check
+  std::function<const __nv_bfloat16*(int rep)> want;
+  int64_t rows = 0, width = 0;
+  const int32_t* row_token = nullptr;
+  std::string reference;           // what want is, for the JSON and the error message
+  std::string row_name = "token";  // what a row is: the check's worst_<row_name>
+};
 
 struct Candidate {
   std::string impl;
+  Role role;
   std::function<void(int rep)> launch;
+  Output output;
   double flops = 0;  // 0: the step's
 };
 
-// Times the candidates (interleaved), adds rows (speedup against the slowest) and returns their JSON.
+// The larger error, NaN if either is.
+double worse(double a, double b) { return std::isnan(a) || a > b ? a : b; }
+
+// Checks one candidate's two checked runs against the tolerances: its JSON, and a loud message in
+// `report` when it fails.
+Json check_json(const std::string& shape, const std::string& what, const Candidate& c, const OutputError& first,
+                const OutputError& last, Report& report) {
+  const double l2 = worse(first.relative_l2, last.relative_l2), worst = worse(first.worst_row, last.worst_row);
+  const bool ok = l2 <= kMaxRelativeL2 && worst <= kMaxWorstToken;  // false for NaN
+  if (!ok) {
+    char message[512];
+    std::snprintf(message, sizeof message,
+                  "%s, %s, %s: relative L2 %.3g (limit %.0e), worst %s %.3g (limit %.0e) against %s "
+                  "(first run %.3g / %.3g, last timed run %.3g / %.3g)",
+                  shape.c_str(), what.c_str(), c.impl.c_str(), l2, kMaxRelativeL2, c.output.row_name.c_str(), worst,
+                  kMaxWorstToken, c.output.reference.c_str(), first.relative_l2, first.worst_row, last.relative_l2,
+                  last.worst_row);
+    std::fflush(stdout);
+    std::fprintf(stderr, "\n*** OUTPUT CHECK FAILED: %s\n\n", message);
+    report.failures.push_back(message);
+  }
+  return {{"relative_l2", l2}, {"worst_" + c.output.row_name, worst}, {"ok", ok}, {"reference", c.output.reference}};
+}
+
+// Times the candidates (interleaved) and checks each one's output on its first run and its last timed
+// run; adds rows to the report and returns their JSON. Speedups: the fastest baseline's median over the
+// row's (for the fused layer, the fastest of the baselines and pounce_unfused).
 Json compare(const std::string& shape, const std::string& what, double flops, const std::vector<Candidate>& candidates,
-             const Options& o, double dense_tflops, std::vector<Row>& table, cudaStream_t stream) {
+             const Options& o, double dense_tflops, Report& report, cudaStream_t stream) {
+  const size_t n = candidates.size();
+  auto poison = [&](const Output& out) {
+    // 0xFFFF is a NaN in bf16: whatever a run leaves unwritten fails the check. (Some outputs are a
+    // chain's own buffers, read-only through its accessors.)
+    CUDA_CHECK(cudaMemsetAsync(const_cast<__nv_bfloat16*>(out.got), 0xFF,
+                               size_t(out.rows * out.width) * sizeof(__nv_bfloat16), stream));
+  };
+  // Allocated up front: a cudaMalloc among the timed launches would stall them.
+  std::vector<std::optional<RowComparison>> first(n), last(n);
+  for (size_t i = 0; i < n; ++i) {
+    const Output& out = candidates[i].output;
+    if (!out.got) continue;
+    first[i].emplace(out.rows);
+    last[i].emplace(out.rows);
+    // One at a time: candidates may share an output buffer.
+    poison(out);
+    candidates[i].launch(0);
+    first[i]->enqueue(out.got, out.want(0), out.width, out.row_token, stream);
+  }
+
   std::vector<std::function<void(int)>> launches;
   for (const Candidate& c : candidates) launches.push_back(c.launch);
-  const std::vector<Timing> timings = time_interleaved(launches, stream, o.warmup, o.reps);
-  std::vector<Row> rows;
+  const int last_rep = o.warmup + o.reps - 1;
+  const std::vector<Timing> timings = time_interleaved(
+      launches, stream, o.warmup, o.reps,
+      [&](size_t c) {
+        if (candidates[c].output.got) poison(candidates[c].output);
+      },
+      [&](size_t c) {
+        const Output& out = candidates[c].output;
+        if (out.got) last[c]->enqueue(out.got, out.want(last_rep), out.width, out.row_token, stream);
+      });
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+
+  double best_ms = INFINITY, unfused_ms = 0;
+  std::string best_impl;
+  for (size_t i = 0; i < n; ++i) {
+    const double ms = timings[i].median_ms;
+    if (candidates[i].role == Role::kBaseline && ms < best_ms) best_ms = ms, best_impl = candidates[i].impl;
+    if (candidates[i].role == Role::kUnfused) unfused_ms = ms;
+  }
   Json out = Json::array();
-  for (size_t i = 0; i < candidates.size(); ++i) {
+  for (size_t i = 0; i < n; ++i) {
     const Candidate& c = candidates[i];
     const Timing& t = timings[i];
     const double tflops = (c.flops > 0 ? c.flops : flops) / (t.median_ms * 1e-3) / 1e12;
-    rows.push_back({shape, what, c.impl, t.median_ms, tflops, tflops / dense_tflops, 0});
-    Json j = Json::object();
-    j["what"] = what;
-    j["impl"] = c.impl;
-    j["timing"] = timing_json(t);
-    j["tflops"] = tflops;
-    j["fraction_of_dense_bf16"] = tflops / dense_tflops;
-    out.push_back(j);
-  }
-  // Speedups among the implementations of the step; reference rows (own flops) get none.
-  double slowest = 0;
-  for (size_t i = 0; i < rows.size(); ++i)
-    if (candidates[i].flops == 0) slowest = std::max(slowest, rows[i].ms);
-  for (size_t i = 0; i < rows.size(); ++i) {
-    rows[i].speedup = candidates[i].flops == 0 ? slowest / rows[i].ms : 0;
-    table.push_back(rows[i]);
+    Row row{shape, what, c.impl, t.median_ms, tflops, tflops / dense_tflops, 0, 0, "-"};
+    Json j = {{"what", what}, {"impl", c.impl}, {"timing", t}, {"tflops", tflops},
+              {"fraction_of_dense_bf16", tflops / dense_tflops}};
+    double against = c.role == Role::kReference ? INFINITY : best_ms;
+    std::string against_impl = best_impl;
+    if (c.role == Role::kFused && unfused_ms > 0 && unfused_ms < against)
+      against = unfused_ms, against_impl = "pounce_unfused";
+    if (std::isfinite(against)) {
+      row.speedup = against / t.median_ms;
+      j["speedup_vs_best_baseline"] = row.speedup;
+      j["best_baseline"] = against_impl;
+    }
+    if (c.role == Role::kFused && unfused_ms > 0) {
+      row.vs_unfused = unfused_ms / t.median_ms;
+      j["vs_pounce_unfused"] = row.vs_unfused;
+    }
+    if (c.output.got) {
+      j["check"] = check_json(shape, what, c, first[i]->error(), last[i]->error(), report);
+      row.check = j["check"]["ok"].get<bool>() ? "ok" : "FAILED";
+    }
+    report.table.push_back(row);
+    out.push_back(std::move(j));
   }
   return out;
 }
 
 }  // namespace
 
-Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, std::vector<Row>& table,
-                 cudaStream_t stream) {
+Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, Report& report, cudaStream_t stream) {
   const int64_t T = s.slice_tokens, H = s.hidden, I = s.intermediate, E = s.slice_experts, k = s.topk;
   std::printf("\n%s: H %ld, I %ld, %ld local experts, %ld tokens, top-%ld, %s routing\n", s.name.c_str(), long(H),
               long(I), long(E), long(T), long(k), o.routing.c_str());
@@ -88,14 +168,15 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
 
   // Two token sets, rotated between repetitions; the weights (>= 100 MB) dwarf the L2 already.
   constexpr int kSets = 2;
-  DeviceBuffer<__nv_bfloat16> w13(E * 2 * I * H), w2(E * H * I), y_cublas(T * H), y_pounce(T * H);
-  std::vector<DeviceBuffer<__nv_bfloat16>> x;
+  DeviceBuffer<__nv_bfloat16> w13(E * 2 * I * H), w2(E * H * I), y_cublas(T * H), y_pounce(T * H), y_fused(T * H);
+  std::vector<DeviceBuffer<__nv_bfloat16>> x, y_ref;
   const float w_scale = 1.0f / std::sqrt(float(H));
   fill_random_bf16(w13.data(), w13.size(), 11, w_scale, stream);
   fill_random_bf16(w2.data(), w2.size(), 12, w_scale, stream);
   for (int i = 0; i < kSets; ++i) {
     x.emplace_back(T * H);
     fill_random_bf16(x.back().data(), T * H, 100 + i, 1.0f, stream);
+    y_ref.emplace_back(T * H);
   }
   DeviceBuffer<float> d_weights(weights);
 
@@ -108,7 +189,6 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   unfused.set_routing(ids, T);
   const baseline::RoutingPlan& plan = cublas.plan();
   DeviceBuffer<int32_t> d_ids(ids);
-  DeviceBuffer<__nv_bfloat16> y_fused(T * H);
   const EpConfig one_rank{.ranks = 1, .experts = int(E), .topk = int(k), .hidden = H, .intermediate = I,
                                    .max_tokens_per_rank = T};
   FusedMoe fused(one_rank);
@@ -118,68 +198,71 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     layer.forward(std::span(&io, 1), stream);
   };
 
-  Json result = Json::object();
-  result["shape"] = s.name;
-  result["hidden"] = H;
-  result["intermediate"] = I;
-  result["model_experts"] = s.model_experts;
-  result["local_experts"] = E;
-  result["tokens"] = T;
-  result["topk"] = k;
-  result["routing"] = o.routing;
-  result["routes"] = plan.routes;
-  result["padded_rows"] = plan.padded_rows;
-  Json sizes = Json::array();
-  for (int32_t r : plan.expert_routes) sizes.push_back(r);
-  result["expert_routes"] = sizes;
-  result["forward_flops"] = s.forward_flops();
+  Json result = {{"shape", s.name}, {"hidden", H}, {"intermediate", I}, {"model_experts", s.model_experts},
+                 {"local_experts", E}, {"tokens", T}, {"topk", k}, {"routing", o.routing}, {"routes", plan.routes},
+                 {"padded_rows", plan.padded_rows}, {"expert_routes", plan.expert_routes},
+                 {"forward_flops", s.forward_flops()}};
 
-  // Same inputs through both chains once: their outputs must agree before their times mean anything.
-  cublas.forward(x[0].data(), d_weights.data(), y_cublas.data(), GemmCalls::kGroupedBatched, stream);
+  // The reference every forward is checked against: the cuBLAS grouped-batched chain (bf16 GEMMs, fp32
+  // accumulation) on each token set. Set 0 last, so its intermediates are the chain's last.
+  for (int i = kSets - 1; i >= 0; --i)
+    cublas.forward(x[i].data(), d_weights.data(), y_ref[i].data(), GemmCalls::kGroupedBatched, stream);
+  auto forward_output = [&](const __nv_bfloat16* y) {
+    return Output{y, [&](int rep) -> const __nv_bfloat16* { return y_ref[rep % kSets].data(); }, T, H, nullptr,
+                  "cublas_grouped_batched y"};
+  };
+  // The relative L2 differences of the summaries: the hidden activations here, y from the checks below.
   unfused.forward(x[0].data(), d_weights.data(), y_pounce.data(), stream);
-  fused_forward(fused, 0, y_fused.data());
+  RowComparison hidden(plan.padded_rows);
+  hidden.enqueue(unfused.hidden(), cublas.hidden(), I, plan.row_token.data(), stream);
   CUDA_CHECK(cudaStreamSynchronize(stream));
   unfused.check_device_errors();
-  fused.check_device_errors();
-  Json agreement = Json::object();
-  agreement["y_pounce_unfused_vs_cublas"] = relative_difference(y_pounce.data(), y_cublas.data(), T * H);
-  agreement["y_pounce_fused_vs_cublas"] = relative_difference(y_fused.data(), y_cublas.data(), T * H);
-  agreement["hidden_pounce_vs_cublas"] = relative_difference(unfused.hidden(), cublas.hidden(), plan.padded_rows * I);
-  result["relative_l2_difference"] = agreement;
+  result["relative_l2_difference"]["hidden_pounce_vs_cublas"] = hidden.error().relative_l2;
 
   // The dense ceiling timed interleaved with every comparison: same clocks, same temperature (under
   // sustained load the H200 runs at its power cap and lowers its clocks).
   DenseBf16Gemm dense(8192);
-  const Candidate dense_reference{"cublas dense 8192^3", [&](int) { dense.run(stream); }, dense.flops()};
+  const Candidate dense_reference{"cublas dense 8192^3", Role::kReference, [&](int) { dense.run(stream); }, {},
+                                  dense.flops()};
+  const Candidate unfused_forward{"pounce_unfused", Role::kUnfused, [&](int rep) {
+                                    unfused.forward(x[rep % kSets].data(), d_weights.data(), y_pounce.data(), stream);
+                                  },
+                                  forward_output(y_pounce.data())};
 
   std::vector<Candidate> forward;
   for (GemmCalls calls : {GemmCalls::kLoop, GemmCalls::kGroupedBatched})
-    forward.push_back({baseline::gemm_calls_name(calls), [&, calls](int rep) {
+    forward.push_back({baseline::gemm_calls_name(calls), Role::kBaseline, [&, calls](int rep) {
                          cublas.forward(x[rep % kSets].data(), d_weights.data(), y_cublas.data(), calls, stream);
-                       }});
-  forward.push_back({"pounce_unfused", [&](int rep) {
-                       unfused.forward(x[rep % kSets].data(), d_weights.data(), y_pounce.data(), stream);
-                     }});
+                       },
+                       forward_output(y_cublas.data())});
+  forward.push_back(unfused_forward);
   // The chain as the fused layer runs it: routing in device memory, scheduled on the GPU every forward.
-  forward.push_back({"pounce_unfused, device schedule", [&](int rep) {
+  forward.push_back({"pounce_unfused, device schedule", Role::kPounce, [&](int rep) {
                        unfused.forward_with_device_schedule(x[rep % kSets].data(), d_ids.data(), T, d_weights.data(),
                                                             y_pounce.data(), stream);
-                     }});
+                     },
+                     forward_output(y_pounce.data())});
   // The unfused chain's two GEMMs alone, on the rows its last forward permuted: what the chain's other
-  // steps (permute, combine, planning) add, under the same clocks.
-  forward.push_back({"pounce GEMM1 + GEMM2 alone", [&](int) {
+  // steps (permute, combine, planning) add, under the same clocks. A yardstick, not an implementation
+  // of the forward: no speedup, and no check here (which forward's rows it reads varies; the GEMMs
+  // are checked in the GEMM comparisons).
+  forward.push_back({"pounce GEMM1 + GEMM2 alone", Role::kReference, [&](int) {
                        unfused.run_gemm(Gemm::kGateUp, stream);
                        unfused.run_gemm(Gemm::kDown, stream);
-                     }});
-  forward.push_back({"pounce_fused", [&](int rep) { fused_forward(fused, rep % kSets, y_fused.data()); }});
+                     },
+                     {}});
+  forward.push_back({"pounce_fused", Role::kFused, [&](int rep) { fused_forward(fused, rep % kSets, y_fused.data()); },
+                     forward_output(y_fused.data())});
   forward.push_back(dense_reference);
-  result["forward"] = compare(s.name, "forward", s.forward_flops(), forward, o, dense_tflops, table, stream);
-  result["fused_config"] = Json::object();
-  result["fused_config"]["comm_ctas"] = fused.comm_ctas();
-  result["fused_config"]["engine_rows"] = fused.engine_rows();
-  result["fused_config"]["ctas_per_rank"] = fused.ctas_per_rank();
-  result["fused_config"]["minibatch_rows"] = fused.minibatch_rows();
-  result["fused_config"]["ring_blocks"] = fused.ring_blocks();
+  result["forward"] = compare(s.name, "forward", s.forward_flops(), forward, o, dense_tflops, report, stream);
+  for (const Json& row : result["forward"]) {
+    const std::string impl = row["impl"];
+    if (impl == "pounce_unfused" || impl == "pounce_fused")
+      result["relative_l2_difference"]["y_" + impl + "_vs_cublas"] = row["check"]["relative_l2"];
+  }
+  result["fused_config"] = {{"comm_ctas", fused.comm_ctas()}, {"engine_rows", fused.engine_rows()},
+                            {"ctas_per_rank", fused.ctas_per_rank()}, {"minibatch_rows", fused.minibatch_rows()},
+                            {"ring_blocks", fused.ring_blocks()}};
 
   if (o.sweeps) {
     // Each setting is its own layer on the same inputs, timed interleaved with the others and the default.
@@ -198,7 +281,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
           local[r] = {w13.data() + r * (E / ranks) * 2 * I * H, w2.data() + r * (E / ranks) * H * I};
         layers.back()->set_weights(local);
         FusedMoe* layer = layers.back().get();
-        candidates.push_back({name, [&, layer, ranks](int rep) {
+        candidates.push_back({name, Role::kFused, [&, layer, ranks](int rep) {
                                 // Rank r holds tokens [r T/P, (r+1) T/P) of the same batch.
                                 std::vector<RankIO> io(ranks);
                                 const int64_t per_rank = (T + ranks - 1) / ranks;
@@ -208,26 +291,20 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                                            d_weights.data() + first * k, n, y_fused.data() + first * H};
                                 }
                                 layer->forward(io, stream);
-                              }});
+                              },
+                              forward_output(y_fused.data())});
       }
-      candidates.push_back({"pounce_unfused", [&](int rep) {
-                              unfused.forward(x[rep % kSets].data(), d_weights.data(), y_pounce.data(), stream);
-                            }});
+      candidates.push_back(unfused_forward);
       candidates.push_back(dense_reference);
       Json j = Json::object();
-      j["timings"] = compare(s.name, what, s.forward_flops(), candidates, o, dense_tflops, table, stream);
+      j["timings"] = compare(s.name, what, s.forward_flops(), candidates, o, dense_tflops, report, stream);
       CUDA_CHECK(cudaStreamSynchronize(stream));
       Json configs = Json::array();
       for (size_t i = 0; i < layers.size(); ++i) {
         layers[i]->check_device_errors();
-        Json c = Json::object();
-        c["impl"] = settings[i].first;
-        c["minibatch_rows"] = layers[i]->minibatch_rows();
-        c["comm_ctas"] = layers[i]->comm_ctas();
-        c["engine_rows"] = layers[i]->engine_rows();
-        c["ring_blocks"] = layers[i]->ring_blocks();
-        c["ctas_per_rank"] = layers[i]->ctas_per_rank();
-        configs.push_back(c);
+        configs.push_back({{"impl", settings[i].first}, {"minibatch_rows", layers[i]->minibatch_rows()},
+                           {"comm_ctas", layers[i]->comm_ctas()}, {"engine_rows", layers[i]->engine_rows()},
+                           {"ring_blocks", layers[i]->ring_blocks()}, {"ctas_per_rank", layers[i]->ctas_per_rank()}});
       }
       j["layers"] = configs;
       return j;
@@ -275,26 +352,49 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   }
 
   if (o.gemms) {
+    // Each GEMM's references: what the reference chain's GEMMs wrote for token set 0, kept aside. The
+    // GEMMs run on what the two chains' forwards on set 0 leave (permuted tokens, hidden activations), in
+    // one layout: both plan on the host from the same routing. Padding rows are not compared.
+    const int64_t rows = plan.padded_rows;
+    cublas.forward(x[0].data(), d_weights.data(), y_cublas.data(), GemmCalls::kGroupedBatched, stream);
+    unfused.forward(x[0].data(), d_weights.data(), y_pounce.data(), stream);
+    DeviceBuffer<__nv_bfloat16> ref_gate_up(rows * 2 * I), ref_hidden(rows * I), ref_out(rows * H);
+    for (const auto& [to, from] : {std::pair(&ref_gate_up, cublas.gate_up()), std::pair(&ref_hidden, cublas.hidden()),
+                                   std::pair(&ref_out, cublas.expert_out())})
+      CUDA_CHECK(cudaMemcpyAsync(to->data(), from, to->bytes(), cudaMemcpyDeviceToDevice, stream));
+    auto gemm_output = [&](const __nv_bfloat16* got, const DeviceBuffer<__nv_bfloat16>& want, int64_t width,
+                           const char* reference) {
+      return Output{got, [&want](int) -> const __nv_bfloat16* { return want.data(); }, rows, width,
+                    plan.row_token.data(), reference, "row"};
+    };
     const double routes = double(plan.routes);
     Json gemms = Json::object();
     for (Gemm which : {Gemm::kGateUp, Gemm::kDown}) {
       const bool gate_up = which == Gemm::kGateUp;
+      // cuBLAS's GEMM1 writes gate/up before SwiGLU, pounce's the SwiGLU output; pounce's GEMM2 reads
+      // pounce's GEMM1 output, so it is checked against the cuBLAS chain's GEMM2 output like cuBLAS's own.
+      const Output cublas_output = gate_up ? gemm_output(cublas.gate_up(), ref_gate_up, 2 * I, "cuBLAS chain's gate/up")
+                                           : gemm_output(cublas.expert_out(), ref_out, H, "cuBLAS chain's GEMM2 output");
+      const Output pounce_output = gate_up
+                                       ? gemm_output(unfused.hidden(), ref_hidden, I, "cuBLAS chain's SwiGLU output")
+                                       : gemm_output(unfused.expert_out(), ref_out, H, "cuBLAS chain's GEMM2 output");
       std::vector<Candidate> candidates;
       for (GemmCalls calls : {GemmCalls::kLoop, GemmCalls::kGroupedBatched})
-        candidates.push_back({baseline::gemm_calls_name(calls),
-                              [&, calls, which](int) { cublas.run_gemm(which, calls, stream); }});
-      candidates.push_back({gate_up ? "pounce (SwiGLU fused)" : "pounce", [&, which](int) {
-                              unfused.run_gemm(which, stream, gemm::GemmTuning{});
-                            }});
+        candidates.push_back({baseline::gemm_calls_name(calls), Role::kBaseline,
+                              [&, calls, which](int) { cublas.run_gemm(which, calls, stream); }, cublas_output});
+      candidates.push_back({gate_up ? "pounce (SwiGLU fused)" : "pounce", Role::kPounce,
+                            [&, which](int) { unfused.run_gemm(which, stream, gemm::GemmTuning{}); }, pounce_output});
       // Tuning sweep, recorded so the default stays justified by measurement.
       for (int band : {8, 32})
-        candidates.push_back({"pounce, band " + std::to_string(band), [&, which, band](int) {
+        candidates.push_back({"pounce, band " + std::to_string(band), Role::kPounce,
+                              [&, which, band](int) {
                                 unfused.run_gemm(which, stream, gemm::GemmTuning{.band_m_blocks = band});
-                              }});
+                              },
+                              pounce_output});
       candidates.push_back(dense_reference);
       const double flops = gate_up ? 2.0 * routes * 2 * I * H : 2.0 * routes * H * I;
       gemms[gate_up ? "gemm1_gate_up" : "gemm2_down"] =
-          compare(s.name, gate_up ? "GEMM1 gate/up" : "GEMM2 down", flops, candidates, o, dense_tflops, table, stream);
+          compare(s.name, gate_up ? "GEMM1 gate/up" : "GEMM2 down", flops, candidates, o, dense_tflops, report, stream);
     }
     result["grouped_gemms"] = gemms;
   }

@@ -21,6 +21,12 @@ const std::vector<MoeModelShape>& shape_catalogue() {
   return shapes;
 }
 
+std::vector<std::string> shape_names() {
+  std::vector<std::string> names;
+  for (const auto& s : shape_catalogue()) names.push_back(s.name);
+  return names;
+}
+
 const MoeModelShape& default_shape() { return shape_catalogue().front(); }
 
 std::vector<MoeModelShape> select_shapes(const std::string& names) {
@@ -37,7 +43,7 @@ std::vector<MoeModelShape> select_shapes(const std::string& names) {
       }
     if (!found) {
       std::string known;
-      for (const auto& s : shape_catalogue()) known += " " + s.name;
+      for (const auto& n : shape_names()) known += " " + n;
       POUNCE_FAIL("unknown shape '", name, "'; known:", known, " (or all)");
     }
   }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -36,9 +37,13 @@ inline Timing summarize(std::vector<double> ms) {
 // shuffled order: at the power cap a run's clocks depend on what ran just before it (a low-power
 // predecessor leaves headroom), and a fixed order would hand every candidate the same predecessor.
 // launch(rep) enqueues one run on `stream`; rep counts over warm-up and timed runs, so callers can
-// rotate input sets (rep % sets) to keep out of the L2 cache.
+// rotate input sets (rep % sets) to keep out of the L2 cache. before_last(c) and after_last(c), when
+// given, enqueue work around candidate c's last timed run, outside its events: the benchmark poisons
+// c's output before it and checks that output after it, so what it checks is a timed run's.
 template <typename Launch>
-std::vector<Timing> time_interleaved(const std::vector<Launch>& launches, cudaStream_t stream, int warmup, int reps) {
+std::vector<Timing> time_interleaved(const std::vector<Launch>& launches, cudaStream_t stream, int warmup, int reps,
+                                     const std::function<void(size_t)>& before_last = {},
+                                     const std::function<void(size_t)>& after_last = {}) {
   for (int i = 0; i < warmup; ++i)
     for (const Launch& launch : launches) launch(i);
   const size_t n = launches.size();
@@ -49,10 +54,13 @@ std::vector<Timing> time_interleaved(const std::vector<Launch>& launches, cudaSt
   std::mt19937 shuffle_rng(2026);
   for (int i = 0; i < reps; ++i) {
     std::shuffle(order.begin(), order.end(), shuffle_rng);
+    const bool last = i == reps - 1;
     for (const size_t c : order) {
+      if (last && before_last) before_last(c);
       CUDA_CHECK(cudaEventRecord(events[2 * (i * n + c)], stream));
       launches[c](warmup + i);
       CUDA_CHECK(cudaEventRecord(events[2 * (i * n + c) + 1], stream));
+      if (last && after_last) after_last(c);
     }
   }
   CUDA_CHECK(cudaStreamSynchronize(stream));

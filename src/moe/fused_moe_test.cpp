@@ -584,5 +584,30 @@ TEST(FusedMoe, RealModelSizeMatchesTheCublasChainTokenByToken) {
   }
 }
 
+// The memory formula of the README: ring, combine slots and schedule per rank, against what the layer
+// reports it allocated (to within a quarter of a byte per routed row of capacity, plus a few KiB).
+TEST(FusedMoe, DeviceBytesFollowTheDocumentedFormula) {
+  POUNCE_REQUIRE_HOPPER();
+  struct Setup {
+    EpConfig config;
+    int64_t ring_blocks;  // 0: default
+  };
+  for (const Setup& setup : {Setup{{1, 32, 8, 7168, 2048, 8192}, 0}, Setup{{2, 16, 6, 1024, 512, 3000}, 40},
+                             Setup{{4, 256, 8, 2048, 768, 2048}, 0}}) {
+    const EpConfig& c = setup.config;
+    FusedMoeOptions options;
+    options.ring_blocks = setup.ring_blocks;
+    FusedMoe layer(c, options);
+    const int64_t P = c.ranks, T = c.max_tokens_per_rank, k = c.topk, H = c.hidden, I = c.intermediate;
+    const int64_t E = c.local_experts(), R = P * T * std::min(k, E) + 127 * E;
+    const int64_t ring = layer.ring_blocks() * 128 * (2 * H + I) * 2;
+    const int64_t slots = layer.in_place() ? 0 : T * k * H * 2;
+    const int64_t schedule = 12 * R + 4 * P * ((T + 63) / 64) * E + 4 * T + (layer.in_place() ? 4 * T * k : 0);
+    const int64_t documented = P * (ring + slots + schedule);  // virtual ranks: every rank on this GPU
+    EXPECT_NEAR(double(layer.device_bytes()), double(documented), double(P * (R / 4 + 4096)))
+        << "P " << P << ", ring " << layer.ring_blocks() << " m-blocks, in place " << layer.in_place();
+  }
+}
+
 }  // namespace
 }  // namespace pounce::moe
