@@ -33,9 +33,13 @@ int run(int argc, char** argv) {
         const int64_t n = ctas == 1 ? rows / 8 : rows;  // one CTA: fewer rows, same per-CTA rate
         const Timing t = copies.run(n, row_bytes, ctas, engine_rows, 2, 7);
         const double gbps = double(n) * row_bytes / (t.median_ms * 1e-3) / 1e9;
-        std::printf("%11d %9u %5d %10.3f %12.1f %14.1f\n", engine_rows, row_bytes, ctas, t.median_ms, gbps, gbps / ctas);
-        runs.push_back({{"engine_rows", engine_rows}, {"row_bytes", row_bytes}, {"ctas", ctas},
-                        {"median_ms", t.median_ms}, {"gbps", gbps}});
+        std::printf("%11d %9u %5d %10.3f %12.1f %14.1f\n", engine_rows, row_bytes, ctas, t.median_ms, gbps,
+                    gbps / ctas);
+        runs.push_back({{"engine_rows", engine_rows},
+                        {"row_bytes", row_bytes},
+                        {"ctas", ctas},
+                        {"median_ms", t.median_ms},
+                        {"gbps", gbps}});
       }
   const Json doc = {{"gpu", gpu_info().name}, {"commit", commit ? commit : "unknown"}, {"rows", rows}, {"runs", runs}};
   if (!json_path.empty()) std::ofstream(json_path) << doc.dump(2) << '\n';
@@ -45,4 +49,6 @@ int run(int argc, char** argv) {
 }  // namespace
 }  // namespace pounce::bench
 
-int main(int argc, char** argv) { return pounce::bench::guarded_main("pounce_copy_bench", pounce::bench::run, argc, argv); }
+int main(int argc, char** argv) {
+  return pounce::bench::guarded_main("pounce_copy_bench", pounce::bench::run, argc, argv);
+}

@@ -1,9 +1,8 @@
-#include "copy_engine/copy_engine_bench.h"
-
 #include <algorithm>
 #include <random>
 
 #include "common/cuda_check.h"
+#include "copy_engine/copy_engine_bench.h"
 #include "moe/row_mover.cuh"
 
 namespace pounce::moe {

@@ -7,17 +7,17 @@
 //
 // Options: --help. $POUNCE_COMMIT is recorded in the JSON.
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <array>
 #include <optional>
 #include <random>
 
-#include "bench/device_fill.h"
-#include "bench/guarded_main.h"
 #include "bench/bench.h"
 #include "bench/cli.h"
+#include "bench/device_fill.h"
+#include "bench/guarded_main.h"
 #include "comm/gpu_threads.h"
 #include "comm/nccl_window.h"
 #include "common/gpu.h"
@@ -64,18 +64,28 @@ Json summarize(DispatchMode mode, const char* transport, int P, int gpus, int co
   for (const DispatchRankTimes& t : any) bytes += t.bytes, remote_bytes += t.remote_rows * row_bytes;
   const double first_us = median(first), all_us = median(all), launch_ms = median(s.launch_ms);
   const double gbps = all_us > 0 ? double(bytes) / gpus / (all_us * 1e-6) / 1e9 : 0;
-  std::printf("%-5s %-9s %2d %5d %14.1f %13.1f %10.3f %9.1f\n", moe::dispatch_mode_name(mode), transport, P,
-              comm_ctas, first_us, all_us, launch_ms, gbps);
-  Json j = {{"mode", moe::dispatch_mode_name(mode)}, {"transport", transport}, {"ranks", P}, {"gpus", gpus},
-            {"comm_ctas", comm_ctas}, {"first_tile_us_slowest_rank", first_us}, {"all_ready_us_slowest_rank", all_us},
-            {"launch_ms", launch_ms}, {"bytes_moved", bytes}, {"bytes_from_other_ranks", remote_bytes},
+  std::printf("%-5s %-9s %2d %5d %14.1f %13.1f %10.3f %9.1f\n", moe::dispatch_mode_name(mode), transport, P, comm_ctas,
+              first_us, all_us, launch_ms, gbps);
+  Json j = {{"mode", moe::dispatch_mode_name(mode)},
+            {"transport", transport},
+            {"ranks", P},
+            {"gpus", gpus},
+            {"comm_ctas", comm_ctas},
+            {"first_tile_us_slowest_rank", first_us},
+            {"all_ready_us_slowest_rank", all_us},
+            {"launch_ms", launch_ms},
+            {"bytes_moved", bytes},
+            {"bytes_from_other_ranks", remote_bytes},
             {"gbps_per_gpu", gbps}};
   Json per_rank = Json::array();
   for (size_t r = 0; r < any.size(); ++r) {
     std::vector<double> f, a;
     for (const auto& ranks : s.reps) f.push_back(ranks[r].first_us), a.push_back(ranks[r].all_us);
-    per_rank.push_back({{"rank", any[r].rank}, {"m_blocks", any[r].blocks}, {"rows", any[r].rows},
-                        {"remote_rows", any[r].remote_rows}, {"first_tile_us", median(f)},
+    per_rank.push_back({{"rank", any[r].rank},
+                        {"m_blocks", any[r].blocks},
+                        {"rows", any[r].rows},
+                        {"remote_rows", any[r].remote_rows},
+                        {"first_tile_us", median(f)},
                         {"all_ready_us", median(a)}});
   }
   j["per_rank"] = per_rank;
@@ -114,8 +124,7 @@ int run(int argc, char** argv) {
                  "rows of each 128-row item the bulk-copy engine moves beside the warps; -1: the fused layer's "
                  "default for the row length (moe::balanced_engine_rows)")
       ->check(CLI::Range(-1, 128));
-  app.add_option("--ring-blocks", o.ring_blocks, "m-blocks moved per rank; 0: every m-block")
-      ->check(at_least(0));
+  app.add_option("--ring-blocks", o.ring_blocks, "m-blocks moved per rank; 0: every m-block")->check(at_least(0));
   app.add_option("--reps", o.reps, "timed runs of each mode (medians are reported)")->check(at_least(1));
   app.add_option("--warmup", o.warmup, "untimed runs of each mode first")->check(at_least(0));
   app.add_option("--json", json_path, "write the results to this file");
@@ -130,24 +139,38 @@ int run(int argc, char** argv) {
   const char* commit = std::getenv("POUNCE_COMMIT");
   // What the probe will use (it checks the option's range itself).
   const int engine_rows = o.engine_rows >= 0 ? o.engine_rows : moe::balanced_engine_rows(2 * H);
-  std::printf("GPU %s x %d, commit %s: %s dispatch, H %ld, top-%ld, %ld tokens per rank, %ld experts over the "
-              "ranks, uniform routing, %d comm CTAs of 384 threads, %d engine rows per item, ring %s, median of "
-              "%d runs\n",
-              gpu_info().name.c_str(), gpus, commit ? commit : "unknown", shape.name.c_str(), long(H),
-              long(shape.topk), long(T), long(shape.model_experts), o.comm_ctas, engine_rows,
-              o.ring_blocks ? std::to_string(o.ring_blocks).c_str() : "every m-block", o.reps);
+  std::printf(
+      "GPU %s x %d, commit %s: %s dispatch, H %ld, top-%ld, %ld tokens per rank, %ld experts over the "
+      "ranks, uniform routing, %d comm CTAs of 384 threads, %d engine rows per item, ring %s, median of "
+      "%d runs\n",
+      gpu_info().name.c_str(), gpus, commit ? commit : "unknown", shape.name.c_str(), long(H), long(shape.topk),
+      long(T), long(shape.model_experts), o.comm_ctas, engine_rows,
+      o.ring_blocks ? std::to_string(o.ring_blocks).c_str() : "every m-block", o.reps);
   std::printf("mode  transport  P  comm  first-tile us  all-ready us  launch ms  GB/s/GPU\n");
 
-  Json doc = {{"gpu", gpu_info().name}, {"visible_gpus", gpus}, {"commit", commit ? commit : "unknown"},
-              {"shape", shape.name}, {"hidden", H}, {"topk", shape.topk}, {"experts", shape.model_experts},
-              {"tokens_per_rank", T}, {"routing", "uniform"}, {"engine_rows", engine_rows},
-              {"ring_blocks_option", o.ring_blocks}, {"reps", o.reps}, {"warmup", o.warmup}};
+  Json doc = {{"gpu", gpu_info().name},
+              {"visible_gpus", gpus},
+              {"commit", commit ? commit : "unknown"},
+              {"shape", shape.name},
+              {"hidden", H},
+              {"topk", shape.topk},
+              {"experts", shape.model_experts},
+              {"tokens_per_rank", T},
+              {"routing", "uniform"},
+              {"engine_rows", engine_rows},
+              {"ring_blocks_option", o.ring_blocks},
+              {"reps", o.reps},
+              {"warmup", o.warmup}};
   Json rows = Json::array();
 
   std::mt19937_64 rng(42);
   auto config_for = [&](int P) {
-    return EpConfig{.ranks = P, .experts = int(shape.model_experts), .topk = int(shape.topk),
-                             .hidden = H, .intermediate = shape.intermediate, .max_tokens_per_rank = T};
+    return EpConfig{.ranks = P,
+                    .experts = int(shape.model_experts),
+                    .topk = int(shape.topk),
+                    .hidden = H,
+                    .intermediate = shape.intermediate,
+                    .max_tokens_per_rank = T};
   };
   auto routing_for = [&](int P) {
     std::vector<std::vector<int32_t>> ids;
@@ -214,4 +237,6 @@ int run(int argc, char** argv) {
 }  // namespace
 }  // namespace pounce::bench
 
-int main(int argc, char** argv) { return pounce::bench::guarded_main("pounce_dispatch_bench", pounce::bench::run, argc, argv); }
+int main(int argc, char** argv) {
+  return pounce::bench::guarded_main("pounce_dispatch_bench", pounce::bench::run, argc, argv);
+}

@@ -1,7 +1,5 @@
 // The dispatch probe's kernel and its host side (moe/dispatch_probe.h). Per rank of the launch:
 // comm_ctas row-moving CTAs, then one tile-gate CTA whose first thread does the timing.
-#include "dispatch_probe/dispatch_probe.h"
-
 #include <algorithm>
 #include <string>
 
@@ -9,6 +7,7 @@
 #include "common/cooperative_launch.h"
 #include "common/cuda_check.h"
 #include "common/gpu.h"
+#include "dispatch_probe/dispatch_probe.h"
 #include "moe/copy_engine.cuh"
 #include "moe/fused_params.h"
 #include "moe/row_mover.cuh"
@@ -24,13 +23,13 @@ static_assert(kRows == kBlockM, "an item is at most one m-block, as move_rows' r
 // One rank of the launch.
 struct ProbeRank {
   int32_t rank;
-  int32_t items;                  // in this run's mode
-  int32_t blocks;                 // m-blocks this rank receives (the gate waits for them)
+  int32_t items;   // in this run's mode
+  int32_t blocks;  // m-blocks this rank receives (the gate waits for them)
   const DispatchItem* item;
   const DispatchRow* row;
-  const uint32_t* block_rows;     // push: routed rows per m-block, the ready target
+  const uint32_t* block_rows;  // push: routed rows per m-block, the ready target
   uint32_t* ticket;
-  uint64_t* times;                // t0, t_first, t_all
+  uint64_t* times;  // t0, t_first, t_all
 };
 
 struct ProbeParams {
@@ -39,7 +38,7 @@ struct ProbeParams {
   int32_t push;               // DispatchMode::kPush
   int32_t peers_on_this_gpu;  // every rank on this GPU: push may fence at GPU scope
   int32_t stall_rank;
-  uint32_t epoch;             // run number: start flags count up, never cleared
+  uint32_t epoch;  // run number: start flags count up, never cleared
   uint64_t wait_timeout_ns;
   DeviceErrorSink error;
   ProbeRank rank[DispatchPeers::kMaxRanks];
@@ -76,8 +75,10 @@ __device__ void signal_ready(const ProbeParams& p, const DispatchItem& item) {
   // fused combine signals arrivals: one fence orders every row (the engine's completed by flush, the
   // warps' before move_rows' barrier, so cumulative) before a relaxed red, and the destination acquires
   // at the same scope when it sees the count.
-  if (p.peers_on_this_gpu) ptx::fence_acq_rel_gpu();
-  else ptx::fence_acq_rel_sys();
+  if (p.peers_on_this_gpu)
+    ptx::fence_acq_rel_gpu();
+  else
+    ptx::fence_acq_rel_sys();
   ptx::red_relaxed_sys_add(ready, uint32_t(item.rows));
 }
 
@@ -151,8 +152,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_probe_kernel(const __gri
   ProbeShared& s = *reinterpret_cast<ProbeShared*>((reinterpret_cast<uintptr_t>(smem_raw) + 127) & ~uintptr_t(127));
   const int per_rank = p.comm_ctas + 1;
   const ProbeRank& rs = p.rank[blockIdx.x / per_rank];
-  if (int(blockIdx.x % per_rank) < p.comm_ctas) move_items(p, rs, s);
-  else if (threadIdx.x == 0) run_tile_gate(p, rs);
+  if (int(blockIdx.x % per_rank) < p.comm_ctas)
+    move_items(p, rs, s);
+  else if (threadIdx.x == 0)
+    run_tile_gate(p, rs);
 }
 
 constexpr size_t kSharedBytes = sizeof(ProbeShared) + 128;
@@ -180,8 +183,8 @@ DispatchProbe::DispatchProbe(const EpConfig& config, std::span<const std::vector
   peers_on_this_gpu_ = true;
 }
 
-DispatchProbe::DispatchProbe(const EpConfig& config, std::span<const std::vector<int32_t>> topk_ids,
-                             ncclComm_t comm, const DispatchProbeOptions& options)
+DispatchProbe::DispatchProbe(const EpConfig& config, std::span<const std::vector<int32_t>> topk_ids, ncclComm_t comm,
+                             const DispatchProbeOptions& options)
     : config_(config), options_(options) {
   int rank = 0, ranks = 0;
   NCCL_CHECK(ncclCommUserRank(comm, &rank));
@@ -220,13 +223,15 @@ void DispatchProbe::setup(std::span<const std::vector<int32_t>> topk_ids, int la
                  gpu_info().present ? gpu_info().name : gpu_info().why_absent);
   const int comm = options_.comm_ctas;
   POUNCE_REQUIRE(comm >= 1 && launch_ranks * (comm + 1) <= gpu_info().multiprocessors, "dispatch probe: ", comm,
-                 " comm CTAs + 1 gate CTA per rank x ", launch_ranks, " ranks must be at least 1 and at most the GPU's ",
-                 gpu_info().multiprocessors, " multiprocessors (every CTA must be resident)");
-  POUNCE_REQUIRE(options_.wait_timeout_ns > 0 && options_.ring_blocks >= 0, "dispatch probe: wait_timeout_ns = ",
-                 options_.wait_timeout_ns, " must be positive and ring_blocks = ", options_.ring_blocks,
-                 " not negative");
-  POUNCE_REQUIRE(options_.engine_rows >= -1 && options_.engine_rows <= kRows, "dispatch probe: engine_rows = ",
-                 options_.engine_rows, " must be -1 (default) or in [0, ", kRows, "]");
+                 " comm CTAs + 1 gate CTA per rank x ", launch_ranks,
+                 " ranks must be at least 1 and at most the GPU's ", gpu_info().multiprocessors,
+                 " multiprocessors (every CTA must be resident)");
+  POUNCE_REQUIRE(options_.wait_timeout_ns > 0 && options_.ring_blocks >= 0,
+                 "dispatch probe: wait_timeout_ns = ", options_.wait_timeout_ns,
+                 " must be positive and ring_blocks = ", options_.ring_blocks, " not negative");
+  POUNCE_REQUIRE(options_.engine_rows >= -1 && options_.engine_rows <= kRows,
+                 "dispatch probe: engine_rows = ", options_.engine_rows, " must be -1 (default) or in [0, ", kRows,
+                 "]");
   engine_rows_ = options_.engine_rows >= 0 ? options_.engine_rows : balanced_engine_rows(config_.hidden * 2);
 
   const std::vector<planner::RankSchedule> schedules = dispatch_schedules(config_, topk_ids);
@@ -243,8 +248,11 @@ void DispatchProbe::setup(std::span<const std::vector<int32_t>> topk_ids, int la
       w.rows[m] = DeviceBuffer<DispatchRow>(plan.moves[m].rows);
     }
     w.block_rows = DeviceBuffer<uint32_t>(plan.block_rows);
-    w.stats = {.rank = first_rank + lr, .blocks = int64_t(plan.block_rows.size()), .rows = plan.rows,
-               .remote_rows = plan.remote_rows, .bytes = plan.rows * config_.hidden * 2};
+    w.stats = {.rank = first_rank + lr,
+               .blocks = int64_t(plan.block_rows.size()),
+               .rows = plan.rows,
+               .remote_rows = plan.remote_rows,
+               .bytes = plan.rows * config_.hidden * 2};
   }
   first_rank_ = first_rank;
   tickets_ = DeviceBuffer<uint32_t>(launch_ranks);

@@ -22,13 +22,12 @@
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <nccl.h>
 
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <vector>
-
-#include <nccl.h>
 
 #include "comm/nccl_window.h"
 #include "common/device_buffer.h"
@@ -39,12 +38,12 @@
 namespace pounce::moe {
 
 struct DispatchProbeOptions {
-  int comm_ctas = 12;            // row-moving CTAs per rank (plus one tile-gate CTA per rank)
-  int engine_rows = -1;          // rows of each item the bulk-copy engine moves, the CTA's warps the rest;
-                                 // -1: the fused layer's default for the row length (balanced_engine_rows)
-  int64_t ring_blocks = 0;       // m-blocks moved per rank (ring size); 0: all m-blocks of the largest schedule
+  int comm_ctas = 12;       // row-moving CTAs per rank (plus one tile-gate CTA per rank)
+  int engine_rows = -1;     // rows of each item the bulk-copy engine moves, the CTA's warps the rest;
+                            // -1: the fused layer's default for the row length (balanced_engine_rows)
+  int64_t ring_blocks = 0;  // m-blocks moved per rank (ring size); 0: all m-blocks of the largest schedule
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait
-  int stall_rank = -1;           // fault injection (tests): this rank's communication CTAs move nothing
+  int stall_rank = -1;                          // fault injection (tests): this rank's communication CTAs move nothing
 };
 
 // One rank's result of one run.
@@ -66,10 +65,10 @@ struct DispatchRun {
 // Every rank's symmetric buffers, indexed by global rank (what the kernel sees of the transport).
 struct DispatchPeers {
   static constexpr int kMaxRanks = comm::PeerTable::kMaxRanks;
-  __nv_bfloat16* x[kMaxRanks];        // [T_max, H]
-  __nv_bfloat16* ring[kMaxRanks];     // [R * 128, H]
-  uint32_t* ready[kMaxRanks];         // [R] per m-block: pull +1, push + rows
-  uint32_t* start_flags[kMaxRanks];   // [P] the run number each rank has started
+  __nv_bfloat16* x[kMaxRanks];       // [T_max, H]
+  __nv_bfloat16* ring[kMaxRanks];    // [R * 128, H]
+  uint32_t* ready[kMaxRanks];        // [R] per m-block: pull +1, push + rows
+  uint32_t* start_flags[kMaxRanks];  // [P] the run number each rank has started
 };
 
 class DispatchProbe {
@@ -104,8 +103,8 @@ class DispatchProbe {
   struct RankWork {
     DeviceBuffer<DispatchItem> items[2];  // [DispatchMode]
     DeviceBuffer<DispatchRow> rows[2];
-    DeviceBuffer<uint32_t> block_rows;    // push's ready targets
-    DispatchRankTimes stats;              // rank, blocks, rows, remote_rows, bytes
+    DeviceBuffer<uint32_t> block_rows;  // push's ready targets
+    DispatchRankTimes stats;            // rank, blocks, rows, remote_rows, bytes
   };
   void setup(std::span<const std::vector<int32_t>> topk_ids, int launch_ranks, int first_rank);
   int launch_rank(int rank) const;

@@ -2,6 +2,8 @@
 // a run every routed row of every rank's ring holds its x row bit for bit, padding rows keep the poison,
 // and pull and push give identical rings — on virtual ranks, on one NCCL rank and across every GPU. A
 // stalled rank must end in a timeout error naming the counter, not a hang.
+#include "dispatch_probe/dispatch_probe.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -12,7 +14,6 @@
 #include "comm/nccl_window.h"
 #include "common/gpu.h"
 #include "common/testing.h"
-#include "dispatch_probe/dispatch_probe.h"
 #include "moe/fused_params.h"
 #include "reference/synthetic_routing.h"
 
@@ -50,7 +51,11 @@ struct Inputs {
 
 Inputs make_inputs(std::mt19937_64& rng, const Case& c) {
   Inputs in;
-  in.config = {.ranks = c.ranks, .experts = c.experts, .topk = c.topk, .hidden = c.hidden, .intermediate = 64,
+  in.config = {.ranks = c.ranks,
+               .experts = c.experts,
+               .topk = c.topk,
+               .hidden = c.hidden,
+               .intermediate = 64,
                .max_tokens_per_rank = c.tokens + c.ranks};
   for (int r = 0; r < c.ranks; ++r) {
     const int64_t t = c.tokens + r;
@@ -83,8 +88,8 @@ std::string first_difference(const Ring& got, const Ring& want, int64_t H) {
   if (got.size() != want.size()) return "sizes " + std::to_string(got.size()) + " vs " + std::to_string(want.size());
   for (size_t i = 0; i < got.size(); ++i)
     if (got[i] != want[i])
-      return "ring row " + std::to_string(i / H) + ", element " + std::to_string(i % H) + ": " + std::to_string(got[i]) +
-             " vs " + std::to_string(want[i]);
+      return "ring row " + std::to_string(i / H) + ", element " + std::to_string(i % H) + ": " +
+             std::to_string(got[i]) + " vs " + std::to_string(want[i]);
   return "";
 }
 
@@ -127,7 +132,8 @@ void expect_rings_in_every_mode(DispatchProbe& probe, const Inputs& in, std::spa
     SCOPED_TRACE(dispatch_mode_name(mode));
     runs.push_back(run_mode(probe, mode, ranks));
     for (size_t i = 0; i < ranks.size(); ++i)
-      EXPECT_EQ(first_difference(runs.back()[i], expected_ring(in, ranks[i], probe.ring_blocks()), in.config.hidden), "")
+      EXPECT_EQ(first_difference(runs.back()[i], expected_ring(in, ranks[i], probe.ring_blocks()), in.config.hidden),
+                "")
           << "rank " << ranks[i];
   }
   for (size_t i = 0; i < ranks.size(); ++i)
@@ -156,20 +162,19 @@ TEST_P(DispatchProbeTest, PullAndPushFillEveryRingWithItsRowsOnVirtualRanks) {
   expect_rings_in_every_mode(probe, in, all_ranks(c.ranks));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    VirtualRanks, DispatchProbeTest,
-    ::testing::Values(Case{1, 300, 256, 8, 2, RoutingPattern::kUniform},
-                      Case{1, 1000, 512, 16, 4, RoutingPattern::kZipf, 3},
-                      Case{2, 0, 128, 8, 2, RoutingPattern::kUniform},
-                      Case{2, 501, 256, 8, 4, RoutingPattern::kUniform, 0, 4},
-                      Case{2, 777, 384, 16, 6, RoutingPattern::kZipf, 0, 1},
-                      Case{4, 300, 256, 16, 4, RoutingPattern::kUniform, 0, 3},
-                      Case{4, 999, 1024, 32, 8, RoutingPattern::kZipf, 2, 5},
-                      // move_rows' split: warps only, the engine only, and some of each.
-                      Case{2, 640, 512, 8, 4, RoutingPattern::kZipf, 0, 3, 0},
-                      Case{2, 640, 512, 8, 4, RoutingPattern::kZipf, 0, 3, 128},
-                      Case{1, 300, 2048, 8, 2, RoutingPattern::kUniform, 0, 2, 7}),
-    testing::NameFromPrintTo());
+INSTANTIATE_TEST_SUITE_P(VirtualRanks, DispatchProbeTest,
+                         ::testing::Values(Case{1, 300, 256, 8, 2, RoutingPattern::kUniform},
+                                           Case{1, 1000, 512, 16, 4, RoutingPattern::kZipf, 3},
+                                           Case{2, 0, 128, 8, 2, RoutingPattern::kUniform},
+                                           Case{2, 501, 256, 8, 4, RoutingPattern::kUniform, 0, 4},
+                                           Case{2, 777, 384, 16, 6, RoutingPattern::kZipf, 0, 1},
+                                           Case{4, 300, 256, 16, 4, RoutingPattern::kUniform, 0, 3},
+                                           Case{4, 999, 1024, 32, 8, RoutingPattern::kZipf, 2, 5},
+                                           // move_rows' split: warps only, the engine only, and some of each.
+                                           Case{2, 640, 512, 8, 4, RoutingPattern::kZipf, 0, 3, 0},
+                                           Case{2, 640, 512, 8, 4, RoutingPattern::kZipf, 0, 3, 128},
+                                           Case{1, 300, 2048, 8, 2, RoutingPattern::kUniform, 0, 2, 7}),
+                         testing::NameFromPrintTo());
 
 // The NCCL transport at one rank: rows read and written through the symmetric window.
 TEST(DispatchProbe, NcclOneRankFillsItsRingInBothModes) {

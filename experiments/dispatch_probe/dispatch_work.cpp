@@ -32,7 +32,8 @@ RankDispatchPlan plan_dispatch(std::span<const planner::RankSchedule> schedules,
     const int32_t first = int32_t(w.rows.size());
     for (int64_t row = b * kBlockM; row < (b + 1) * kBlockM; ++row) {
       const int32_t source = schedules[d].row_source_rank[row];
-      if (source >= 0 && (only < 0 || source == only)) w.rows.push_back({source, schedules[d].row_token[row], int32_t(row)});
+      if (source >= 0 && (only < 0 || source == only))
+        w.rows.push_back({source, schedules[d].row_token[row], int32_t(row)});
     }
     const int32_t n = int32_t(w.rows.size()) - first;
     if (n > 0) w.items.push_back({d, int32_t(b), first, n});

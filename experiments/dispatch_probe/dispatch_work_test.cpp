@@ -2,12 +2,13 @@
 // rank, in either mode, must write each routed row of each destination's first R m-blocks exactly once,
 // to the right ring row, and nothing else; push items hold one source's rows and come b first, then d;
 // the per-m-block row counts are what push's readiness counters must reach.
+#include "dispatch_probe/dispatch_work.h"
+
 #include <gtest/gtest.h>
 
 #include <map>
 
 #include "common/testing.h"
-#include "dispatch_probe/dispatch_work.h"
 #include "reference/synthetic_routing.h"
 
 namespace pounce::moe {
@@ -29,8 +30,12 @@ int64_t key(int32_t source, int32_t token) { return int64_t(source) << 32 | uint
 void check_case(const Case& c, std::mt19937_64& rng) {
   SCOPED_TRACE("P " + std::to_string(c.ranks) + ", " + reference::routing_pattern_name(c.pattern) + ", ring " +
                std::to_string(c.ring_blocks));
-  const EpConfig config{.ranks = c.ranks, .experts = c.experts, .topk = c.topk, .hidden = 64,
-                                 .intermediate = 64, .max_tokens_per_rank = c.tokens + 3 * c.ranks};
+  const EpConfig config{.ranks = c.ranks,
+                        .experts = c.experts,
+                        .topk = c.topk,
+                        .hidden = 64,
+                        .intermediate = 64,
+                        .max_tokens_per_rank = c.tokens + 3 * c.ranks};
   std::vector<std::vector<int32_t>> ids;
   for (int r = 0; r < c.ranks; ++r)
     ids.push_back(reference::synthetic_topk_ids(c.pattern, c.tokens + 3 * r, c.experts, c.topk, rng));
@@ -106,10 +111,10 @@ void check_case(const Case& c, std::mt19937_64& rng) {
 
 TEST(DispatchWork, EveryItemInEitherModeWritesEachRoutedRowOnceToItsRingRow) {
   auto rng = testing::fresh_rng();
-  const Case cases[] = {{1, 300, 8, 2, RoutingPattern::kUniform, 0},     {1, 1000, 16, 4, RoutingPattern::kZipf, 3},
-                        {2, 0, 8, 2, RoutingPattern::kUniform, 0},       {2, 501, 8, 4, RoutingPattern::kOneExpert, 0},
-                        {3, 400, 12, 3, RoutingPattern::kHalfEmpty, 2},  {4, 999, 32, 8, RoutingPattern::kZipf, 0},
-                        {8, 257, 64, 8, RoutingPattern::kUniform, 5},    {8, 1000, 256, 8, RoutingPattern::kUniform, 0}};
+  const Case cases[] = {{1, 300, 8, 2, RoutingPattern::kUniform, 0},    {1, 1000, 16, 4, RoutingPattern::kZipf, 3},
+                        {2, 0, 8, 2, RoutingPattern::kUniform, 0},      {2, 501, 8, 4, RoutingPattern::kOneExpert, 0},
+                        {3, 400, 12, 3, RoutingPattern::kHalfEmpty, 2}, {4, 999, 32, 8, RoutingPattern::kZipf, 0},
+                        {8, 257, 64, 8, RoutingPattern::kUniform, 5},   {8, 1000, 256, 8, RoutingPattern::kUniform, 0}};
   for (const Case& c : cases) check_case(c, rng);
 }
 

@@ -7,9 +7,9 @@
 namespace pounce {
 
 // What the fused layer supports; check_config() names the first limit a config breaks.
-inline constexpr int kMaxRanks = 8;                                 // one NVLink node
-inline constexpr int kMaxLocalExperts = 1024;                       // experts per rank
-inline constexpr int64_t kMaxHidden = 65536;                        // and intermediate; both multiples of 64
+inline constexpr int kMaxRanks = 8;            // one NVLink node
+inline constexpr int kMaxLocalExperts = 1024;  // experts per rank
+inline constexpr int64_t kMaxHidden = 65536;   // and intermediate; both multiples of 64
 inline constexpr int64_t kMaxTokensPerRank = (int64_t(1) << 24) - 1;
 
 struct EpConfig {

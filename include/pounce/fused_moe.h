@@ -38,14 +38,14 @@ struct LayerTesting;
 // Optional tuning. Zero means "choose from the shape and the GPU"; the defaults are what the
 // benchmarks measured best.
 struct FusedMoeOptions {
-  int ctas_per_rank = 0;       // CTAs (one per SM) per rank; 0: the GPU's SMs / ranks on this GPU
-  int comm_ctas = 0;           // of those, CTAs that move rows (dispatch, combine); 0: from the shape
-  int engine_rows = -1;        // rows of each 128-row copy item the bulk-copy engine moves (the CTA's
-                               // warps move the rest); -1: balanced for the row length
-  int64_t minibatch_rows = 0;  // routed rows per minibatch; 0: two waves of GEMM1 tiles
-  int64_t ring_blocks = 0;     // ring size in 128-row blocks per rank; 0: as ring_bytes allows
-  int64_t ring_bytes = 0;      // ring budget per rank; 0: one rank: every routed row (then nothing is
-                               // combined), more ranks: 1 GiB. docs/fused_moe.md gives the formula.
+  int ctas_per_rank = 0;                        // CTAs (one per SM) per rank; 0: the GPU's SMs / ranks on this GPU
+  int comm_ctas = 0;                            // of those, CTAs that move rows (dispatch, combine); 0: from the shape
+  int engine_rows = -1;                         // rows of each 128-row copy item the bulk-copy engine moves (the CTA's
+                                                // warps move the rest); -1: balanced for the row length
+  int64_t minibatch_rows = 0;                   // routed rows per minibatch; 0: two waves of GEMM1 tiles
+  int64_t ring_blocks = 0;                      // ring size in 128-row blocks per rank; 0: as ring_bytes allows
+  int64_t ring_bytes = 0;                       // ring budget per rank; 0: one rank: every routed row (then nothing is
+                                                // combined), more ranks: 1 GiB. docs/fused_moe.md gives the formula.
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // any single wait inside the kernel; then a named error
 };
 

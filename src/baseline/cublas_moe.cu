@@ -1,5 +1,4 @@
 #include "baseline/cublas_moe.h"
-
 #include "baseline/moe_kernels.h"
 #include "common/cuda_check.h"
 
@@ -83,10 +82,9 @@ void CublasMoe::run_gemm(Gemm which, GemmCalls calls, cudaStream_t stream) {
   // Both operands are K-major: lda = ldb = K, ldc = N.
   if (calls == GemmCalls::kGroupedBatched) {
     CUBLAS_CHECK(cublasGemmGroupedBatchedEx(handle_, g.trans_a.data(), g.trans_b.data(), g.m.data(), g.n.data(),
-                                            g.k.data(), g.alpha.data(), g.a.data(), CUDA_R_16BF, g.k.data(),
-                                            g.b.data(), CUDA_R_16BF, g.k.data(), g.beta.data(), g.c.data(),
-                                            CUDA_R_16BF, g.m.data(), groups, g.group_size.data(),
-                                            CUBLAS_COMPUTE_32F));
+                                            g.k.data(), g.alpha.data(), g.a.data(), CUDA_R_16BF, g.k.data(), g.b.data(),
+                                            CUDA_R_16BF, g.k.data(), g.beta.data(), g.c.data(), CUDA_R_16BF, g.m.data(),
+                                            groups, g.group_size.data(), CUBLAS_COMPUTE_32F));
     return;
   }
   for (int i = 0; i < groups; ++i)

@@ -1,7 +1,6 @@
-#include "baseline/moe_kernels.h"
-
 #include <algorithm>
 
+#include "baseline/moe_kernels.h"
 #include "common/cuda_check.h"
 
 namespace pounce::baseline {
@@ -69,8 +68,8 @@ __global__ void weighted_combine_kernel(const uint4* out, const int32_t* route_r
 
 }  // namespace
 
-void permute_rows(const __nv_bfloat16* x, const int32_t* row_token, int64_t rows, int64_t hidden,
-                  __nv_bfloat16* pool, cudaStream_t stream) {
+void permute_rows(const __nv_bfloat16* x, const int32_t* row_token, int64_t rows, int64_t hidden, __nv_bfloat16* pool,
+                  cudaStream_t stream) {
   POUNCE_REQUIRE(hidden % kVec == 0, "permute_rows: hidden = ", hidden, " must be a multiple of ", kVec);
   if (rows == 0) return;
   permute_rows_kernel<<<grid_for(rows), kThreads, 0, stream>>>(reinterpret_cast<const uint4*>(x), row_token, rows,

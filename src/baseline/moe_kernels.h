@@ -12,8 +12,8 @@ namespace pounce::baseline {
 
 // pool[r] = x[row_token[r]]; rows whose token is -1 (padding up to a 128-row m-block) are zero-filled,
 // so a GEMM may read them as data harmlessly.
-void permute_rows(const __nv_bfloat16* x, const int32_t* row_token, int64_t rows, int64_t hidden,
-                  __nv_bfloat16* pool, cudaStream_t stream);
+void permute_rows(const __nv_bfloat16* x, const int32_t* row_token, int64_t rows, int64_t hidden, __nv_bfloat16* pool,
+                  cudaStream_t stream);
 
 // hidden[r, i] = silu(gate) * up from the interleaved GEMM1 output h13 [rows, 2I] (groups of 8).
 void swiglu_rows(const __nv_bfloat16* h13, int64_t rows, int64_t intermediate, __nv_bfloat16* hidden,

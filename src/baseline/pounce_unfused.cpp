@@ -68,11 +68,10 @@ void PounceUnfusedMoe::forward(const __nv_bfloat16* x, const float* topk_weights
 }
 
 void PounceUnfusedMoe::forward_with_device_schedule(const __nv_bfloat16* x, const int32_t* topk_ids, int64_t tokens,
-                                                    const float* topk_weights, __nv_bfloat16* y,
-                                                    cudaStream_t stream) {
+                                                    const float* topk_weights, __nv_bfloat16* y, cudaStream_t stream) {
   POUNCE_REQUIRE(w13_, "PounceUnfusedMoe: call set_weights first");
-  POUNCE_REQUIRE(tokens >= 0 && tokens <= dims_.max_tokens && (tokens == 0 || topk_ids), "PounceUnfusedMoe: ",
-                 tokens, " tokens (at most ", dims_.max_tokens, ") with topk_ids ", topk_ids ? "set" : "null");
+  POUNCE_REQUIRE(tokens >= 0 && tokens <= dims_.max_tokens && (tokens == 0 || topk_ids), "PounceUnfusedMoe: ", tokens,
+                 " tokens (at most ", dims_.max_tokens, ") with topk_ids ", topk_ids ? "set" : "null");
   if (!device_planner_) {
     // One minibatch row count is as good as another: the unfused GEMMs ignore minibatches.
     device_planner_ = std::make_unique<planner::DevicePlanner>(single_rank_config(dims_), kBlockM);

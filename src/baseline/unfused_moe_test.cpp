@@ -44,8 +44,11 @@ TEST_P(UnfusedMoeTest, MatchesHostReference) {
   DeviceBuffer<float> d_weights(weights);
   auto bf16 = [](const DeviceBuffer<uint16_t>& b) { return reinterpret_cast<__nv_bfloat16*>(b.data()); };
 
-  const MoeDims dims{.max_tokens = p.tokens + 5, .hidden = p.hidden, .intermediate = p.intermediate,
-                     .experts = p.experts, .topk = p.topk};
+  const MoeDims dims{.max_tokens = p.tokens + 5,
+                     .hidden = p.hidden,
+                     .intermediate = p.intermediate,
+                     .experts = p.experts,
+                     .topk = p.topk};
   auto check = [&](const char* what, auto&& forward) {
     SCOPED_TRACE(what);
     d_y.fill_bytes(0xFF);  // NaN in bf16: an unwritten element fails the comparison
@@ -88,14 +91,13 @@ TEST_P(UnfusedMoeTest, MatchesHostReference) {
   EXPECT_EQ(d_y.download(), host_scheduled);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, UnfusedMoeTest,
-    ::testing::Values(Case{300, 256, 128, 8, 2, RoutingPattern::kUniform},
-                      Case{129, 512, 192, 16, 4, RoutingPattern::kZipf},
-                      Case{64, 256, 64, 16, 4, RoutingPattern::kHalfEmpty},
-                      Case{1, 128, 64, 4, 1, RoutingPattern::kUniform},
-                      Case{200, 384, 256, 6, 3, RoutingPattern::kOneExpert}),
-    testing::NameFromPrintTo());
+INSTANTIATE_TEST_SUITE_P(Shapes, UnfusedMoeTest,
+                         ::testing::Values(Case{300, 256, 128, 8, 2, RoutingPattern::kUniform},
+                                           Case{129, 512, 192, 16, 4, RoutingPattern::kZipf},
+                                           Case{64, 256, 64, 16, 4, RoutingPattern::kHalfEmpty},
+                                           Case{1, 128, 64, 4, 1, RoutingPattern::kUniform},
+                                           Case{200, 384, 256, 6, 3, RoutingPattern::kOneExpert}),
+                         testing::NameFromPrintTo());
 
 TEST(UnfusedMoe, ZeroTokensRunsAndWritesNothing) {
   POUNCE_REQUIRE_HOPPER();

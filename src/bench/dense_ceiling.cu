@@ -1,8 +1,7 @@
-#include "bench/dense_ceiling.h"
-
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
+#include "bench/dense_ceiling.h"
 #include "bench/device_fill.h"
 #include "common/device_buffer.h"
 

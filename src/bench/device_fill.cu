@@ -1,7 +1,6 @@
-#include "bench/device_fill.h"
-
 #include <cuda_fp8.h>
 
+#include "bench/device_fill.h"
 #include "common/cuda_check.h"
 
 namespace pounce::bench {

@@ -46,9 +46,12 @@ int run(int argc, char** argv) {
   POUNCE_REQUIRE(P >= 2, "pounce_ep_bench needs at least two GPUs; this machine has ", gpus);
   const MoeModelShape s = select_shapes(shape_name).front();
   POUNCE_REQUIRE(s.model_experts % P == 0, s.name, ": ", s.model_experts, " experts do not split over ", P, " GPUs");
-  const EpConfig config{.ranks = P, .experts = int(s.model_experts), .topk = int(s.topk),
-                                 .hidden = s.hidden, .intermediate = s.intermediate,
-                                 .max_tokens_per_rank = s.slice_tokens};
+  const EpConfig config{.ranks = P,
+                        .experts = int(s.model_experts),
+                        .topk = int(s.topk),
+                        .hidden = s.hidden,
+                        .intermediate = s.intermediate,
+                        .max_tokens_per_rank = s.slice_tokens};
   const int64_t T = s.slice_tokens, H = s.hidden, I = s.intermediate, E = s.model_experts, k = s.topk;
   std::printf("%s over %d GPUs: %ld experts (%ld per GPU), %ld tokens per GPU, top-%ld, %s routing\n", s.name.c_str(),
               P, long(E), long(E / P), long(T), long(k), routing.c_str());
@@ -66,7 +69,7 @@ int run(int argc, char** argv) {
       const int owner = int(e / (E / P));
       routes_in[owner] += 1;
       if (owner == r) continue;
-      sent[r] += 2.0 * H;      // the token row, pulled by the owner
+      sent[r] += 2.0 * H;  // the token row, pulled by the owner
       received[owner] += 2.0 * H;
       received[r] += 2.0 * H;  // its output, pushed back
       sent[owner] += 2.0 * H;
@@ -117,9 +120,10 @@ int run(int argc, char** argv) {
   double slowest = 0;
   for (const Timing& t : timings) slowest = std::max(slowest, t.median_ms);
   const char* commit = std::getenv("POUNCE_COMMIT");
-  Json out = {{"gpu", gpu_info().name}, {"commit", commit ? commit : "unknown"}, {"shape", s.name}, {"gpus", P},
-              {"routing", routing}, {"tokens_per_gpu", T}, {"comm_ctas", comm_ctas},
-              {"forward_ms_slowest_rank", slowest}};
+  Json out = {{"gpu", gpu_info().name}, {"commit", commit ? commit : "unknown"},
+              {"shape", s.name},        {"gpus", P},
+              {"routing", routing},     {"tokens_per_gpu", T},
+              {"comm_ctas", comm_ctas}, {"forward_ms_slowest_rank", slowest}};
   // Memory per GPU: its experts' weights, and what the layer allocated (ring, schedule, combine slots).
   const int64_t weight_bytes = int64_t(w13_elems + w2_elems) * 2;
   out["weight_bytes_per_gpu"] = weight_bytes;
@@ -134,7 +138,10 @@ int run(int argc, char** argv) {
     const double tflops = 6.0 * routes_in[r] * double(H) * double(I) / (slowest * 1e-3) / 1e12;
     const double out_gbps = sent[r] / (slowest * 1e-3) / 1e9, in_gbps = received[r] / (slowest * 1e-3) / 1e9;
     std::printf("%4d  %9.3f  %7.1f  %15.1f  %5.1f\n", r, ms, tflops, out_gbps, in_gbps);
-    ranks.push_back({{"rank", r}, {"timing", timings[r]}, {"tflops_at_slowest", tflops}, {"nvlink_out_gbps", out_gbps},
+    ranks.push_back({{"rank", r},
+                     {"timing", timings[r]},
+                     {"tflops_at_slowest", tflops},
+                     {"nvlink_out_gbps", out_gbps},
                      {"nvlink_in_gbps", in_gbps}});
   }
   out["ranks"] = ranks;
@@ -145,4 +152,6 @@ int run(int argc, char** argv) {
 }  // namespace
 }  // namespace pounce::bench
 
-int main(int argc, char** argv) { return pounce::bench::guarded_main("pounce_ep_bench", pounce::bench::run, argc, argv); }
+int main(int argc, char** argv) {
+  return pounce::bench::guarded_main("pounce_ep_bench", pounce::bench::run, argc, argv);
+}

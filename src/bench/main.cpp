@@ -16,8 +16,8 @@
 #include "bench/dense_ceiling.h"
 #include "comm/nccl_window.h"
 #include "common/cuda_check.h"
-#include "common/require.h"
 #include "common/gpu.h"
+#include "common/require.h"
 #include "reference/moe_layer.h"
 #include "reference/moe_layer_ep.h"
 #include "reference/synthetic_routing.h"
@@ -31,18 +31,17 @@ void add_options(CLI::App& app, Options& o) {
   std::string names;
   for (const std::string& n : shape_names()) names += " " + n;
   app.option_defaults()->always_capture_default();
-  app.add_option("--shapes", o.shapes, "catalogue shapes, comma-separated, or all; shapes:" + names)
-      ->check(kShapeList);
+  app.add_option("--shapes", o.shapes, "catalogue shapes, comma-separated, or all; shapes:" + names)->check(kShapeList);
   app.add_option("--routing", o.routing, "synthetic routing pattern")->check(CLI::IsMember(routing_names()));
-  app.add_option("--warmup", o.warmup, "untimed runs of every candidate before timing")
-      ->check(at_least(0));
-  app.add_option("--reps", o.reps, "timed runs of every candidate (the median is reported)")
-      ->check(at_least(1));
+  app.add_option("--warmup", o.warmup, "untimed runs of every candidate before timing")->check(at_least(0));
+  app.add_option("--reps", o.reps, "timed runs of every candidate (the median is reported)")->check(at_least(1));
   app.add_option("--json", o.json_path, "write the results to this file");
   app.add_option("--commit", o.commit, "git commit recorded with the results")->envname("POUNCE_COMMIT");
-  app.add_flag_callback("--no-gemms", [&o] { o.gemms = false; }, "skip timing each grouped GEMM alone");
-  app.add_flag("--sweeps", o.sweeps, "fused layer sweeps: comm CTAs at every shape; minibatch, engine rows, "
-                                     "ring and virtual ranks at the default shape");
+  app.add_flag_callback(
+      "--no-gemms", [&o] { o.gemms = false; }, "skip timing each grouped GEMM alone");
+  app.add_flag("--sweeps", o.sweeps,
+               "fused layer sweeps: comm CTAs at every shape; minibatch, engine rows, "
+               "ring and virtual ranks at the default shape");
 }
 
 // ---- no GPU: the host reference at a small shape ---------------------------------------------------
@@ -75,8 +74,12 @@ int run_host_reference() {
 
   // The same layer split over 4 expert-parallel ranks must agree.
   const int P = 4;
-  EpConfig config{.ranks = P, .experts = int(shape.experts), .topk = int(shape.topk), .hidden = shape.hidden,
-                           .intermediate = shape.intermediate, .max_tokens_per_rank = shape.tokens / P};
+  EpConfig config{.ranks = P,
+                  .experts = int(shape.experts),
+                  .topk = int(shape.topk),
+                  .hidden = shape.hidden,
+                  .intermediate = shape.intermediate,
+                  .max_tokens_per_rank = shape.tokens / P};
   std::vector<reference::EpRankInputs> ranks(P);
   const int64_t per = shape.tokens / P, H = shape.hidden, k = shape.topk;
   for (int r = 0; r < P; ++r)
@@ -93,8 +96,11 @@ int run_host_reference() {
 
   auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
   std::printf("  forward  %8.1f ms (host, double accumulation)   ||y|| = %.6f\n", ms(t0, t1), std::sqrt(y_norm));
-  std::printf("  backward %8.1f ms (host)                        ||dx|| = %.6f\n", ms(t1, t2),
-              std::sqrt([&] { double s = 0; for (double v : g.dx) s += v * v; return s; }()));
+  std::printf("  backward %8.1f ms (host)                        ||dx|| = %.6f\n", ms(t1, t2), std::sqrt([&] {
+                double s = 0;
+                for (double v : g.dx) s += v * v;
+                return s;
+              }()));
   std::printf("  expert-parallel split over %d ranks: max |difference| to one rank = %.3g\n", P, max_diff);
   return max_diff < 1e-9 ? 0 : 1;
 }
@@ -122,9 +128,10 @@ Json environment(const Options& o) {
                     {"nccl_headers", NCCL_VERSION_CODE},
                     {"git_commit", o.commit.empty() ? "unknown" : o.commit},
                     {"date", date}};
-  std::printf("GPU %s (sm_%d%d, %d SMs), CUDA driver %d runtime %d, cuBLASLt %ld, NCCL runtime %d headers %d, commit %s\n",
-              gpu.name.c_str(), gpu.sm_major, gpu.sm_minor, gpu.multiprocessors, driver, runtime,
-              long(cublasLtGetVersion()), nccl, NCCL_VERSION_CODE, o.commit.empty() ? "unknown" : o.commit.c_str());
+  std::printf(
+      "GPU %s (sm_%d%d, %d SMs), CUDA driver %d runtime %d, cuBLASLt %ld, NCCL runtime %d headers %d, commit %s\n",
+      gpu.name.c_str(), gpu.sm_major, gpu.sm_minor, gpu.multiprocessors, driver, runtime, long(cublasLtGetVersion()),
+      nccl, NCCL_VERSION_CODE, o.commit.empty() ? "unknown" : o.commit.c_str());
   if (nccl != NCCL_VERSION_CODE)
     std::printf("WARNING: NCCL runtime %d differs from the headers built against (%d)\n", nccl, NCCL_VERSION_CODE);
   return env;
@@ -140,8 +147,10 @@ int run_gpu(const Options& o) {
   const Measured fp8 = dense_fp8_gemm(8192, false, o.warmup, o.reps, stream);
   const Measured fp8_fast = dense_fp8_gemm(8192, true, o.warmup, o.reps, stream);
   const Measured copy = hbm_copy(int64_t(4) << 30, o.warmup, o.reps, stream);
-  std::printf("\nceilings: cuBLAS 8192^3 BF16 %.1f TFLOP/s (%.3f ms), FP8 %.1f (fast accumulation %.1f), "
-              "HBM copy %.0f GB/s\n", bf16.rate, bf16.timing.median_ms, fp8.rate, fp8_fast.rate, copy.rate);
+  std::printf(
+      "\nceilings: cuBLAS 8192^3 BF16 %.1f TFLOP/s (%.3f ms), FP8 %.1f (fast accumulation %.1f), "
+      "HBM copy %.0f GB/s\n",
+      bf16.rate, bf16.timing.median_ms, fp8.rate, fp8_fast.rate, copy.rate);
   doc["ceilings"] = {{"dense_bf16_8192_tflops", bf16.rate},
                      {"dense_bf16_8192_timing", bf16.timing},
                      {"dense_fp8_8192_tflops", fp8.rate},
@@ -180,9 +189,9 @@ void print_table(const std::vector<Row>& rows) {
     return std::string(s);
   };
   for (const Row& r : rows)
-    std::printf("%-18s %-14s %-31s %9.3f %9.1f %8.1f%% %8s %10s %6s\n", r.shape.c_str(), r.what.c_str(),
-                r.impl.c_str(), r.ms, r.tflops, 100 * r.fraction_of_dense, ratio(r.speedup).c_str(),
-                ratio(r.vs_unfused).c_str(), r.check.c_str());
+    std::printf("%-18s %-14s %-31s %9.3f %9.1f %8.1f%% %8s %10s %6s\n", r.shape.c_str(), r.what.c_str(), r.impl.c_str(),
+                r.ms, r.tflops, 100 * r.fraction_of_dense, ratio(r.speedup).c_str(), ratio(r.vs_unfused).c_str(),
+                r.check.c_str());
   std::printf(
       "(of dense: share of the cuBLAS 8192^3 BF16 rate measured at the start of this run; the \"cublas dense\"\n"
       " rows time it again interleaved with each comparison; repetitions of one step's candidates are\n"

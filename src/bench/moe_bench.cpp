@@ -3,8 +3,8 @@
 // the reference chain's, on its first run and on its last timed run.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -130,7 +130,10 @@ Json compare(const std::string& shape, const std::string& what, double flops, co
     const Timing& t = timings[i];
     const double tflops = (c.flops > 0 ? c.flops : flops) / (t.median_ms * 1e-3) / 1e12;
     Row row{shape, what, c.impl, t.median_ms, tflops, tflops / dense_tflops, 0, 0, "-"};
-    Json j = {{"what", what}, {"impl", c.impl}, {"timing", t}, {"tflops", tflops},
+    Json j = {{"what", what},
+              {"impl", c.impl},
+              {"timing", t},
+              {"tflops", tflops},
               {"fraction_of_dense_bf16", tflops / dense_tflops}};
     double against = c.role == Role::kReference ? INFINITY : best_ms;
     std::string against_impl = best_impl;
@@ -189,8 +192,8 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   unfused.set_routing(ids, T);
   const baseline::RoutingPlan& plan = cublas.plan();
   DeviceBuffer<int32_t> d_ids(ids);
-  const EpConfig one_rank{.ranks = 1, .experts = int(E), .topk = int(k), .hidden = H, .intermediate = I,
-                                   .max_tokens_per_rank = T};
+  const EpConfig one_rank{
+      .ranks = 1, .experts = int(E), .topk = int(k), .hidden = H, .intermediate = I, .max_tokens_per_rank = T};
   FusedMoe fused(one_rank);
   fused.set_weights({w13.data(), w2.data()});
   auto fused_forward = [&](FusedMoe& layer, int set, __nv_bfloat16* y) {
@@ -198,9 +201,17 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     layer.forward(std::span(&io, 1), stream);
   };
 
-  Json result = {{"shape", s.name}, {"hidden", H}, {"intermediate", I}, {"model_experts", s.model_experts},
-                 {"local_experts", E}, {"tokens", T}, {"topk", k}, {"routing", o.routing}, {"routes", plan.routes},
-                 {"padded_rows", plan.padded_rows}, {"expert_routes", plan.expert_routes},
+  Json result = {{"shape", s.name},
+                 {"hidden", H},
+                 {"intermediate", I},
+                 {"model_experts", s.model_experts},
+                 {"local_experts", E},
+                 {"tokens", T},
+                 {"topk", k},
+                 {"routing", o.routing},
+                 {"routes", plan.routes},
+                 {"padded_rows", plan.padded_rows},
+                 {"expert_routes", plan.expert_routes},
                  {"forward_flops", s.forward_flops()}};
 
   // The reference every forward is checked against: the cuBLAS grouped-batched chain (bf16 GEMMs, fp32
@@ -208,8 +219,9 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   for (int i = kSets - 1; i >= 0; --i)
     cublas.forward(x[i].data(), d_weights.data(), y_ref[i].data(), GemmCalls::kGroupedBatched, stream);
   auto forward_output = [&](const __nv_bfloat16* y) {
-    return Output{y, [&](int rep) -> const __nv_bfloat16* { return y_ref[rep % kSets].data(); }, T, H, nullptr,
-                  "cublas_grouped_batched y"};
+    return Output{y,       [&](int rep) -> const __nv_bfloat16* { return y_ref[rep % kSets].data(); },
+                  T,       H,
+                  nullptr, "cublas_grouped_batched y"};
   };
   // The relative L2 differences of the summaries: the hidden activations here, y from the checks below.
   unfused.forward(x[0].data(), d_weights.data(), y_pounce.data(), stream);
@@ -222,22 +234,24 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   // The dense ceiling timed interleaved with every comparison: same clocks, same temperature (under
   // sustained load the H200 runs at its power cap and lowers its clocks).
   DenseBf16Gemm dense(8192);
-  const Candidate dense_reference{"cublas dense 8192^3", Role::kReference, [&](int) { dense.run(stream); }, {},
-                                  dense.flops()};
-  const Candidate unfused_forward{"pounce_unfused", Role::kUnfused, [&](int rep) {
-                                    unfused.forward(x[rep % kSets].data(), d_weights.data(), y_pounce.data(), stream);
-                                  },
-                                  forward_output(y_pounce.data())};
+  const Candidate dense_reference{
+      "cublas dense 8192^3", Role::kReference, [&](int) { dense.run(stream); }, {}, dense.flops()};
+  const Candidate unfused_forward{
+      "pounce_unfused", Role::kUnfused,
+      [&](int rep) { unfused.forward(x[rep % kSets].data(), d_weights.data(), y_pounce.data(), stream); },
+      forward_output(y_pounce.data())};
 
   std::vector<Candidate> forward;
   for (GemmCalls calls : {GemmCalls::kLoop, GemmCalls::kGroupedBatched})
-    forward.push_back({baseline::gemm_calls_name(calls), Role::kBaseline, [&, calls](int rep) {
+    forward.push_back({baseline::gemm_calls_name(calls), Role::kBaseline,
+                       [&, calls](int rep) {
                          cublas.forward(x[rep % kSets].data(), d_weights.data(), y_cublas.data(), calls, stream);
                        },
                        forward_output(y_cublas.data())});
   forward.push_back(unfused_forward);
   // The chain as the fused layer runs it: routing in device memory, scheduled on the GPU every forward.
-  forward.push_back({"pounce_unfused, device schedule", Role::kPounce, [&](int rep) {
+  forward.push_back({"pounce_unfused, device schedule", Role::kPounce,
+                     [&](int rep) {
                        unfused.forward_with_device_schedule(x[rep % kSets].data(), d_ids.data(), T, d_weights.data(),
                                                             y_pounce.data(), stream);
                      },
@@ -246,7 +260,9 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   // steps (permute, combine, planning) add, under the same clocks. A yardstick, not an implementation
   // of the forward: no speedup, and no check here (which forward's rows it reads varies; the GEMMs
   // are checked in the GEMM comparisons).
-  forward.push_back({"pounce GEMM1 + GEMM2 alone", Role::kReference, [&](int) {
+  forward.push_back({"pounce GEMM1 + GEMM2 alone",
+                     Role::kReference,
+                     [&](int) {
                        unfused.run_gemm(Gemm::kGateUp, stream);
                        unfused.run_gemm(Gemm::kDown, stream);
                      },
@@ -260,8 +276,10 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     if (impl == "pounce_unfused" || impl == "pounce_fused")
       result["relative_l2_difference"]["y_" + impl + "_vs_cublas"] = row["check"]["relative_l2"];
   }
-  result["fused_config"] = {{"comm_ctas", fused.comm_ctas()}, {"engine_rows", fused.engine_rows()},
-                            {"ctas_per_rank", fused.ctas_per_rank()}, {"minibatch_rows", fused.minibatch_rows()},
+  result["fused_config"] = {{"comm_ctas", fused.comm_ctas()},
+                            {"engine_rows", fused.engine_rows()},
+                            {"ctas_per_rank", fused.ctas_per_rank()},
+                            {"minibatch_rows", fused.minibatch_rows()},
                             {"ring_blocks", fused.ring_blocks()}};
 
   if (o.sweeps) {
@@ -281,7 +299,8 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
           local[r] = {w13.data() + r * (E / ranks) * 2 * I * H, w2.data() + r * (E / ranks) * H * I};
         layers.back()->set_weights(local);
         FusedMoe* layer = layers.back().get();
-        candidates.push_back({name, Role::kFused, [&, layer, ranks](int rep) {
+        candidates.push_back({name, Role::kFused,
+                              [&, layer, ranks](int rep) {
                                 // Rank r holds tokens [r T/P, (r+1) T/P) of the same batch.
                                 std::vector<RankIO> io(ranks);
                                 const int64_t per_rank = (T + ranks - 1) / ranks;
@@ -302,9 +321,12 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       Json configs = Json::array();
       for (size_t i = 0; i < layers.size(); ++i) {
         layers[i]->check_device_errors();
-        configs.push_back({{"impl", settings[i].first}, {"minibatch_rows", layers[i]->minibatch_rows()},
-                           {"comm_ctas", layers[i]->comm_ctas()}, {"engine_rows", layers[i]->engine_rows()},
-                           {"ring_blocks", layers[i]->ring_blocks()}, {"ctas_per_rank", layers[i]->ctas_per_rank()}});
+        configs.push_back({{"impl", settings[i].first},
+                           {"minibatch_rows", layers[i]->minibatch_rows()},
+                           {"comm_ctas", layers[i]->comm_ctas()},
+                           {"engine_rows", layers[i]->engine_rows()},
+                           {"ring_blocks", layers[i]->ring_blocks()},
+                           {"ctas_per_rank", layers[i]->ctas_per_rank()}});
       }
       j["layers"] = configs;
       return j;
@@ -341,7 +363,8 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       min_ring.comm_ctas = fused.comm_ctas();
       min_ring.ring_blocks = 2 * ((fused.minibatch_rows() + kBlockM - 1) / kBlockM);
       settings.push_back({std::string("ring default, ") + std::to_string(fused.ring_blocks()) + " m-blocks", {}});
-      settings.push_back({std::string("ring minimum, ") + std::to_string(min_ring.ring_blocks) + " m-blocks", min_ring});
+      settings.push_back(
+          {std::string("ring minimum, ") + std::to_string(min_ring.ring_blocks) + " m-blocks", min_ring});
       sweeps["ring"] = sweep("fused: ring", settings);
       Json ranks = Json::object();
       for (const char* P : {"1", "2", "4", "8"})
@@ -364,8 +387,13 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       CUDA_CHECK(cudaMemcpyAsync(to->data(), from, to->bytes(), cudaMemcpyDeviceToDevice, stream));
     auto gemm_output = [&](const __nv_bfloat16* got, const DeviceBuffer<__nv_bfloat16>& want, int64_t width,
                            const char* reference) {
-      return Output{got, [&want](int) -> const __nv_bfloat16* { return want.data(); }, rows, width,
-                    plan.row_token.data(), reference, "row"};
+      return Output{got,
+                    [&want](int) -> const __nv_bfloat16* { return want.data(); },
+                    rows,
+                    width,
+                    plan.row_token.data(),
+                    reference,
+                    "row"};
     };
     const double routes = double(plan.routes);
     Json gemms = Json::object();
@@ -373,8 +401,9 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       const bool gate_up = which == Gemm::kGateUp;
       // cuBLAS's GEMM1 writes gate/up before SwiGLU, pounce's the SwiGLU output; pounce's GEMM2 reads
       // pounce's GEMM1 output, so it is checked against the cuBLAS chain's GEMM2 output like cuBLAS's own.
-      const Output cublas_output = gate_up ? gemm_output(cublas.gate_up(), ref_gate_up, 2 * I, "cuBLAS chain's gate/up")
-                                           : gemm_output(cublas.expert_out(), ref_out, H, "cuBLAS chain's GEMM2 output");
+      const Output cublas_output = gate_up
+                                       ? gemm_output(cublas.gate_up(), ref_gate_up, 2 * I, "cuBLAS chain's gate/up")
+                                       : gemm_output(cublas.expert_out(), ref_out, H, "cuBLAS chain's GEMM2 output");
       const Output pounce_output = gate_up
                                        ? gemm_output(unfused.hidden(), ref_hidden, I, "cuBLAS chain's SwiGLU output")
                                        : gemm_output(unfused.expert_out(), ref_out, H, "cuBLAS chain's GEMM2 output");
@@ -386,11 +415,10 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                             [&, which](int) { unfused.run_gemm(which, stream, gemm::GemmTuning{}); }, pounce_output});
       // Tuning sweep, recorded so the default stays justified by measurement.
       for (int band : {8, 32})
-        candidates.push_back({"pounce, band " + std::to_string(band), Role::kPounce,
-                              [&, which, band](int) {
-                                unfused.run_gemm(which, stream, gemm::GemmTuning{.band_m_blocks = band});
-                              },
-                              pounce_output});
+        candidates.push_back(
+            {"pounce, band " + std::to_string(band), Role::kPounce,
+             [&, which, band](int) { unfused.run_gemm(which, stream, gemm::GemmTuning{.band_m_blocks = band}); },
+             pounce_output});
       candidates.push_back(dense_reference);
       const double flops = gate_up ? 2.0 * routes * 2 * I * H : 2.0 * routes * H * I;
       gemms[gate_up ? "gemm1_gate_up" : "gemm2_down"] =

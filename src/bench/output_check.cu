@@ -1,8 +1,7 @@
-#include "bench/output_check.h"
-
 #include <cmath>
 #include <vector>
 
+#include "bench/output_check.h"
 #include "common/cuda_check.h"
 
 namespace pounce::bench {

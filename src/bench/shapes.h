@@ -21,7 +21,7 @@ struct MoeModelShape {
 
 const std::vector<MoeModelShape>& shape_catalogue();
 std::vector<std::string> shape_names();  // the catalogue's, in its order
-const MoeModelShape& default_shape();  // DeepSeek-V3 slice: H 7168, I 2048, 32 experts, 8192 tokens, top-8
+const MoeModelShape& default_shape();    // DeepSeek-V3 slice: H 7168, I 2048, 32 experts, 8192 tokens, top-8
 // Names separated by commas, or "all". Throws pounce::Error naming an unknown shape.
 std::vector<MoeModelShape> select_shapes(const std::string& names);
 

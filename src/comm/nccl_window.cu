@@ -1,5 +1,3 @@
-#include "comm/nccl_window.h"
-
 #include <nccl_device.h>
 
 #include <algorithm>
@@ -10,6 +8,7 @@
 #include <numeric>
 #include <thread>
 
+#include "comm/nccl_window.h"
 #include "common/cuda_check.h"
 #include "common/device_buffer.h"
 
@@ -67,8 +66,8 @@ void destroy_single_process_comms(const std::vector<ncclComm_t>& comms) {
 }
 
 ncclComm_t init_rank_from_file(const std::string& id_file, int rank, int ranks, double timeout_s) {
-  POUNCE_REQUIRE(ranks >= 1 && ranks <= PeerTable::kMaxRanks && rank >= 0 && rank < ranks, "NCCL: rank ", rank,
-                 " of ", ranks, " is not a valid rank of a group of 1 to ", PeerTable::kMaxRanks);
+  POUNCE_REQUIRE(ranks >= 1 && ranks <= PeerTable::kMaxRanks && rank >= 0 && rank < ranks, "NCCL: rank ", rank, " of ",
+                 ranks, " is not a valid rank of a group of 1 to ", PeerTable::kMaxRanks);
   checked_nccl_version();
   disable_multicast();
   ncclUniqueId id;

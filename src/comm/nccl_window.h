@@ -14,10 +14,10 @@
 
 namespace pounce::comm {
 
-#define NCCL_CHECK(expr)                                                                            \
-  do {                                                                                              \
-    ncclResult_t pounce_nccl_status_ = (expr);                                                      \
-    if (pounce_nccl_status_ != ncclSuccess)                                                         \
+#define NCCL_CHECK(expr)                                                                                         \
+  do {                                                                                                           \
+    ncclResult_t pounce_nccl_status_ = (expr);                                                                   \
+    if (pounce_nccl_status_ != ncclSuccess)                                                                      \
       POUNCE_FAIL(#expr, " failed at ", __FILE__, ":", __LINE__, ": ", ncclGetErrorString(pounce_nccl_status_)); \
   } while (0)
 

@@ -1,14 +1,14 @@
 // The NCCL backend: at one rank on one GPU (NCCL refuses two ranks on one GPU) the version check, window
 // registration and LSA pointers that address the rank's own buffer; and the unique-id file handshake.
+#include "comm/nccl_window.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <cstdlib>
 #include <string>
 
-#include "comm/nccl_window.h"
 #include "common/cuda_check.h"
 #include "common/gpu.h"
 #include "common/testing.h"

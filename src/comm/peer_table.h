@@ -15,8 +15,8 @@ namespace pounce::comm {
 struct PeerTable {
   static constexpr int kMaxRanks = pounce::kMaxRanks;
   int32_t ranks = 0;
-  int32_t rank = 0;    // this rank
-  size_t bytes = 0;    // of each rank's symmetric buffer
+  int32_t rank = 0;  // this rank
+  size_t bytes = 0;  // of each rank's symmetric buffer
   uint8_t* base[kMaxRanks] = {};
 
   // Address of `offset` in rank r's symmetric buffer.

@@ -47,14 +47,15 @@ __device__ __forceinline__ void mbarrier_wait_bounded(uint64_t* bar, uint32_t pa
 // per poll would invalidate the SM's L1 on every iteration, slowing every other warp on the SM.
 template <Scope kScope = Scope::kGpu>
 __device__ __forceinline__ bool counter_wait_bounded(const uint32_t* counter, uint32_t target, const WaitSite& site,
-                                                     WaitTarget what, int64_t index,
-                                                     uint32_t max_backoff_ns = 2048) {
+                                                     WaitTarget what, int64_t index, uint32_t max_backoff_ns = 2048) {
   const auto load = [counter] {
     return kScope == Scope::kGpu ? ptx::ld_relaxed_gpu(counter) : ptx::ld_relaxed_sys(counter);
   };
   const auto acquire = [] {
-    if constexpr (kScope == Scope::kGpu) ptx::fence_acq_rel_gpu();
-    else ptx::fence_acq_rel_sys();
+    if constexpr (kScope == Scope::kGpu)
+      ptx::fence_acq_rel_gpu();
+    else
+      ptx::fence_acq_rel_sys();
   };
   uint32_t seen = load();
   if (int32_t(seen - target) >= 0) return acquire(), true;

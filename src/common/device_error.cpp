@@ -22,20 +22,26 @@ DeviceErrorSlot::~DeviceErrorSlot() {
   if (reported_) cudaFree(reported_);
 }
 
-bool DeviceErrorSlot::has_error() const {
-  return *reinterpret_cast<volatile uint32_t*>(&host_->code) != 0;
-}
+bool DeviceErrorSlot::has_error() const { return *reinterpret_cast<volatile uint32_t*>(&host_->code) != 0; }
 
 static const char* role_name(uint32_t role) {
   switch (DeviceRole(role)) {
-    case DeviceRole::kGemmProducer: return "gemm producer";
-    case DeviceRole::kGemmConsumer: return "gemm consumer";
-    case DeviceRole::kPlanner: return "planner";
-    case DeviceRole::kDispatch: return "dispatch";
-    case DeviceRole::kCombine: return "combine";
-    case DeviceRole::kWeightedSum: return "weighted sum";
-    case DeviceRole::kRankSync: return "rank sync";
-    case DeviceRole::kTileGate: return "tile gate";
+    case DeviceRole::kGemmProducer:
+      return "gemm producer";
+    case DeviceRole::kGemmConsumer:
+      return "gemm consumer";
+    case DeviceRole::kPlanner:
+      return "planner";
+    case DeviceRole::kDispatch:
+      return "dispatch";
+    case DeviceRole::kCombine:
+      return "combine";
+    case DeviceRole::kWeightedSum:
+      return "weighted sum";
+    case DeviceRole::kRankSync:
+      return "rank sync";
+    case DeviceRole::kTileGate:
+      return "tile gate";
   }
   return "unknown role";
 }
@@ -105,8 +111,8 @@ std::string DeviceErrorSlot::describe() const {
       out << "token " << r.index << " arrivals counter stayed at " << r.observed << ", expected >= " << r.expected;
       break;
     case WaitTarget::kRankBarrier:
-      out << "barrier " << r.index << " among the rank's CTAs stayed at " << r.observed << " arrivals, expected >= "
-          << r.expected;
+      out << "barrier " << r.index << " among the rank's CTAs stayed at " << r.observed
+          << " arrivals, expected >= " << r.expected;
       break;
     case WaitTarget::kStartFlag:
       out << "start flag of rank " << r.index << " stayed at " << r.observed << ", expected >= " << r.expected;
@@ -130,15 +136,15 @@ std::string DeviceErrorSlot::describe() const {
       out << "expert_offsets[experts] = " << r.observed << " exceeds the " << r.expected << " rows of the A buffer";
       break;
     case WaitTarget::kExpertIdInRange:
-      out << "topk_ids[token " << r.index << "][k " << r.position << "] = "
-          << int32_t(r.observed) << " is out of range [0, " << r.expected << ")";
+      out << "topk_ids[token " << r.index << "][k " << r.position << "] = " << int32_t(r.observed)
+          << " is out of range [0, " << r.expected << ")";
       break;
     case WaitTarget::kTokenCount:
       out << int64_t(r.observed) << " tokens, outside [0, max_tokens_per_rank = " << r.expected << "]";
       break;
     case WaitTarget::kDistinctExperts:
-      out << "token " << r.index << " lists expert " << r.observed << " twice (k "
-          << r.expected << " and k " << r.position << ")";
+      out << "token " << r.index << " lists expert " << r.observed << " twice (k " << r.expected << " and k "
+          << r.position << ")";
       break;
   }
   if (DeviceErrorCode(r.code) == DeviceErrorCode::kWaitTimeout)

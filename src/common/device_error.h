@@ -14,9 +14,9 @@ namespace pounce {
 
 enum class DeviceErrorCode : uint32_t {
   kNone = 0,
-  kWaitTimeout = 1,   // a bounded wait expired
-  kBadSchedule = 2,   // device-side inputs break an invariant (e.g. rows beyond the buffer)
-  kBadRouting = 3,    // topk_ids: an expert id out of range, or an expert twice in one token
+  kWaitTimeout = 1,  // a bounded wait expired
+  kBadSchedule = 2,  // device-side inputs break an invariant (e.g. rows beyond the buffer)
+  kBadRouting = 3,   // topk_ids: an expert id out of range, or an expert twice in one token
 };
 
 enum class DeviceRole : uint32_t {
@@ -32,12 +32,12 @@ enum class DeviceRole : uint32_t {
 
 // What the reporter was waiting for, or checking.
 enum class WaitTarget : uint32_t {
-  kMBlockReady = 0,  // readiness counter of an m-block (index = m-block)
-  kStageFull = 1,    // TMA data of a pipeline stage (index = stage)
-  kStageEmpty = 2,   // consumers releasing a pipeline stage (index = stage)
-  kTileInfo = 3,     // producer publishing the next tile (index = slot)
-  kTileInfoFree = 4, // consumers releasing a tile slot (index = slot)
-  kRowsInBounds = 5, // not a wait: expert_offsets[E] (observed) > buffer rows (expected)
+  kMBlockReady = 0,      // readiness counter of an m-block (index = m-block)
+  kStageFull = 1,        // TMA data of a pipeline stage (index = stage)
+  kStageEmpty = 2,       // consumers releasing a pipeline stage (index = stage)
+  kTileInfo = 3,         // producer publishing the next tile (index = slot)
+  kTileInfoFree = 4,     // consumers releasing a tile slot (index = slot)
+  kRowsInBounds = 5,     // not a wait: expert_offsets[E] (observed) > buffer rows (expected)
   kExpertIdInRange = 6,  // topk_ids[token = index][k = position] = observed, not in [0, expected)
   kDistinctExperts = 7,  // token index lists expert observed at k = expected and k = position
   kTokenCount = 8,       // a rank's token count (observed) outside [0, expected]

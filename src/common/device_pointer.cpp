@@ -14,7 +14,8 @@ PFN_cuMemGetAddressRange_v3020 address_range_query() {
   static PFN_cuMemGetAddressRange_v3020 query = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status;
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &status) != cudaSuccess ||
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
         status != cudaDriverEntryPointSuccess)
       fn = nullptr;
     return reinterpret_cast<PFN_cuMemGetAddressRange_v3020>(fn);

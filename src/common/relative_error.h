@@ -28,8 +28,8 @@ double relative_l2_error(std::span<const A> got, std::span<const B> want) {
 // while barely moving the whole tensor's: this is the check that catches it. NaN in a row gives NaN.
 template <typename A, typename B>
 double worst_row_error(std::span<const A> got, std::span<const B> want, size_t row_length) {
-  POUNCE_REQUIRE(got.size() == want.size() && row_length > 0 && got.size() % row_length == 0, "worst_row_error: ",
-                 got.size(), " values against ", want.size(), " in rows of ", row_length);
+  POUNCE_REQUIRE(got.size() == want.size() && row_length > 0 && got.size() % row_length == 0,
+                 "worst_row_error: ", got.size(), " values against ", want.size(), " in rows of ", row_length);
   double worst = 0;
   for (size_t first = 0; first < got.size(); first += row_length) {
     const double e = relative_l2_error(got.subspan(first, row_length), want.subspan(first, row_length));

@@ -22,8 +22,8 @@ std::string concat(const Parts&... parts) {
 #define POUNCE_FAIL(...) throw ::pounce::Error(::pounce::detail::concat(__VA_ARGS__))
 
 // Checks a precondition on user input or configuration; the message must say what is wrong.
-#define POUNCE_REQUIRE(cond, ...)  \
-  do {                             \
+#define POUNCE_REQUIRE(cond, ...)          \
+  do {                                     \
     if (!(cond)) POUNCE_FAIL(__VA_ARGS__); \
   } while (0)
 

@@ -8,13 +8,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <random>
-#include <sstream>
 #include <span>
+#include <sstream>
 #include <string>
 #include <vector>
 
-#include "common/require.h"
 #include "common/relative_error.h"
+#include "common/require.h"
 #include "formats/numerics.h"
 
 namespace pounce::testing {
@@ -95,7 +95,8 @@ struct NameFromPrintTo {
 template <typename F>
 void expect_error(F&& f, const std::string& needle) {
   const std::string message = error_message(std::forward<F>(f));
-  EXPECT_NE(message.find(needle), std::string::npos) << "message: " << message << "\nexpected it to contain: " << needle;
+  EXPECT_NE(message.find(needle), std::string::npos)
+      << "message: " << message << "\nexpected it to contain: " << needle;
 }
 
 }  // namespace pounce::testing

@@ -27,8 +27,10 @@ POUNCE_HOST_DEVICE inline int32_t expert_of_row(const int32_t* offsets, int32_t 
   int32_t lo = 0, hi = experts - 1;
   while (lo < hi) {
     const int32_t mid = (lo + hi + 1) / 2;
-    if (offsets[mid] <= row) lo = mid;
-    else hi = mid - 1;
+    if (offsets[mid] <= row)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }

@@ -41,8 +41,8 @@ int mx_scale_exponent(float amax);
 // 1x128 row-wise blocks. cols must be a multiple of 128.
 struct Fp8Rows1x128 {
   int64_t rows = 0, cols = 0;
-  std::vector<uint8_t> data;   // [rows, cols] E4M3
-  std::vector<float> scales;   // [rows, cols / 128], powers of two
+  std::vector<uint8_t> data;  // [rows, cols] E4M3
+  std::vector<float> scales;  // [rows, cols / 128], powers of two
 };
 Fp8Rows1x128 quantize_1x128(std::span<const float> x, int64_t rows, int64_t cols);
 std::vector<float> dequantize(const Fp8Rows1x128& q);
@@ -50,8 +50,8 @@ std::vector<float> dequantize(const Fp8Rows1x128& q);
 // 128x128 blocks (weights). rows and cols must be multiples of 128.
 struct Fp8Blocks128x128 {
   int64_t rows = 0, cols = 0;
-  std::vector<uint8_t> data;   // [rows, cols] E4M3
-  std::vector<float> scales;   // [rows / 128, cols / 128], powers of two
+  std::vector<uint8_t> data;  // [rows, cols] E4M3
+  std::vector<float> scales;  // [rows / 128, cols / 128], powers of two
 };
 Fp8Blocks128x128 quantize_128x128(std::span<const float> x, int64_t rows, int64_t cols);
 std::vector<float> dequantize(const Fp8Blocks128x128& q);
@@ -67,10 +67,10 @@ std::vector<float> dequantize(const Mxfp8& q);
 
 struct ReencodeReport {
   int64_t elements = 0;
-  int64_t changed = 0;            // elements whose dequantized value differs from the MXFP8 one
-  int64_t flushed_to_zero = 0;    // nonzero MXFP8 elements that became zero
-  double max_abs_error = 0;       // against the MXFP8 dequantized values
-  double relative_l2_error = 0;   // ||reencoded - mx|| / ||mx||, 0 when ||mx|| is 0
+  int64_t changed = 0;           // elements whose dequantized value differs from the MXFP8 one
+  int64_t flushed_to_zero = 0;   // nonzero MXFP8 elements that became zero
+  double max_abs_error = 0;      // against the MXFP8 dequantized values
+  double relative_l2_error = 0;  // ||reencoded - mx|| / ||mx||, 0 when ||mx|| is 0
 };
 // cols must be a multiple of 128. report may be null.
 Fp8Rows1x128 reencode_mxfp8_to_1x128(const Mxfp8& mx, ReencodeReport* report);

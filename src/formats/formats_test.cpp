@@ -98,29 +98,29 @@ float random_float(std::mt19937_64& rng, int lo, int hi) {
 
 TEST(Bf16, EdgeCases) {
   EXPECT_EQ(bf16_from_float(1.0f), 0x3F80);
-  EXPECT_EQ(bf16_from_float(1.0f + 0x1p-8f), 0x3F80);                // tie, kept lsb even: down
-  EXPECT_EQ(bf16_from_float(1.0f + 3 * 0x1p-8f), 0x3F82);            // tie, kept lsb odd: up
-  EXPECT_EQ(bf16_from_float(1.0f + 0x1p-8f + 0x1p-23f), 0x3F81);     // just above the tie
-  EXPECT_EQ(bf16_from_float(from_bits(0x3FFFFFFFu)), 0x4000);        // rounds up into the next binade
-  EXPECT_EQ(bf16_from_float(from_bits(0x7F7F0000u)), 0x7F7F);        // largest bf16 stays
+  EXPECT_EQ(bf16_from_float(1.0f + 0x1p-8f), 0x3F80);             // tie, kept lsb even: down
+  EXPECT_EQ(bf16_from_float(1.0f + 3 * 0x1p-8f), 0x3F82);         // tie, kept lsb odd: up
+  EXPECT_EQ(bf16_from_float(1.0f + 0x1p-8f + 0x1p-23f), 0x3F81);  // just above the tie
+  EXPECT_EQ(bf16_from_float(from_bits(0x3FFFFFFFu)), 0x4000);     // rounds up into the next binade
+  EXPECT_EQ(bf16_from_float(from_bits(0x7F7F0000u)), 0x7F7F);     // largest bf16 stays
   EXPECT_EQ(bf16_from_float(from_bits(0x7F7F7FFFu)), 0x7F7F);
-  EXPECT_EQ(bf16_from_float(from_bits(0x7F7F8000u)), 0x7F80);        // tie at the top: to Inf (even)
+  EXPECT_EQ(bf16_from_float(from_bits(0x7F7F8000u)), 0x7F80);  // tie at the top: to Inf (even)
   EXPECT_EQ(bf16_from_float(std::numeric_limits<float>::max()), 0x7F80);
   EXPECT_EQ(bf16_from_float(-std::numeric_limits<float>::max()), 0xFF80);
   EXPECT_EQ(bf16_from_float(kInf), 0x7F80);
   EXPECT_EQ(bf16_from_float(-kInf), 0xFF80);
   EXPECT_EQ(bf16_from_float(kNaN), kBf16NaN);
   EXPECT_EQ(bf16_from_float(-kNaN), kBf16NaN);
-  EXPECT_EQ(bf16_from_float(from_bits(0x7F800001u)), kBf16NaN);     // signalling NaN must not become Inf
+  EXPECT_EQ(bf16_from_float(from_bits(0x7F800001u)), kBf16NaN);  // signalling NaN must not become Inf
   EXPECT_EQ(bf16_from_float(from_bits(0xFFFFFFFFu)), kBf16NaN);
   EXPECT_EQ(bf16_from_float(0.0f), 0x0000);
   EXPECT_EQ(bf16_from_float(-0.0f), 0x8000);
-  EXPECT_EQ(bf16_from_float(from_bits(0x00008000u)), 0x0000);        // subnormal tie to 0
+  EXPECT_EQ(bf16_from_float(from_bits(0x00008000u)), 0x0000);  // subnormal tie to 0
   EXPECT_EQ(bf16_from_float(from_bits(0x80008000u)), 0x8000);
   EXPECT_EQ(bf16_from_float(from_bits(0x00008001u)), 0x0001);
-  EXPECT_EQ(bf16_from_float(from_bits(0x00018000u)), 0x0002);        // subnormal tie, odd: up
-  EXPECT_EQ(bf16_from_float(from_bits(0x807FFFFFu)), 0x8080);        // largest subnormal -> min normal
-  EXPECT_EQ(bits_of(bf16_to_float(0x0001)), 0x00010000u);            // 2^-133
+  EXPECT_EQ(bf16_from_float(from_bits(0x00018000u)), 0x0002);  // subnormal tie, odd: up
+  EXPECT_EQ(bf16_from_float(from_bits(0x807FFFFFu)), 0x8080);  // largest subnormal -> min normal
+  EXPECT_EQ(bits_of(bf16_to_float(0x0001)), 0x00010000u);      // 2^-133
   EXPECT_EQ(bf16_to_float(0x0001), 0x1p-133f);
   EXPECT_EQ(bits_of(bf16_to_float(0x8000)), 0x80000000u);
   EXPECT_TRUE(std::isnan(bf16_to_float(kBf16NaN)));
@@ -182,29 +182,47 @@ TEST(E4M3, DecodesKnownValues) {
 }
 
 TEST(E4M3, EdgeCases) {
-  struct Case { float x; uint8_t code; };
+  struct Case {
+    float x;
+    uint8_t code;
+  };
   const Case cases[] = {
-      {448.0f, 0x7E}, {449.0f, 0x7E}, {463.99f, 0x7E}, {464.0f, 0x7E}, {480.0f, 0x7E}, {1e9f, 0x7E},
-      {std::numeric_limits<float>::max(), 0x7E}, {kInf, 0x7E}, {-kInf, 0xFE}, {-464.0f, 0xFE},
-      {-1e9f, 0xFE}, {kNaN, 0x7F}, {-kNaN, 0x7F}, {from_bits(0x7F800001u), 0x7F},
-      {0x1p-9f, 0x01},                 // smallest subnormal
-      {0x1p-10f, 0x00},                // tie between 0 and 2^-9: to 0 (even)
-      {-0x1p-10f, 0x80},               // keeps the sign
-      {0x1p-10f + 0x1p-30f, 0x01},     // just above the tie
-      {1.5f * 0x1p-10f, 0x01},         // 0.75 quanta
-      {3 * 0x1p-10f, 0x02},            // tie between codes 1 and 2: to 2
-      {5 * 0x1p-10f, 0x02},            // tie between codes 2 and 3: to 2
-      {0x1p-149f, 0x00}, {-0x1p-149f, 0x80}, {0x1p-20f, 0x00},
-      {0.0f, 0x00}, {-0.0f, 0x80},
-      {7 * 0x1p-9f, 0x07},             // largest subnormal
-      {7.5f * 0x1p-9f, 0x08},          // tie, odd: rounds up into the normal range
-      {0x1p-6f, 0x08},                 // smallest normal
-      {1.0f, 0x38}, {1.0625f, 0x38},   // tie 1 / 1.125: to 1 (even)
-      {1.1875f, 0x3A},                 // tie 1.125 / 1.25: to 1.25 (even)
-      {1.9375f, 0x40},                 // tie 1.875 / 2: up into the next binade
+      {448.0f, 0x7E},
+      {449.0f, 0x7E},
+      {463.99f, 0x7E},
+      {464.0f, 0x7E},
+      {480.0f, 0x7E},
+      {1e9f, 0x7E},
+      {std::numeric_limits<float>::max(), 0x7E},
+      {kInf, 0x7E},
+      {-kInf, 0xFE},
+      {-464.0f, 0xFE},
+      {-1e9f, 0xFE},
+      {kNaN, 0x7F},
+      {-kNaN, 0x7F},
+      {from_bits(0x7F800001u), 0x7F},
+      {0x1p-9f, 0x01},              // smallest subnormal
+      {0x1p-10f, 0x00},             // tie between 0 and 2^-9: to 0 (even)
+      {-0x1p-10f, 0x80},            // keeps the sign
+      {0x1p-10f + 0x1p-30f, 0x01},  // just above the tie
+      {1.5f * 0x1p-10f, 0x01},      // 0.75 quanta
+      {3 * 0x1p-10f, 0x02},         // tie between codes 1 and 2: to 2
+      {5 * 0x1p-10f, 0x02},         // tie between codes 2 and 3: to 2
+      {0x1p-149f, 0x00},
+      {-0x1p-149f, 0x80},
+      {0x1p-20f, 0x00},
+      {0.0f, 0x00},
+      {-0.0f, 0x80},
+      {7 * 0x1p-9f, 0x07},     // largest subnormal
+      {7.5f * 0x1p-9f, 0x08},  // tie, odd: rounds up into the normal range
+      {0x1p-6f, 0x08},         // smallest normal
+      {1.0f, 0x38},
+      {1.0625f, 0x38},  // tie 1 / 1.125: to 1 (even)
+      {1.1875f, 0x3A},  // tie 1.125 / 1.25: to 1.25 (even)
+      {1.9375f, 0x40},  // tie 1.875 / 2: up into the next binade
       {-1.9375f, 0xC0},
-      {400.0f, 0x7C},                  // tie 384 / 416: to 384 (even)
-      {432.0f, 0x7E},                  // tie 416 / 448: to 448 (even)
+      {400.0f, 0x7C},  // tie 384 / 416: to 384 (even)
+      {432.0f, 0x7E},  // tie 416 / 448: to 448 (even)
       {431.99f, 0x7D},
   };
   for (const Case& c : cases) {
@@ -267,7 +285,7 @@ TEST(ScaleExponent, BlockwiseCeilRule) {
     EXPECT_EQ(blockwise_scale_exponent(std::nextafter(exact, 0.0f)), e) << "just below 448 * 2^" << e;
     EXPECT_EQ(blockwise_scale_exponent(std::ldexp(224.0f, e)), e - 1);
   }
-  EXPECT_EQ(blockwise_scale_exponent(1.0f), -8);   // 1 <= 448 * 2^-8 = 1.75, 1 > 0.875
+  EXPECT_EQ(blockwise_scale_exponent(1.0f), -8);  // 1 <= 448 * 2^-8 = 1.75, 1 > 0.875
   EXPECT_EQ(blockwise_scale_exponent(1.75f), -8);
   EXPECT_EQ(blockwise_scale_exponent(1.76f), -7);
   EXPECT_EQ(blockwise_scale_exponent(0.0f), 0);
@@ -277,8 +295,8 @@ TEST(ScaleExponent, BlockwiseCeilRule) {
   EXPECT_EQ(blockwise_scale_exponent(std::numeric_limits<float>::max()), 120);  // 2^128 <= 448 * 2^120
   EXPECT_EQ(blockwise_scale_exponent(std::ldexp(448.0f, -127)), -127);
   EXPECT_EQ(blockwise_scale_exponent(std::ldexp(449.0f, -128)), -127);
-  EXPECT_EQ(blockwise_scale_exponent(std::ldexp(448.0f, -128)), -127);           // clamped (would be -128)
-  EXPECT_EQ(blockwise_scale_exponent(0x1p-149f), -127);                          // clamped (would be -157)
+  EXPECT_EQ(blockwise_scale_exponent(std::ldexp(448.0f, -128)), -127);  // clamped (would be -128)
+  EXPECT_EQ(blockwise_scale_exponent(0x1p-149f), -127);                 // clamped (would be -157)
   expect_error([] { blockwise_scale_exponent(-1.0f); }, "negative");
 }
 
@@ -379,11 +397,11 @@ TEST(Quantize1x128, ZeroNaNAndInfBlocks) {
   auto rng = testing::fresh_rng();
   std::vector<float> x = testing::random_bf16_values(rng, 4 * 128, -3.0f, 3.0f);
   for (int i = 0; i < 128; ++i) x[i] = (i & 1) ? -0.0f : 0.0f;  // block 0: zeros, some negative
-  x[128 + 5] = kNaN;                                           // block 1: NaN and Inf among data
+  x[128 + 5] = kNaN;                                            // block 1: NaN and Inf among data
   x[128 + 6] = kInf;
   x[128 + 7] = -kInf;
-  x[128 + 8] = 100.0f;                                         // the finite amax
-  for (int i = 256; i < 384; ++i) x[i] = 0.0f;                 // block 2: only non-finite and zeros
+  x[128 + 8] = 100.0f;                          // the finite amax
+  for (int i = 256; i < 384; ++i) x[i] = 0.0f;  // block 2: only non-finite and zeros
   x[256] = kNaN;
   x[257] = -kInf;
   const Fp8Rows1x128 q = quantize_1x128(x, 1, 512);
@@ -474,14 +492,14 @@ TEST(QuantizeMxfp8, RandomDataScalesAndErrorBounds) {
 
 TEST(QuantizeMxfp8, SaturatesTheTopBinade) {
   std::vector<float> x(64, 1.0f);
-  x[0] = 500.0f;   // amax in [256, 512): e = 0, and 500 clips to 448
+  x[0] = 500.0f;  // amax in [256, 512): e = 0, and 500 clips to 448
   x[1] = -470.0f;
-  x[2] = 460.0f;   // rounds to 448 anyway
-  x[3] = 300.0f;   // 288 (quantum 32 in [256, 512))
-  x[4] = kInf;     // ignored by amax, saturates
+  x[2] = 460.0f;                           // rounds to 448 anyway
+  x[3] = 300.0f;                           // 288 (quantum 32 in [256, 512))
+  x[4] = kInf;                             // ignored by amax, saturates
   for (int i = 32; i < 64; ++i) x[i] = 0;  // block 1: tiny values, e = -118 - 8 = -126
-  x[32] = 0x1p-140f;   // 2^-140 / 2^-126 = 2^-14 flushes to 0
-  x[33] = -0x1p-118f;  // 2^-118 / 2^-126 = 2^8
+  x[32] = 0x1p-140f;                       // 2^-140 / 2^-126 = 2^-14 flushes to 0
+  x[33] = -0x1p-118f;                      // 2^-118 / 2^-126 = 2^8
   const Mxfp8 q = quantize_mxfp8(x, 1, 64);
   EXPECT_EQ(q.scales[0], 127);
   EXPECT_EQ(q.data[0], 0x7E);
@@ -500,7 +518,7 @@ TEST(QuantizeMxfp8, SaturatesTheTopBinade) {
 TEST(QuantizeMxfp8, ClampsTinyBlocksAndKeepsNaN) {
   std::vector<float> x(32, 0x1p-125f);  // floor(log2) - 8 = -133: clamped to -127
   x[1] = kNaN;
-  x[2] = -0x1p-136f;                     // 2^-136 / 2^-127 = 2^-9: the smallest subnormal
+  x[2] = -0x1p-136f;  // 2^-136 / 2^-127 = 2^-9: the smallest subnormal
   const Mxfp8 q = quantize_mxfp8(x, 1, 32);
   EXPECT_EQ(q.scales[0], 0x00);
   EXPECT_EQ(q.data[0], e4m3_oracle(4.0f));
@@ -625,7 +643,7 @@ TEST(Reencode, DistantExponentsFlushSmallElements) {
   const Fp8Rows1x128 q = reencode_mxfp8_to_1x128(mx, &report);
   const ReencodeReport want = brute_force_report(mx);
 
-  EXPECT_GT(want.changed, 0);          // the setup really exercises the lossy path
+  EXPECT_GT(want.changed, 0);  // the setup really exercises the lossy path
   EXPECT_GT(want.flushed_to_zero, 0);
   EXPECT_EQ(report.elements, want.elements);
   EXPECT_EQ(report.changed, want.changed);
@@ -661,15 +679,15 @@ TEST(Reencode, DistantExponentsFlushSmallElements) {
 TEST(Reencode, HandPickedFlush) {
   // One 128-block: sub-block 0 has exponent 10, sub-block 1 exponent 0, sub-blocks 2 and 3 exponent -2.
   std::vector<uint8_t> data(128, 0x00);
-  data[0] = 0x38;       // 1.0 * 2^10
-  data[32] = 0x01;      // 2^-9  * 2^0  -> 2^-19 at scale 2^10: flushed
-  data[33] = 0x7E;      // 448 * 2^0    -> 448 * 2^-10 = 0.4375: exact
-  data[34] = 0x3F;      // 1.875 * 2^0  -> 1.875 * 2^-10 = 0.9375 * 2^-9: rounds to 2^-9, changed
-  data[35] = 0xB8;      // -1 * 2^0     -> -2^-10: the tie, flushed to -0
-  data[64] = 0x50;      // 8 * 2^-2     -> 2 * 2^-10 = 2^-9: exact (a subnormal)
+  data[0] = 0x38;   // 1.0 * 2^10
+  data[32] = 0x01;  // 2^-9  * 2^0  -> 2^-19 at scale 2^10: flushed
+  data[33] = 0x7E;  // 448 * 2^0    -> 448 * 2^-10 = 0.4375: exact
+  data[34] = 0x3F;  // 1.875 * 2^0  -> 1.875 * 2^-10 = 0.9375 * 2^-9: rounds to 2^-9, changed
+  data[35] = 0xB8;  // -1 * 2^0     -> -2^-10: the tie, flushed to -0
+  data[64] = 0x50;  // 8 * 2^-2     -> 2 * 2^-10 = 2^-9: exact (a subnormal)
   data[96] = kE4M3NaN;
-  Mxfp8 mx{1, 128, data, {e8m0_from_exponent(10), e8m0_from_exponent(0), e8m0_from_exponent(-2),
-                          e8m0_from_exponent(-2)}};
+  Mxfp8 mx{
+      1, 128, data, {e8m0_from_exponent(10), e8m0_from_exponent(0), e8m0_from_exponent(-2), e8m0_from_exponent(-2)}};
   ReencodeReport report;
   const Fp8Rows1x128 q = reencode_mxfp8_to_1x128(mx, &report);
   EXPECT_EQ(q.scales[0], 1024.0f);

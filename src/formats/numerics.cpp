@@ -49,10 +49,10 @@ uint8_t e4m3_from_float(float x) {
     code = round_half_even(a * 0x1p9);  // subnormals: quantum 2^-9, code = n (n = 8 is 2^-6)
   } else {
     int k;
-    std::frexp(a, &k);                  // a = m * 2^k, m in [0.5, 1): unbiased exponent k - 1
-    const int exponent = k - 1;         // in [-6, 8]
+    std::frexp(a, &k);           // a = m * 2^k, m in [0.5, 1): unbiased exponent k - 1
+    const int exponent = k - 1;  // in [-6, 8]
     const uint32_t n = round_half_even(std::ldexp(a, 3 - exponent));  // in [8, 16]
-    code = (uint32_t(exponent + 7) << 3) + (n - 8);  // a < 448 keeps this <= 0x7E (448)
+    code = (uint32_t(exponent + 7) << 3) + (n - 8);                   // a < 448 keeps this <= 0x7E (448)
   }
   return sign | static_cast<uint8_t>(code);
 }
@@ -61,8 +61,8 @@ float e4m3_to_float(uint8_t bits) {
   const int exponent = (bits >> 3) & 0xF;
   const int mantissa = bits & 0x7;
   if (exponent == 0xF && mantissa == 0x7) return std::numeric_limits<float>::quiet_NaN();
-  const float magnitude = exponent == 0 ? std::ldexp(float(mantissa), -9)
-                                        : std::ldexp(float(8 + mantissa), exponent - 10);
+  const float magnitude =
+      exponent == 0 ? std::ldexp(float(mantissa), -9) : std::ldexp(float(8 + mantissa), exponent - 10);
   return (bits & 0x80) ? -magnitude : magnitude;
 }
 

@@ -16,8 +16,6 @@
 // - the scale exponent from the amax's exponent and fraction bits (subnormal bf16 normalized by hand).
 // - x * 2^-e is exact (or a float subnormal, which E4M3 turns into +-0 either way), so the only rounding
 //   is cvt.rn.satfinite, whose NaN output is made canonical (0x7F) here.
-#include "formats/quantize_kernel.h"
-
 #include <cuda_fp8.h>
 
 #include <climits>
@@ -27,12 +25,13 @@
 #include "common/require.h"
 #include "formats/blockwise.h"
 #include "formats/numerics.h"
+#include "formats/quantize_kernel.h"
 #include "ptx/ptx.cuh"
 
 namespace pounce::formats {
 namespace {
 
-constexpr int kElemsPerThread = 8;   // one 16-byte load of bf16
+constexpr int kElemsPerThread = 8;  // one 16-byte load of bf16
 constexpr int kThreadsPerCta = 256;
 constexpr int kChunksPerThread = 4;  // loads in flight per thread: 4 gave ~15% more bandwidth than 1 on H200
 
@@ -83,7 +82,7 @@ __device__ void quantize_chunk(uint4 raw, int64_t first, bool active, uint8_t* _
                                ScaleT<kMx>* __restrict__ scales) {
   constexpr int kBlock = kMx ? kMxBlock : kActivationBlock;
   constexpr int kLanesPerBlock = kBlock / kElemsPerThread;  // 4 or 16
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};  // element 2i in the low half of words[i]
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};   // element 2i in the low half of words[i]
 
   uint32_t amax = 0;
 #pragma unroll

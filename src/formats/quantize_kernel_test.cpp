@@ -1,9 +1,10 @@
 // GPU tests of the device quantizers: every byte of data and scales must equal the host reference
 // (formats/blockwise.h). Outputs are poisoned before each launch, and a guard zone past the end of every
 // output buffer must stay poisoned (no out-of-bounds writes).
-#include <gtest/gtest.h>
+#include "formats/quantize_kernel.h"
 
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <cstring>
 #include <random>
@@ -14,7 +15,6 @@
 #include "common/testing.h"
 #include "formats/blockwise.h"
 #include "formats/numerics.h"
-#include "formats/quantize_kernel.h"
 
 namespace pounce::formats {
 namespace {
@@ -27,13 +27,16 @@ class GuardedBuffer {
  public:
   explicit GuardedBuffer(size_t bytes) : bytes_(bytes) { CUDA_CHECK(cudaMalloc(&ptr_, bytes + kGuardBytes)); }
   ~GuardedBuffer() {
-    if (cudaError_t status = cudaFree(ptr_); status != cudaSuccess) ADD_FAILURE() << "cudaFree: " << cudaGetErrorString(status);
+    if (cudaError_t status = cudaFree(ptr_); status != cudaSuccess)
+      ADD_FAILURE() << "cudaFree: " << cudaGetErrorString(status);
   }
   GuardedBuffer(const GuardedBuffer&) = delete;
   GuardedBuffer& operator=(const GuardedBuffer&) = delete;
 
   template <typename T>
-  T* as() const { return static_cast<T*>(ptr_); }
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
   void poison() const { CUDA_CHECK(cudaMemset(ptr_, kPoison, bytes_ + kGuardBytes)); }
   // The bytes_ payload; the guard zone is checked here too.
   std::vector<uint8_t> download() const {
@@ -58,7 +61,8 @@ void expect_bytes_equal(const std::vector<uint8_t>& got, const std::vector<uint8
     if (got[i] != want[i] && mismatches++ == 0) first = int64_t(i);
   EXPECT_EQ(mismatches, 0) << what << ": first mismatch at byte " << first << " (row " << first / row_bytes
                            << ", column " << first % row_bytes << "): device 0x" << std::hex
-                           << int(got[std::max<int64_t>(first, 0)]) << ", host 0x" << int(want[std::max<int64_t>(first, 0)]);
+                           << int(got[std::max<int64_t>(first, 0)]) << ", host 0x"
+                           << int(want[std::max<int64_t>(first, 0)]);
 }
 
 template <typename T>
@@ -141,31 +145,31 @@ TEST(QuantizeKernel, EdgeCasesMatchHost) {
   auto rng = testing::fresh_rng();
   const int64_t rows = 3, cols = 512;
   std::vector<uint16_t> x = testing::to_bf16_bits(testing::random_bf16_values(rng, size_t(rows * cols)));
-  auto block = [&](int64_t index) { return x.begin() + index * kMxBlock; };  // 32-element blocks
-  std::fill(block(0), block(4), uint16_t(0x0000));                  // a whole 128-block of zeros...
-  for (int i = 0; i < 128; i += 3) x[i] = 0x8000;                   // ...some of them -0
+  auto block = [&](int64_t index) { return x.begin() + index * kMxBlock; };         // 32-element blocks
+  std::fill(block(0), block(4), uint16_t(0x0000));                                  // a whole 128-block of zeros...
+  for (int i = 0; i < 128; i += 3) x[i] = 0x8000;                                   // ...some of them -0
   for (int i = 128; i < 256; ++i) x[i] = uint16_t((i & 1) << 15 | (i % 0x7F + 1));  // only subnormals
-  std::fill(block(8), block(9), uint16_t(0x3F80));                  // largest bf16 among ones
+  std::fill(block(8), block(9), uint16_t(0x3F80));                                  // largest bf16 among ones
   x[8 * 32 + 3] = 0x7F7F;
   x[8 * 32 + 4] = 0xFF7F;
-  x[9 * 32 + 0] = 0x7FC0;                                           // NaN, -NaN, a NaN payload, +-Inf
+  x[9 * 32 + 0] = 0x7FC0;  // NaN, -NaN, a NaN payload, +-Inf
   x[9 * 32 + 1] = 0xFFC0;
   x[9 * 32 + 2] = 0x7F81;
   x[9 * 32 + 3] = 0x7F80;
   x[9 * 32 + 4] = 0xFF80;
-  std::fill(block(10), block(11), uint16_t(0x7FC0));                // only NaN and Inf
+  std::fill(block(10), block(11), uint16_t(0x7FC0));  // only NaN and Inf
   x[10 * 32 + 7] = 0xFF80;
-  std::fill(block(12), block(13), uint16_t(0x0001));                // smallest subnormal and big values
-  x[12 * 32 + 9] = 0x4480;                                          // 1024: tiny ones flush
-  x[13 * 32] = 0x43E0;                                              // amax exactly 448
-  x[14 * 32] = 0x43E1;                                              // just above 448
-  x[15 * 32] = 0xC3E0;                                              // -448
+  std::fill(block(12), block(13), uint16_t(0x0001));                       // smallest subnormal and big values
+  x[12 * 32 + 9] = 0x4480;                                                 // 1024: tiny ones flush
+  x[13 * 32] = 0x43E0;                                                     // amax exactly 448
+  x[14 * 32] = 0x43E1;                                                     // just above 448
+  x[15 * 32] = 0xC3E0;                                                     // -448
   for (int i = 0; i < 32; ++i) x[16 * 32 + i] = uint16_t(0x3F80 + i * 4);  // 1.0 .. 1.97 (ties in E4M3)
-  x[17 * 32] = 0x3FE0;                                              // 1.75 * 2^0: the ceil threshold
-  x[18 * 32] = 0x3FE1;                                              // just above it
-  x[19 * 32] = 0x0070;                                              // subnormal amax, 1.75 * 2^-127
-  std::fill(block(20), block(21), uint16_t(0x0071));                // subnormal, just above 1.75 * 2^-127
-  std::fill(block(24), block(28), uint16_t(0x7F80));                // a 128-block of +Inf
+  x[17 * 32] = 0x3FE0;                                                     // 1.75 * 2^0: the ceil threshold
+  x[18 * 32] = 0x3FE1;                                                     // just above it
+  x[19 * 32] = 0x0070;                                                     // subnormal amax, 1.75 * 2^-127
+  std::fill(block(20), block(21), uint16_t(0x0071));                       // subnormal, just above 1.75 * 2^-127
+  std::fill(block(24), block(28), uint16_t(0x7F80));                       // a 128-block of +Inf
   check_against_host(x, rows, cols);
 }
 

@@ -41,9 +41,9 @@ constexpr uint32_t kConsumerRegisters = 232;
 enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1 };
 
 struct TileInfo {
-  int32_t gemm;     // which GemmOperands
-  int32_t b_row;    // first B row of the tile (expert * n + n_block * kBlockN)
-  int32_t a_row;    // first A row and C row of the tile
+  int32_t gemm;   // which GemmOperands
+  int32_t b_row;  // first B row of the tile (expert * n + n_block * kBlockN)
+  int32_t a_row;  // first A row and C row of the tile
   int32_t n_block;
   int32_t m_block;  // index of the tile's completion counter (GemmOperands::done)
   int32_t valid;    // 0: no more tiles (queue drained, or the producer gave up): consumers exit
@@ -246,8 +246,10 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
     if (lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
     if (thread == 0) release_done(pending_done);  // a tile of at most kDoneLagSlices K slices
 
-    if (op.epilogue == Epilogue::kSwiGLU) store_tile<Epilogue::kSwiGLU>(acc, s, op, tile, consumer, thread);
-    else store_tile<Epilogue::kStore>(acc, s, op, tile, consumer, thread);
+    if (op.epilogue == Epilogue::kSwiGLU)
+      store_tile<Epilogue::kSwiGLU>(acc, s, op, tile, consumer, thread);
+    else
+      store_tile<Epilogue::kStore>(acc, s, op, tile, consumer, thread);
     if (thread == 0 && op.done != nullptr) pending_done = op.done + tile.m_block;
   }
   if (thread == 0) {
@@ -264,7 +266,8 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
 // work runs inside the consumers' branch, so ptxas compiles it with their kConsumerRegisters registers;
 // code after this call is also reached by the producer warpgroup and gets only kProducerRegisters.
 template <class Tiles, class ThenConsumers>
-__device__ void run_gemm_cta(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site, ThenConsumers&& then_consumers) {
+__device__ void run_gemm_cta(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site,
+                             ThenConsumers&& then_consumers) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       ptx::mbarrier_init(&s.full[i], 1);

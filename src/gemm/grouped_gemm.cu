@@ -1,11 +1,10 @@
 // Stand-alone grouped GEMM kernel for sm_90a: the engine's CTA (gemm/gemm_pipeline.cuh) fed by the
 // tile queue of one grouped GEMM, optionally gated by per-m-block readiness counters.
-#include "gemm/grouped_gemm.h"
-
 #include "common/bounded_wait.cuh"
 #include "common/cuda_check.h"
 #include "common/gpu.h"
 #include "gemm/gemm_pipeline.cuh"
+#include "gemm/grouped_gemm.h"
 #include "gemm/tensor_map.h"
 #include "gemm/tile_scheduler.cuh"
 #include "ptx/ptx.cuh"
@@ -44,8 +43,8 @@ class QueueTiles {
     const int32_t rows_in_use = p.expert_offsets[p.experts];
     total_tiles_ = scheduler_.total_tiles();
     if (rows_in_use > p.a_rows) {
-      report_device_error(p.error, DeviceErrorCode::kBadSchedule, DeviceRole::kGemmProducer,
-                          WaitTarget::kRowsInBounds, p.experts, uint64_t(p.a_rows), uint64_t(rows_in_use), 0);
+      report_device_error(p.error, DeviceErrorCode::kBadSchedule, DeviceRole::kGemmProducer, WaitTarget::kRowsInBounds,
+                          p.experts, uint64_t(p.a_rows), uint64_t(rows_in_use), 0);
       total_tiles_ = 0;
     }
   }
@@ -90,8 +89,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 void launch(const GroupedGemmArgs& args, const KernelParams& params, int ctas, cudaStream_t stream) {
   static const bool configured = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(kSharedBytes)));
+    CUDA_CHECK(
+        cudaFuncSetAttribute(grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes)));
     return true;
   }();
   (void)configured;
@@ -109,13 +108,16 @@ GroupedGemm::GroupedGemm() : ticket_(1) {}
 
 void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   POUNCE_REQUIRE(args.experts >= 1, "grouped GEMM: experts = ", args.experts, ", must be at least 1");
-  POUNCE_REQUIRE(args.n > 0 && args.n % 64 == 0, "grouped GEMM: n = ", args.n, " is not supported: it must be a positive multiple of 64");
-  POUNCE_REQUIRE(args.k > 0 && args.k % 64 == 0, "grouped GEMM: k = ", args.k, " is not supported: it must be a positive multiple of 64");
-  POUNCE_REQUIRE(args.a_rows >= 0 && args.a_rows % kBlockM == 0 && args.a_rows <= INT32_MAX, "grouped GEMM: a_rows = ",
-                 args.a_rows, " must be a multiple of ", kBlockM, " that fits int32");
+  POUNCE_REQUIRE(args.n > 0 && args.n % 64 == 0, "grouped GEMM: n = ", args.n,
+                 " is not supported: it must be a positive multiple of 64");
+  POUNCE_REQUIRE(args.k > 0 && args.k % 64 == 0, "grouped GEMM: k = ", args.k,
+                 " is not supported: it must be a positive multiple of 64");
+  POUNCE_REQUIRE(args.a_rows >= 0 && args.a_rows % kBlockM == 0 && args.a_rows <= INT32_MAX,
+                 "grouped GEMM: a_rows = ", args.a_rows, " must be a multiple of ", kBlockM, " that fits int32");
   POUNCE_REQUIRE(int64_t(args.experts) * args.n <= INT32_MAX && args.k <= INT32_MAX,
                  "grouped GEMM: experts * n = ", int64_t(args.experts) * args.n, " exceeds int32 row coordinates");
-  POUNCE_REQUIRE(args.a && args.b && args.c && args.expert_offsets, "grouped GEMM: a, b, c and expert_offsets must be set");
+  POUNCE_REQUIRE(args.a && args.b && args.c && args.expert_offsets,
+                 "grouped GEMM: a, b, c and expert_offsets must be set");
   POUNCE_REQUIRE(args.tuning.band_m_blocks >= 1, "grouped GEMM: band_m_blocks = ", args.tuning.band_m_blocks,
                  ", must be at least 1");
   POUNCE_REQUIRE(gpu_is_hopper(), "grouped GEMM needs a Hopper GPU (sm_90a); this one is ",

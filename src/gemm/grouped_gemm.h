@@ -48,8 +48,8 @@ struct GroupedGemmArgs {
   int64_t a_rows = 0;                // rows of the A buffer (capacity), a multiple of 128
   const __nv_bfloat16* b = nullptr;  // [experts, n, k]
   int experts = 0;
-  int64_t n = 0, k = 0;              // multiples of 64
-  __nv_bfloat16* c = nullptr;        // [a_rows, n] or [a_rows, n / 2]
+  int64_t n = 0, k = 0;        // multiples of 64
+  __nv_bfloat16* c = nullptr;  // [a_rows, n] or [a_rows, n / 2]
   Epilogue epilogue = Epilogue::kStore;
   // Device [experts + 1]: first row of each expert, multiples of 128; [experts] = rows in use.
   const int32_t* expert_offsets = nullptr;

@@ -1,6 +1,8 @@
 // Grouped GEMM engine against a host computation in double, on fresh random data each run.
 // Padding rows and the unused tail of the A buffer hold NaN: a kernel that lets them leak into valid
 // rows, or that reads past an expert's rows, fails the comparison.
+#include "gemm/grouped_gemm.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -11,7 +13,6 @@
 
 #include "common/gpu.h"
 #include "common/testing.h"
-#include "gemm/grouped_gemm.h"
 #include "reference/moe_layer.h"
 
 namespace pounce::gemm {
@@ -91,8 +92,11 @@ struct DeviceProblem {
   DeviceBuffer<float> scale;
 
   explicit DeviceProblem(const Problem& p)
-      : a(testing::to_bf16_bits(p.a)), b(testing::to_bf16_bits(p.b)), c(p.a_rows * p.out_cols()),
-        offsets(p.offsets), scale(p.scale) {}
+      : a(testing::to_bf16_bits(p.a)),
+        b(testing::to_bf16_bits(p.b)),
+        c(p.a_rows * p.out_cols()),
+        offsets(p.offsets),
+        scale(p.scale) {}
 
   GroupedGemmArgs args(const Problem& p) const {
     GroupedGemmArgs g;
@@ -132,7 +136,8 @@ void expect_matches(const Problem& p, const std::vector<uint16_t>& got_bits) {
         want_valid.push_back(want[r * cols + j]);
       }
   // Rows past expert_offsets[experts] belong to no tile: they must still hold the poison.
-  for (int64_t i = int64_t(p.offsets.back()) * cols; i < p.a_rows * cols; ++i) tail_written += got_bits[i] != kPoisonBits;
+  for (int64_t i = int64_t(p.offsets.back()) * cols; i < p.a_rows * cols; ++i)
+    tail_written += got_bits[i] != kPoisonBits;
   EXPECT_EQ(non_finite, 0) << "valid output rows must be finite (padding NaN leaked, or rows left unwritten)";
   EXPECT_EQ(tail_written, 0) << "rows beyond the experts' m-blocks were written";
   // bf16 output rounding (2^-9 relative) dominates: ~3e-3.

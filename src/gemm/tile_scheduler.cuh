@@ -30,7 +30,8 @@ struct TileScheduler {
     const int64_t local = tile - int64_t(first) * n_blocks;
     const int32_t band = int32_t(local / (int64_t(band_m_blocks) * n_blocks));
     const int32_t band_first = band * band_m_blocks;
-    const int32_t width = count - band_first < band_m_blocks ? count - band_first : band_m_blocks;  // last band may be narrower
+    const int32_t width =
+        count - band_first < band_m_blocks ? count - band_first : band_m_blocks;  // last band may be narrower
     const int32_t in_band = int32_t(local - int64_t(band_first) * n_blocks);
     return {expert, first + band_first + in_band % width, in_band / width};
   }

@@ -23,16 +23,16 @@ namespace pounce::moe {
 
 // Ring row of row r of m-block b (rows of launch-local rank lr).
 __device__ inline int64_t ring_row(const FusedParams& p, int lr, int32_t m_block, int r) {
-  return (int64_t(lr) * p.ring_blocks + m_block % p.ring_blocks) * 128 + r;
+  return (int64_t(lr) * p.ring_blocks + m_block % p.ring_blocks) * kBlockM + r;
 }
 
 // Shared memory of a communication CTA.
 struct CommShared {
   CopyEngine::Shared engine;
-  const void* src[128];  // the item's row copies (null: padding row)
-  void* dst[128];
+  const void* src[kBlockM];  // the item's row copies (null: padding row)
+  void* dst[kBlockM];
   CommItem item;
-  int32_t go;            // 0: the queue is empty or a wait gave up
+  int32_t go;  // 0: the queue is empty or a wait gave up
 };
 
 // Runs on every thread of a communication CTA until the queue is empty or a wait gave up (then the
@@ -56,8 +56,8 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
         const int32_t b = item.m_block;
         if (!item.combine) {
           const WaitSite site{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank};
-          go = b < p.ring_blocks ||
-               counter_wait_bounded(&rs.combined[b - p.ring_blocks], p.epoch * p.steps.combined, site, WaitTarget::kRingSlotFree, b);
+          go = b < p.ring_blocks || counter_wait_bounded(&rs.combined[b - p.ring_blocks], p.epoch * p.steps.combined,
+                                                         site, WaitTarget::kRingSlotFree, b);
           // The slot's last readers (GEMM1's TMA loads, the combine's bulk loads) and this item's bulk
           // writes are all async proxy, but they are ordered through generic-proxy counters.
           ptx::fence_proxy_async_global();
@@ -77,9 +77,9 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
     }
     const CommItem item = cs.item;
     const int32_t b = item.m_block;
-    if (threadIdx.x < 128) {
+    if (threadIdx.x < kBlockM) {
       const int r = threadIdx.x;
-      const int64_t row = int64_t(b) * 128 + r;
+      const int64_t row = int64_t(b) * kBlockM + r;
       const int32_t rank = rs.row_source_rank[row];
       const void* src = nullptr;
       void* dst = nullptr;
@@ -103,8 +103,8 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
         // before move_rows' barrier, so cumulative) before the relaxed increments; the source rank
         // acquires its arrivals counter.
         ptx::fence_acq_rel_sys();
-        for (int r = 0; r < 128; ++r) {
-          const int64_t row = int64_t(b) * 128 + r;
+        for (int r = 0; r < kBlockM; ++r) {
+          const int64_t row = int64_t(b) * kBlockM + r;
           const int32_t rank = rs.row_source_rank[row];
           if (rank >= 0) ptx::red_relaxed_sys_add(&p.peers.arrivals[rank][rs.row_token[row]], 1);
         }
@@ -138,7 +138,7 @@ __device__ inline void pull_opening(const FusedParams& p, const RankState& rs, i
     }
     __syncthreads();
     copy_rows_by_warps<kThreads>(cs.src, cs.dst, kPieceRows, row_bytes, /*first_warp=*/0);
-    __syncthreads();                  // every thread's stores (and its table reads) done
+    __syncthreads();  // every thread's stores (and its table reads) done
     if (threadIdx.x == 0) ptx::red_release_gpu_add(&rs.dispatched[b], 1);  // cumulative over the barrier
   }
   ptx::fence_proxy_async_shared();

@@ -8,13 +8,12 @@
 //           compute CTAs: GEMM1 + SwiGLU and GEMM2 tiles (moe/fused_tiles.cuh), then weighted sums.
 //           In place (one rank, ring holding every m-block) communication CTAs only dispatch, then
 //           take GEMM tiles too.
-#include "moe/fused_kernel.h"
-
 #include "common/cooperative_launch.h"
 #include "common/cuda_check.h"
 #include "gemm/gemm_pipeline.cuh"
 #include "moe/comm_role.cuh"
 #include "moe/copy_engine.cuh"
+#include "moe/fused_kernel.h"
 #include "moe/fused_tiles.cuh"
 #include "moe/rank_sync.cuh"
 #include "moe/sum_role.cuh"
@@ -39,7 +38,6 @@ struct PlannerShared {
   int32_t running[kWarps][steps::kMaxLocalExperts];
 };
 static_assert(sizeof(PlannerShared) + 1024 <= gemm::pipeline::kSharedBytes, "planner tables exceed shared memory");
-
 
 // True while no CTA has reported an error. All threads of the CTA call it.
 __device__ bool nobody_reported(const FusedParams& p, int32_t* ok_flag) {
@@ -69,11 +67,12 @@ __device__ void top_up_unused_counters(const FusedParams& p, const RankState& rs
 // Returns false when the forward must stop (a wait gave up, or the routing is invalid).
 __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t* smem, int32_t* ok_flag) {
   PlannerShared& ps = *reinterpret_cast<PlannerShared*>(smem);
-  const steps::Routing r{rs.topk_table, p.peers.token_counts[rs.rank], p.ranks, p.experts, p.topk,
-                         p.local_experts * rs.rank, p.local_experts, p.chunks_per_rank, p.max_tokens};
-  const steps::Outputs o{rs.chunk_counts, rs.expert_routes, rs.expert_offsets, rs.row_source_rank, rs.row_token,
-                         rs.row_k, rs.minibatch_starts, rs.sizes, p.capacity_rows, p.blocks_per_minibatch,
-                         rs.route_row};
+  const steps::Routing r{rs.topk_table, p.peers.token_counts[rs.rank], p.ranks,         p.experts,
+                         p.topk,        p.local_experts * rs.rank,     p.local_experts, p.chunks_per_rank,
+                         p.max_tokens};
+  const steps::Outputs o{
+      rs.chunk_counts,     rs.expert_routes, rs.expert_offsets, rs.row_source_rank,     rs.row_token, rs.row_k,
+      rs.minibatch_starts, rs.sizes,         p.capacity_rows,   p.blocks_per_minibatch, rs.route_row};
 
   if (cta == 0 && threadIdx.x == 0) {
     for (int w = kGemmTicket; w < kControlWords; ++w) rs.control[w] = 0;
@@ -83,7 +82,8 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
   steps::clear_rows(o, int64_t(cta) * kThreads + threadIdx.x, int64_t(p.ctas_per_rank) * kThreads);
   if (!rank_barrier(p, rs, 1, ok_flag) || !nobody_reported(p, ok_flag)) return false;
 
-  for (int32_t chunk = cta; chunk < r.chunks(); chunk += p.ctas_per_rank) steps::count_chunk(r, chunk, o, ps.counts, p.error);
+  for (int32_t chunk = cta; chunk < r.chunks(); chunk += p.ctas_per_rank)
+    steps::count_chunk(r, chunk, o, ps.counts, p.error);
   if (!rank_barrier(p, rs, 2, ok_flag)) return false;
 
   for (int32_t e = cta; e < r.local_experts; e += p.ctas_per_rank) steps::scan_expert(r, o, e, ps.warp_sums);

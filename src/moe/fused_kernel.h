@@ -10,13 +10,13 @@ namespace pounce::moe {
 
 // TMA descriptors of the GEMM operands. The rings are one allocation for every rank of the launch; the
 // weights are each rank's own, its local experts only.
-struct FusedMaps {  // CUtensorMap is 64-byte aligned
-  CUtensorMap x_ring;           // GEMM1 A [ring rows, H]
-  CUtensorMap h_ring_store;     // GEMM1 C [ring rows, I], store box
-  CUtensorMap h_ring_load;      // GEMM2 A [ring rows, I], load box
-  CUtensorMap out_ring_store;   // GEMM2 C [ring rows, H], store box
-  CUtensorMap w13[kMaxRanks];   // [launch rank]: GEMM1 B [E/P * 2I, H]
-  CUtensorMap w2[kMaxRanks];    // [launch rank]: GEMM2 B [E/P * H, I]
+struct FusedMaps {             // CUtensorMap is 64-byte aligned
+  CUtensorMap x_ring;          // GEMM1 A [ring rows, H]
+  CUtensorMap h_ring_store;    // GEMM1 C [ring rows, I], store box
+  CUtensorMap h_ring_load;     // GEMM2 A [ring rows, I], load box
+  CUtensorMap out_ring_store;  // GEMM2 C [ring rows, H], store box
+  CUtensorMap w13[kMaxRanks];  // [launch rank]: GEMM1 B [E/P * 2I, H]
+  CUtensorMap w2[kMaxRanks];   // [launch rank]: GEMM2 B [E/P * H, I]
 };
 
 // One cooperative launch of p.launch_ranks * p.ctas_per_rank CTAs (one per SM; the launch fails rather

@@ -64,15 +64,13 @@ FusedLayer::FusedLayer(const EpConfig& config, const FusedMoeOptions& options) :
   params_.peers_on_this_gpu = 1;
 }
 
-FusedLayer::FusedLayer(const EpConfig& config, ncclComm_t comm, const FusedMoeOptions& options)
-    : config_(config) {
+FusedLayer::FusedLayer(const EpConfig& config, ncclComm_t comm, const FusedMoeOptions& options) : config_(config) {
   check_config(config);
   POUNCE_REQUIRE(comm != nullptr, "fused MoE: the NCCL communicator is null");
   int rank = 0, ranks = 0;
   NCCL_CHECK(ncclCommUserRank(comm, &rank));
   NCCL_CHECK(ncclCommCount(comm, &ranks));
-  POUNCE_REQUIRE(ranks == config.ranks, "fused MoE: the communicator has ", ranks, " ranks, the config ",
-                 config.ranks);
+  POUNCE_REQUIRE(ranks == config.ranks, "fused MoE: the communicator has ", ranks, " ranks, the config ", config.ranks);
   check_same_config_on_every_rank(config, options, comm);
   setup(config, options, /*launch_ranks=*/1, /*first_rank=*/rank);
 
@@ -114,9 +112,10 @@ FusedLayer::~FusedLayer() = default;
 
 // Every rank must run the same layer: a mismatch would size buffers differently and read past them.
 void FusedLayer::check_same_config_on_every_rank(const EpConfig& c, const FusedMoeOptions& o, ncclComm_t comm) {
-  const std::vector<int64_t> mine = {c.ranks, c.experts, c.topk, c.hidden, c.intermediate, c.max_tokens_per_rank,
-                                     o.minibatch_rows, o.ring_blocks, o.ring_bytes};
-  const char* names[] = {"ranks", "experts", "topk", "hidden", "intermediate", "max_tokens_per_rank",
+  const std::vector<int64_t> mine = {c.ranks,          c.experts,      c.topk,
+                                     c.hidden,         c.intermediate, c.max_tokens_per_rank,
+                                     o.minibatch_rows, o.ring_blocks,  o.ring_bytes};
+  const char* names[] = {"ranks",          "experts",     "topk",      "hidden", "intermediate", "max_tokens_per_rank",
                          "minibatch_rows", "ring_blocks", "ring_bytes"};
   const size_t n = mine.size();
   DeviceBuffer<int64_t> send(mine), all(n * c.ranks);
@@ -129,8 +128,7 @@ void FusedLayer::check_same_config_on_every_rank(const EpConfig& c, const FusedM
                      ", this rank ", mine[i], ": every rank must build the same layer");
 }
 
-void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, int launch_ranks,
-                     int first_rank) {
+void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, int launch_ranks, int first_rank) {
   check_config(config);
   CUDA_CHECK(cudaGetDevice(&device_));
   capacity_ = planner::worst_case_capacity(config);
@@ -155,9 +153,10 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   // At one rank a ring_bytes budget picks in place whenever that takes no more memory than the bounded
   // ring plus the combine slots it would need.
   const int64_t slot_elems = std::max<int64_t>(config.max_tokens_per_rank, 1) * config.topk * config.hidden;
-  const bool in_place = P == 1 && (options.ring_blocks >= capacity_.max_m_blocks ||
-                                   (options.ring_blocks == 0 && (options.ring_bytes == 0 ||
-                                                                 all_blocks_bytes <= options.ring_bytes + 2 * slot_elems)));
+  const bool in_place =
+      P == 1 && (options.ring_blocks >= capacity_.max_m_blocks ||
+                 (options.ring_blocks == 0 &&
+                  (options.ring_bytes == 0 || all_blocks_bytes <= options.ring_bytes + 2 * slot_elems)));
   slot_elems_ = in_place ? 0 : slot_elems;
   const int comm = options.comm_ctas > 0 ? options.comm_ctas
                    : in_place            ? in_place_comm_ctas(ctas, config.hidden)
@@ -165,24 +164,24 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   POUNCE_REQUIRE(comm >= 1 && comm < ctas, "fused MoE: comm_ctas = ", comm, " must be in [1, ctas_per_rank = ", ctas,
                  ")");
   const int gemm_ctas = ctas - comm;
-  POUNCE_REQUIRE(options.engine_rows >= -1 && options.engine_rows <= kBlockM, "fused MoE: engine_rows = ",
-                 options.engine_rows, " must be -1 (default) or in [0, ", kBlockM, "]");
+  POUNCE_REQUIRE(options.engine_rows >= -1 && options.engine_rows <= kBlockM,
+                 "fused MoE: engine_rows = ", options.engine_rows, " must be -1 (default) or in [0, ", kBlockM, "]");
   const int engine_rows = options.engine_rows >= 0 ? options.engine_rows : balanced_engine_rows(config.hidden * 2);
 
   // Minibatch: two waves of GEMM1 tiles over the compute CTAs (planner/wave_model.h).
   POUNCE_REQUIRE(options.minibatch_rows >= 0, "fused MoE: minibatch_rows = ", options.minibatch_rows,
                  " must not be negative (0: default)");
-  const int64_t minibatch_rows =
-      options.minibatch_rows > 0 ? options.minibatch_rows
-                                 : planner::minibatch_rows_for({.compute_sms = gemm_ctas}, config.intermediate);
+  const int64_t minibatch_rows = options.minibatch_rows > 0
+                                     ? options.minibatch_rows
+                                     : planner::minibatch_rows_for({.compute_sms = gemm_ctas}, config.intermediate);
   const int64_t bpm = ceil_div(minibatch_rows, kBlockM);
   // Ring: at least two minibatches (the tile queue's deadlock-freedom needs it) or everything.
   const int64_t min_ring = std::min(2 * bpm, capacity_.max_m_blocks);
   // One rank: by default the ring holds every m-block, as the unfused chain's buffers do, and nothing
   // needs combining (in place). Otherwise the ring is bounded by ring_bytes (1 GiB when not set).
   const int64_t budget = options.ring_bytes > 0 ? options.ring_bytes : int64_t(1) << 30;
-  const int64_t default_ring = in_place ? capacity_.max_m_blocks
-                                        : std::max(min_ring, std::min(capacity_.max_m_blocks, budget / block_bytes));
+  const int64_t default_ring =
+      in_place ? capacity_.max_m_blocks : std::max(min_ring, std::min(capacity_.max_m_blocks, budget / block_bytes));
   int64_t ring = options.ring_blocks > 0 ? options.ring_blocks : default_ring;
   ring = std::min(ring, capacity_.max_m_blocks);
   POUNCE_REQUIRE(ring >= min_ring, "fused MoE: ring_blocks = ", options.ring_blocks, " is below the minimum ", min_ring,
@@ -315,8 +314,10 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream) {
   CUDA_CHECK(cudaGetDevice(&device));
   POUNCE_REQUIRE(device == device_, "FusedMoe::forward: the layer lives on GPU ", device_, ", the current device is ",
                  device, " (cudaSetDevice first)");
-  POUNCE_REQUIRE(!errors_.has_error(), "FusedMoe::forward: an earlier forward reported a device error that "
-                 "check_device_errors() has not collected: ", errors_.describe());
+  POUNCE_REQUIRE(!errors_.has_error(),
+                 "FusedMoe::forward: an earlier forward reported a device error that "
+                 "check_device_errors() has not collected: ",
+                 errors_.describe());
   POUNCE_REQUIRE(!failed_, "FusedMoe::forward: this layer failed in an earlier forward (", failed_reason_,
                  "); across GPUs its counters cannot be reset alone: rebuild the layer on every rank");
   const int L = params_.launch_ranks;

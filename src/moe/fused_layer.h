@@ -65,8 +65,7 @@ class FusedLayer {
  private:
   void setup(const EpConfig& config, const FusedMoeOptions& options, int launch_ranks, int first_rank);
   void check_io(const RankIO& io, int rank) const;
-  static void check_same_config_on_every_rank(const EpConfig& config, const FusedMoeOptions& options,
-                                              ncclComm_t comm);
+  static void check_same_config_on_every_rank(const EpConfig& config, const FusedMoeOptions& options, ncclComm_t comm);
   void reset_counters();
 
   EpConfig config_;

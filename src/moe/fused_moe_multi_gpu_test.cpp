@@ -27,8 +27,8 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
   const int P = std::min(visible_gpus(), 8);
   if (P < 2) GTEST_SKIP() << "needs at least two GPUs; this machine has " << P;
   auto rng = testing::fresh_rng();
-  const EpConfig config{.ranks = P, .experts = 4 * P, .topk = 3, .hidden = 256, .intermediate = 128,
-                                 .max_tokens_per_rank = 200};
+  const EpConfig config{
+      .ranks = P, .experts = 4 * P, .topk = 3, .hidden = 256, .intermediate = 128, .max_tokens_per_rank = 200};
   const int64_t H = config.hidden, I = config.intermediate, E = config.experts, k = config.topk;
   const auto w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
   const auto w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
@@ -45,7 +45,8 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
     for (int r = 0; r < P; ++r) {
       tokens[f][r] = std::max<int64_t>(0, counts[f] - r);
       x[f].push_back(testing::random_bf16_values(rng, tokens[f][r] * H));
-      ids[f].push_back(reference::synthetic_topk_ids(reference::RoutingPattern::kZipf, tokens[f][r], int(E), int(k), rng));
+      ids[f].push_back(
+          reference::synthetic_topk_ids(reference::RoutingPattern::kZipf, tokens[f][r], int(E), int(k), rng));
       weights[f].push_back(reference::synthetic_topk_weights(tokens[f][r], int(k), rng));
     }
 
@@ -64,8 +65,8 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
       },
       [&](int r) {
         FusedMoe& layer = layers[r].emplace(config, comms[r]);
-        layer.set_weights({reinterpret_cast<__nv_bfloat16*>(d_w13[r]->data()),
-                           reinterpret_cast<__nv_bfloat16*>(d_w2[r]->data())});
+        layer.set_weights(
+            {reinterpret_cast<__nv_bfloat16*>(d_w13[r]->data()), reinterpret_cast<__nv_bfloat16*>(d_w2[r]->data())});
         for (int f = 0; f < kForwards; ++f) {
           DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x[f][r])), d_y(std::max<int64_t>(1, tokens[f][r] * H));
           DeviceBuffer<int32_t> d_ids(ids[f][r]);

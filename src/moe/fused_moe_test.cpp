@@ -3,6 +3,8 @@
 // poisoned with NaN first and compared over the whole tensor and token by token. Also: bitwise-
 // identical repeats, each rank holding only its experts, a stalled rank that must end in an error (not
 // a hang), bad input named and contained.
+#include "pounce/fused_moe.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -15,7 +17,6 @@
 #include "common/gpu.h"
 #include "common/testing.h"
 #include "moe/layer_testing.h"
-#include "pounce/fused_moe.h"
 #include "reference/moe_layer_ep.h"
 #include "reference/synthetic_routing.h"
 
@@ -34,9 +35,9 @@ struct Case {
   int64_t hidden, intermediate;
   int experts, topk;
   RoutingPattern pattern;
-  int ring_blocks = 0;     // 0: default; kMinRing: two one-m-block minibatches
-  int comm_ctas = 0;       // 0: default
-  int ctas_per_rank = 0;   // 0: default
+  int ring_blocks = 0;    // 0: default; kMinRing: two one-m-block minibatches
+  int comm_ctas = 0;      // 0: default
+  int ctas_per_rank = 0;  // 0: default
 };
 
 void PrintTo(const Case& c, std::ostream* out) {
@@ -85,8 +86,12 @@ struct Problem {
 
 Problem make_problem(std::mt19937_64& rng, const Case& c) {
   Problem p;
-  p.config = {.ranks = c.ranks, .experts = c.experts, .topk = c.topk, .hidden = c.hidden,
-              .intermediate = c.intermediate, .max_tokens_per_rank = c.tokens + 3};
+  p.config = {.ranks = c.ranks,
+              .experts = c.experts,
+              .topk = c.topk,
+              .hidden = c.hidden,
+              .intermediate = c.intermediate,
+              .max_tokens_per_rank = c.tokens + 3};
   const int64_t H = c.hidden, I = c.intermediate, E = c.experts;
   for (int r = 0; r < c.ranks; ++r) {
     const int64_t t = c.tokens == 0 ? 0 : std::min(c.tokens + r, p.config.max_tokens_per_rank);
@@ -379,9 +384,11 @@ TEST(FusedMoe, RejectsBadHostInputWithClearErrors) {
   FusedMoe layer(p.config);
   p.load_weights(layer);
   auto io = p.io();
-  testing::expect_error([&] { layer.forward(std::span(io).first(1), nullptr); }, "got 1 ranks' tensors, the layer has 2");
+  testing::expect_error([&] { layer.forward(std::span(io).first(1), nullptr); },
+                        "got 1 ranks' tensors, the layer has 2");
   io[1].tokens = p.config.max_tokens_per_rank + 1;
-  testing::expect_error([&] { layer.forward(io, nullptr); }, "rank 1 has 14 tokens, outside [0, max_tokens_per_rank = 13]");
+  testing::expect_error([&] { layer.forward(io, nullptr); },
+                        "rank 1 has 14 tokens, outside [0, max_tokens_per_rank = 13]");
   io = p.io();
   io[0].y = nullptr;
   testing::expect_error([&] { layer.forward(io, nullptr); }, "rank 0's y is a null pointer");
@@ -432,8 +439,8 @@ TEST(FusedMoe, EachRankIsGivenOnlyItsOwnExperts) {
   auto weights = p.local_weights();
   weights[2].w13 = bf16(short_w13);
   testing::expect_error([&] { layer.set_weights(weights); },
-                        "rank 2's w13 needs " + std::to_string(E / P * 2 * I * H * 2) + " bytes, but its allocation ends " +
-                            std::to_string(short_w13.bytes()) + " bytes after");
+                        "rank 2's w13 needs " + std::to_string(E / P * 2 * I * H * 2) +
+                            " bytes, but its allocation ends " + std::to_string(short_w13.bytes()) + " bytes after");
   run_and_expect_reference(layer, p);
 }
 
@@ -560,15 +567,16 @@ TEST(FusedMoe, RealModelSizeMatchesTheCublasChainTokenByToken) {
 
   for (const int P : {1, 4}) {
     SCOPED_TRACE("ranks " + std::to_string(P));
-    const EpConfig config{.ranks = P, .experts = int(E), .topk = int(k), .hidden = H, .intermediate = I,
-                          .max_tokens_per_rank = T / P};
+    const EpConfig config{
+        .ranks = P, .experts = int(E), .topk = int(k), .hidden = H, .intermediate = I, .max_tokens_per_rank = T / P};
     FusedMoe layer(config);
     std::vector<ExpertWeights> local(P);
     std::vector<RankIO> io(P);
     for (int r = 0; r < P; ++r) {
       local[r] = {w13.data() + r * (E / P) * 2 * I * H, w2.data() + r * (E / P) * H * I};
       const int64_t first = r * (T / P);
-      io[r] = {x.data() + first * H, d_ids.data() + first * k, d_weights.data() + first * k, T / P, y.data() + first * H};
+      io[r] = {x.data() + first * H, d_ids.data() + first * k, d_weights.data() + first * k, T / P,
+               y.data() + first * H};
     }
     layer.set_weights(local);
     CUDA_CHECK(cudaMemset(y.data(), 0xFF, y.bytes()));

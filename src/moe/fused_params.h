@@ -29,7 +29,9 @@ static_assert(kBlockM % kPiecesPerBlock == 0, "the opening's pieces must tile an
 // The engine costs about the same per row whatever its length, the warps move bytes, so long rows give
 // the engine more. On the H200 (pounce_copy_bench) the best splits were 16 / 32 / 64 rows for 4 / 8 /
 // 14 KB rows, within a few percent of warps alone: the two paths share the SM's memory throughput.
-inline int balanced_engine_rows(int64_t row_bytes) { return int(row_bytes / 224 < kBlockM ? row_bytes / 224 : kBlockM); }
+inline int balanced_engine_rows(int64_t row_bytes) {
+  return int(row_bytes / 224 < kBlockM ? row_bytes / 224 : kBlockM);
+}
 
 // What each counter gains per forward. Counters are never reset: forward number `epoch` waits for
 // epoch times these.
@@ -57,8 +59,8 @@ enum ControlWord : int {
 
 // One rank's buffers that only its own CTAs touch.
 struct RankState {
-  int32_t rank;    // global rank id
-  int32_t tokens;  // this rank's tokens in this forward
+  int32_t rank;               // global rank id
+  int32_t tokens;             // this rank's tokens in this forward
   const float* topk_weights;  // [tokens, k]
   __nv_bfloat16* y;           // [tokens, H]
   // Planner outputs and scratch (planner::steps::Outputs).
@@ -76,12 +78,12 @@ struct RankState {
 
 // What every rank exposes to the others (symmetric memory), indexed by global rank.
 struct PeerView {
-  const __nv_bfloat16* x[kMaxRanks];  // [T_max, H] tokens to pull
-  const int32_t* topk_ids[kMaxRanks]; // [T_max, k]
-  __nv_bfloat16* slots[kMaxRanks];    // [T_max, k, H] combine destination: slot [token, k] of each route
-  uint32_t* arrivals[kMaxRanks];      // [T_max] combine arrivals per token (k per forward)
-  uint32_t* start_flags[kMaxRanks];   // [P] forward number each rank has started
-  int32_t* token_counts[kMaxRanks];   // [P] every rank's tokens in this forward, written by that rank
+  const __nv_bfloat16* x[kMaxRanks];   // [T_max, H] tokens to pull
+  const int32_t* topk_ids[kMaxRanks];  // [T_max, k]
+  __nv_bfloat16* slots[kMaxRanks];     // [T_max, k, H] combine destination: slot [token, k] of each route
+  uint32_t* arrivals[kMaxRanks];       // [T_max] combine arrivals per token (k per forward)
+  uint32_t* start_flags[kMaxRanks];    // [P] forward number each rank has started
+  int32_t* token_counts[kMaxRanks];    // [P] every rank's tokens in this forward, written by that rank
 };
 
 struct FusedParams {
@@ -90,23 +92,23 @@ struct FusedParams {
   int32_t hidden, intermediate;
   int32_t max_tokens;
   int32_t chunks_per_rank;
-  int64_t capacity_rows;       // routed rows one rank can hold (worst case), multiple of 128
+  int64_t capacity_rows;             // routed rows one rank can hold (worst case), multiple of 128
   int32_t ctas_per_rank, comm_ctas;  // the first comm_ctas CTAs of a rank move data, the rest run GEMMs
-  int32_t engine_rows;         // rows of each comm item the bulk-copy engine moves; warps move the rest
+  int32_t engine_rows;               // rows of each comm item the bulk-copy engine moves; warps move the rest
   int32_t blocks_per_minibatch;
-  int32_t ring_blocks;         // m-blocks of ring per rank
+  int32_t ring_blocks;  // m-blocks of ring per rank
   uint32_t epoch;
   CounterSteps steps;
   uint64_t wait_timeout_ns;
-  int32_t stall_rank;          // fault injection for tests: this rank moves no rows, neither in the opening
-                               // nor in its comm CTAs (-1: none)
-  int32_t peers_on_this_gpu;   // 1: every rank lives on this GPU (virtual ranks): flags need only GPU scope
+  int32_t stall_rank;         // fault injection for tests: this rank moves no rows, neither in the opening
+                              // nor in its comm CTAs (-1: none)
+  int32_t peers_on_this_gpu;  // 1: every rank lives on this GPU (virtual ranks): flags need only GPU scope
   // 1: one rank whose ring holds every m-block. Nothing needs combining: the sums read GEMM2's rows in
   // the ring, and communication CTAs run GEMM tiles once every row is dispatched.
   int32_t in_place;
-  __nv_bfloat16* x_ring;       // [launch_ranks * ring_blocks * 128, H]
-  __nv_bfloat16* h_ring;       // [..., I]
-  __nv_bfloat16* out_ring;     // [..., H]
+  __nv_bfloat16* x_ring;    // [launch_ranks * ring_blocks * 128, H]
+  __nv_bfloat16* h_ring;    // [..., I]
+  __nv_bfloat16* out_ring;  // [..., H]
   DeviceErrorSink error;
   RankState rank_state[kMaxRanks];  // [launch_ranks]
   PeerView peers;

@@ -28,10 +28,10 @@ class FusedTiles {
     n_blocks_[0] = n_blocks(2 * p.intermediate);
     n_blocks_[1] = n_blocks(p.hidden);
     if (threadIdx.x == 0) {
-      ops[0] = {&maps.x_ring, &maps.w13[lr], &maps.h_ring_store, p.hidden / kBlockK, gemm::Epilogue::kSwiGLU, nullptr,
-                rs.gemm1_done};
-      ops[1] = {&maps.h_ring_load, &maps.w2[lr], &maps.out_ring_store, p.intermediate / kBlockK, gemm::Epilogue::kStore,
-                nullptr, rs.gemm2_done};
+      ops[0] = {&maps.x_ring, &maps.w13[lr], &maps.h_ring_store, p.hidden / kBlockK, gemm::Epilogue::kSwiGLU,
+                nullptr,      rs.gemm1_done};
+      ops[1] = {&maps.h_ring_load,      &maps.w2[lr], &maps.out_ring_store, p.intermediate / kBlockK,
+                gemm::Epilogue::kStore, nullptr,      rs.gemm2_done};
     }
   }
 
@@ -40,11 +40,10 @@ class FusedTiles {
     int32_t gemm = 0, m_block = 0, n_block = 0;
     if (!decode(ticket, gemm, m_block, n_block)) return false;
     const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
-    const bool ready =
-        gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], p_.epoch * p_.steps.dispatched, site,
-                                         WaitTarget::kMBlockReady, m_block)
-                  : counter_wait_bounded(&rs_.gemm1_done[m_block], p_.epoch * p_.steps.gemm1_done, site,
-                                         WaitTarget::kGemm1Done, m_block);
+    const bool ready = gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], p_.epoch * p_.steps.dispatched, site,
+                                                        WaitTarget::kMBlockReady, m_block)
+                                 : counter_wait_bounded(&rs_.gemm1_done[m_block], p_.epoch * p_.steps.gemm1_done, site,
+                                                        WaitTarget::kGemm1Done, m_block);
     if (!ready) return false;
     // NOTES: the A rows were written by other CTAs (bulk copies, TMA stores) and acquired above through
     // the generic proxy; our TMA loads read through the async proxy.

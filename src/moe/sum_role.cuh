@@ -44,8 +44,9 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
     bool ok = true;
     if (p.in_place) {
       for (int k = lane; k < p.topk && ok; k += 32) {
-        const int64_t m_block = (k == lane ? lane_row : row_of(k)) / 128;
-        ok = counter_wait_bounded(&rs.gemm2_done[m_block], p.epoch * p.steps.gemm2_done, site, WaitTarget::kGemm2Done, m_block);
+        const int64_t m_block = (k == lane ? lane_row : row_of(k)) / kBlockM;
+        ok = counter_wait_bounded(&rs.gemm2_done[m_block], p.epoch * p.steps.gemm2_done, site, WaitTarget::kGemm2Done,
+                                  m_block);
       }
     } else if (lane == 0) {
       const uint32_t target = p.epoch * p.steps.arrivals;
@@ -62,7 +63,8 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
     for (int64_t v0 = 0; v0 < vecs; v0 += 32 * kVecsPerLane) {
       float acc[kVecsPerLane][8] = {};
       for (int k0 = 0; k0 < p.topk; k0 += kBatch) {
-        uint4 bits[kBatch][kVecsPerLane] = {};  // conditionally loaded: initialized so no value is carried across iterations
+        // Conditionally loaded: initialized so no value is carried across iterations.
+        uint4 bits[kBatch][kVecsPerLane] = {};
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
           const int k = k0 + j;  // warp-uniform

@@ -14,7 +14,7 @@
 namespace pounce::moe {
 
 struct CommItem {
-  bool combine;     // C(b) pushes m-block b out; D(b) pulls it in
+  bool combine;  // C(b) pushes m-block b out; D(b) pulls it in
   int32_t m_block;
 };
 

@@ -4,13 +4,13 @@
 // both queues in order, after the opening, never deadlocks when the ring holds two minibatches (and can
 // when it holds one), nor in place (one rank, the ring holding every m-block, communication CTAs joining
 // the GEMMs).
+#include "moe/work_queues.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <deque>
 #include <vector>
-
-#include "moe/work_queues.h"
 
 namespace pounce::moe {
 namespace {
@@ -186,7 +186,8 @@ TEST(WorkQueues, NeverDeadlockWithARingOfTwoMinibatches) {
           for (int32_t ring_extra : {0, 1, 100}) {
             const int32_t ring = std::min(m_blocks, 2 * bpm + ring_extra);
             EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, ring, comm, gemm))
-                << "M " << m_blocks << ", minibatch " << bpm << ", ring " << ring << ", comm " << comm << ", gemm " << gemm;
+                << "M " << m_blocks << ", minibatch " << bpm << ", ring " << ring << ", comm " << comm << ", gemm "
+                << gemm;
           }
 }
 
@@ -201,7 +202,8 @@ TEST(WorkQueues, NeverDeadlockInPlace) {
 
 TEST(WorkQueues, InPlaceNeedsTheRingToHoldEveryMBlock) {
   // Without combine items nothing frees a ring slot: dispatch past the ring waits forever.
-  EXPECT_FALSE(simulate(/*m_blocks=*/8, /*bpm=*/2, /*n1=*/4, /*n2=*/3, /*ring=*/4, /*comm=*/1, /*gemm=*/2, /*in_place=*/true));
+  EXPECT_FALSE(
+      simulate(/*m_blocks=*/8, /*bpm=*/2, /*n1=*/4, /*n2=*/3, /*ring=*/4, /*comm=*/1, /*gemm=*/2, /*in_place=*/true));
 }
 
 TEST(WorkQueues, CanDeadlockWithARingOfOneMinibatch) {

@@ -1,8 +1,7 @@
-#include "planner/device_planner.h"
-
 #include <algorithm>
 
 #include "common/cuda_check.h"
+#include "planner/device_planner.h"
 #include "planner/plan_steps.cuh"
 
 namespace pounce::planner {
@@ -52,8 +51,8 @@ DevicePlanner::DevicePlanner(const EpConfig& config, int64_t minibatch_rows) : c
 }
 
 void DevicePlanner::plan(int rank, const int32_t* const* topk_ids, const int32_t* tokens, cudaStream_t stream) {
-  POUNCE_REQUIRE(rank >= 0 && rank < config_.ranks, "device planner: rank = ", rank, " is outside [0, ",
-                 config_.ranks, ")");
+  POUNCE_REQUIRE(rank >= 0 && rank < config_.ranks, "device planner: rank = ", rank, " is outside [0, ", config_.ranks,
+                 ")");
   POUNCE_REQUIRE(topk_ids && tokens, "device planner: topk_ids and tokens must be set");
   const steps::Routing r{topk_ids,
                          tokens,
@@ -64,10 +63,10 @@ void DevicePlanner::plan(int rank, const int32_t* const* topk_ids, const int32_t
                          config_.local_experts(),
                          chunks_per_rank_,
                          int32_t(config_.max_tokens_per_rank)};
-  const steps::Outputs o{chunk_counts_.data(),    expert_routes_.data(), expert_offsets_.data(),
-                         row_source_rank_.data(), row_token_.data(),     row_k_.data(),
-                         minibatch_starts_.data(), sizes_.data(),        capacity_.max_padded_rows,
-                         blocks_per_minibatch_,   route_row_.data()};
+  const steps::Outputs o{chunk_counts_.data(),     expert_routes_.data(), expert_offsets_.data(),
+                         row_source_rank_.data(),  row_token_.data(),     row_k_.data(),
+                         minibatch_starts_.data(), sizes_.data(),         capacity_.max_padded_rows,
+                         blocks_per_minibatch_,    route_row_.data()};
   const int chunks = r.chunks();
   count_kernel<<<chunks, kChunkTokens, 0, stream>>>(r, o, errors_.device_sink());
   CUDA_CHECK_LAUNCH();

@@ -46,8 +46,8 @@ class DevicePlanner {
   void check_device_errors() { errors_.check(); }
 
   // Outputs, laid out as RankSchedule's (row arrays hold -1 for padding and past the padded rows).
-  const int32_t* expert_routes() const { return expert_routes_.data(); }    // [E_local]
-  const int32_t* expert_offsets() const { return expert_offsets_.data(); }  // [E_local + 1]
+  const int32_t* expert_routes() const { return expert_routes_.data(); }      // [E_local]
+  const int32_t* expert_offsets() const { return expert_offsets_.data(); }    // [E_local + 1]
   const int32_t* row_source_rank() const { return row_source_rank_.data(); }  // [capacity rows]
   const int32_t* row_token() const { return row_token_.data(); }
   const int32_t* row_k() const { return row_k_.data(); }

@@ -1,12 +1,13 @@
 // The device planner against the host planner: every array bit for bit, on fresh random routings.
-#include <algorithm>
+#include "planner/device_planner.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "common/gpu.h"
 #include "common/testing.h"
-#include "planner/device_planner.h"
 #include "reference/synthetic_routing.h"
 
 namespace pounce::planner {
@@ -58,7 +59,11 @@ TEST_P(DevicePlannerTest, MatchesHostPlannerBitForBit) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
   const Case c = GetParam();
-  const EpConfig config{.ranks = c.ranks, .experts = c.experts, .topk = c.topk, .hidden = 64, .intermediate = 64,
+  const EpConfig config{.ranks = c.ranks,
+                        .experts = c.experts,
+                        .topk = c.topk,
+                        .hidden = 64,
+                        .intermediate = 64,
                         .max_tokens_per_rank = c.max_tokens};
   std::vector<std::vector<int32_t>> ids(c.ranks);
   std::vector<int64_t> tokens(c.ranks);
@@ -106,8 +111,8 @@ TEST_P(DevicePlannerTest, MatchesHostPlannerBitForBit) {
     int64_t mismatches = 0;
     for (int64_t row = 0; row < want.padded_rows(); ++row) {
       if (want.row_token[row] < 0) continue;
-      const int64_t route = (int64_t(want.row_source_rank[row]) * c.max_tokens + want.row_token[row]) * c.topk +
-                            want.row_k[row];
+      const int64_t route =
+          (int64_t(want.row_source_rank[row]) * c.max_tokens + want.row_token[row]) * c.topk + want.row_k[row];
       mismatches += route_row[route] != row;
     }
     EXPECT_EQ(mismatches, 0) << "route_row disagrees with the placed rows";
@@ -121,15 +126,15 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4, RoutingPattern::kOneExpert, 64, 6, 300, 1000},
                       Case{8, RoutingPattern::kUniform, 256, 8, 1024, 2432},
                       Case{8, RoutingPattern::kHalfEmpty, 16, 2, 257, 300},
-                      Case{1, RoutingPattern::kZipf, 1024, 1, 513, 128},  // the most local experts supported
+                      Case{1, RoutingPattern::kZipf, 1024, 1, 513, 128},    // the most local experts supported
                       Case{2, RoutingPattern::kUniform, 64, 40, 100, 128},  // top-k past one warp
-                      Case{2, RoutingPattern::kUniform, 2, 2, 0, 128}),   // no tokens anywhere
+                      Case{2, RoutingPattern::kUniform, 2, 2, 0, 128}),     // no tokens anywhere
     testing::NameFromPrintTo());
 
 TEST(DevicePlanner, ReportsBadRoutingByName) {
   POUNCE_REQUIRE_HOPPER();
-  const EpConfig config{.ranks = 2, .experts = 32, .topk = 3, .hidden = 64, .intermediate = 64,
-                        .max_tokens_per_rank = 8};
+  const EpConfig config{
+      .ranks = 2, .experts = 32, .topk = 3, .hidden = 64, .intermediate = 64, .max_tokens_per_rank = 8};
   DevicePlanner planner(config, 128);
   auto expect_error = [&](std::vector<std::vector<int32_t>> ids, std::vector<int32_t> tokens, const char* message) {
     DeviceRouting routing(ids, tokens);
@@ -160,8 +165,8 @@ TEST(DevicePlanner, PlacesExactlyTheEntriesItCountsWhenRoutingIsBad) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
   const int experts = 48, topk = 40, tokens = 100;
-  const EpConfig config{.ranks = 1, .experts = experts, .topk = topk, .hidden = 64, .intermediate = 64,
-                        .max_tokens_per_rank = tokens};
+  const EpConfig config{
+      .ranks = 1, .experts = experts, .topk = topk, .hidden = 64, .intermediate = 64, .max_tokens_per_rank = tokens};
   std::uniform_int_distribution<int32_t> any_id(-2, experts + 1);  // a few out of range, many repeats
   std::vector<int32_t> ids(tokens * topk);
   for (auto& id : ids) id = any_id(rng);

@@ -68,8 +68,8 @@ __device__ inline void count_chunk(const Routing& r, int32_t chunk, const Output
     for (int32_t j = 0; j < r.topk; ++j) {
       const int32_t id = ids[j];
       if (id < 0 || id >= r.experts) {
-        report_device_error(error, DeviceErrorCode::kBadRouting, DeviceRole::kPlanner, WaitTarget::kExpertIdInRange,
-                            t, uint64_t(r.experts), uint64_t(uint32_t(id)), 0, s, j);
+        report_device_error(error, DeviceErrorCode::kBadRouting, DeviceRole::kPlanner, WaitTarget::kExpertIdInRange, t,
+                            uint64_t(r.experts), uint64_t(uint32_t(id)), 0, s, j);
         continue;
       }
       bool repeated = false;
@@ -194,7 +194,8 @@ __device__ inline void place_chunk(const Routing& r, int32_t chunk, const Output
     }
     for (int32_t d = 32; d <= j && planned; ++d)  // top-k past 32: the entries further back, from memory
       if (chunk_ids[i - d] == id) planned = false;
-    const int32_t e = planned && id - r.first_local >= 0 && id - r.first_local < r.local_experts ? id - r.first_local : -1;
+    const int32_t e =
+        planned && id - r.first_local >= 0 && id - r.first_local < r.local_experts ? id - r.first_local : -1;
     const uint32_t peers = __match_any_sync(0xFFFFFFFFu, e);
     if (e >= 0) {
       const int32_t row = running[e] + __popc(peers & lower_lanes);

@@ -39,8 +39,8 @@ TEST(WaveModel, ReproducesPublishedMinibatch) {
 
 TEST(WaveModel, ScalesWithSmsWavesAndTiles) {
   WaveModel m{.compute_sms = 132, .block_m = 128, .block_n = 256, .waves = 2};
-  EXPECT_EQ(min_minibatch_rows(m, 2048), 2112);    // 2*132*128/16
-  EXPECT_EQ(min_minibatch_rows(m, 768), 5632);     // 6 tiles per row block: fewer tiles, more rows
+  EXPECT_EQ(min_minibatch_rows(m, 2048), 2112);  // 2*132*128/16
+  EXPECT_EQ(min_minibatch_rows(m, 768), 5632);   // 6 tiles per row block: fewer tiles, more rows
   m.waves = 3;
   EXPECT_EQ(min_minibatch_rows(m, 2048), 3168);
   m.block_n = 128;
@@ -62,7 +62,8 @@ TEST(WaveModel, CountsAPartialLastTile) {
 }
 
 TEST(Config, RejectsByName) {
-  EXPECT_THAT(error_message([] { validate_config(small_config(3, 16, 2, 8)); }), HasSubstr("not divisible by ranks = 3"));
+  EXPECT_THAT(error_message([] { validate_config(small_config(3, 16, 2, 8)); }),
+              HasSubstr("not divisible by ranks = 3"));
   EXPECT_THAT(error_message([] { validate_config(small_config(2, 16, 17, 8)); }), HasSubstr("topk = 17"));
   auto c = small_config(2, 16, 2, 8);
   c.hidden = 100;
@@ -175,8 +176,10 @@ void expect_schedule_matches_brute_force(const EpConfig& c, int rank, const std:
   for (size_t i = 0; i + 1 < s.minibatch_starts.size(); ++i) {
     const int64_t len = s.minibatch_starts[i + 1] - s.minibatch_starts[i];
     EXPECT_GT(len, 0);
-    if (i + 2 < s.minibatch_starts.size()) EXPECT_EQ(len, per);
-    else EXPECT_LE(len, per);
+    if (i + 2 < s.minibatch_starts.size())
+      EXPECT_EQ(len, per);
+    else
+      EXPECT_LE(len, per);
   }
 }
 
@@ -215,11 +218,12 @@ TEST_P(ScheduleTest, MatchesBruteForce) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(RanksAndPatterns, ScheduleTest,
-                         ::testing::Values(ScheduleCase{1, RoutingPattern::kUniform}, ScheduleCase{2, RoutingPattern::kUniform},
-                                           ScheduleCase{4, RoutingPattern::kZipf}, ScheduleCase{8, RoutingPattern::kUniform},
-                                           ScheduleCase{8, RoutingPattern::kZipf}, ScheduleCase{4, RoutingPattern::kOneExpert},
-                                           ScheduleCase{2, RoutingPattern::kHalfEmpty}));
+INSTANTIATE_TEST_SUITE_P(
+    RanksAndPatterns, ScheduleTest,
+    ::testing::Values(ScheduleCase{1, RoutingPattern::kUniform}, ScheduleCase{2, RoutingPattern::kUniform},
+                      ScheduleCase{4, RoutingPattern::kZipf}, ScheduleCase{8, RoutingPattern::kUniform},
+                      ScheduleCase{8, RoutingPattern::kZipf}, ScheduleCase{4, RoutingPattern::kOneExpert},
+                      ScheduleCase{2, RoutingPattern::kHalfEmpty}));
 
 TEST(Schedule, EveryRouteLandsOnExactlyOneRank) {
   auto rng = testing::fresh_rng();

@@ -10,14 +10,15 @@ namespace pounce::planner {
 void validate_config(const EpConfig& c) {
   POUNCE_REQUIRE(c.ranks >= 1, "EP config: ranks = ", c.ranks, ", must be at least 1");
   POUNCE_REQUIRE(c.experts >= 1, "EP config: experts = ", c.experts, ", must be at least 1");
-  POUNCE_REQUIRE(c.experts % c.ranks == 0, "EP config: experts = ", c.experts,
-                 " is not divisible by ranks = ", c.ranks, " (each rank owns E/P contiguous experts)");
-  POUNCE_REQUIRE(c.topk >= 1 && c.topk <= c.experts, "EP config: topk = ", c.topk, " must lie in [1, experts = ",
-                 c.experts, "]");
+  POUNCE_REQUIRE(c.experts % c.ranks == 0, "EP config: experts = ", c.experts, " is not divisible by ranks = ", c.ranks,
+                 " (each rank owns E/P contiguous experts)");
+  POUNCE_REQUIRE(c.topk >= 1 && c.topk <= c.experts, "EP config: topk = ", c.topk,
+                 " must lie in [1, experts = ", c.experts, "]");
   POUNCE_REQUIRE(c.hidden > 0 && c.hidden % kShapeQuantum == 0, "EP config: hidden = ", c.hidden,
                  " is not supported: it must be a positive multiple of ", kShapeQuantum);
-  POUNCE_REQUIRE(c.intermediate > 0 && c.intermediate % kShapeQuantum == 0, "EP config: intermediate = ",
-                 c.intermediate, " is not supported: it must be a positive multiple of ", kShapeQuantum);
+  POUNCE_REQUIRE(c.intermediate > 0 && c.intermediate % kShapeQuantum == 0,
+                 "EP config: intermediate = ", c.intermediate, " is not supported: it must be a positive multiple of ",
+                 kShapeQuantum);
   POUNCE_REQUIRE(c.max_tokens_per_rank >= 0, "EP config: max_tokens_per_rank = ", c.max_tokens_per_rank,
                  " is negative");
 }
@@ -36,8 +37,8 @@ void check_config(const EpConfig& c) {
   POUNCE_REQUIRE(c.hidden <= kMaxHidden, "EP config: hidden = ", c.hidden, " is above the limit of ", kMaxHidden);
   POUNCE_REQUIRE(c.intermediate <= kMaxHidden, "EP config: intermediate = ", c.intermediate, " is above the limit of ",
                  kMaxHidden);
-  POUNCE_REQUIRE(c.max_tokens_per_rank <= kMaxTokensPerRank, "EP config: max_tokens_per_rank = ",
-                 c.max_tokens_per_rank, " is above the limit of ", kMaxTokensPerRank);
+  POUNCE_REQUIRE(c.max_tokens_per_rank <= kMaxTokensPerRank, "EP config: max_tokens_per_rank = ", c.max_tokens_per_rank,
+                 " is above the limit of ", kMaxTokensPerRank);
   planner::worst_case_capacity(c);  // the routed rows must fit int32 row indices
 }
 

@@ -35,11 +35,11 @@ Capacity worst_case_capacity(const EpConfig& config);
 
 struct RankSchedule {
   int rank = 0;
-  std::vector<int32_t> expert_routes;   // [E_local] routes per local expert (unpadded)
-  std::vector<int32_t> expert_offsets;  // [E_local + 1] first padded row of each expert; back = padded rows
-  std::vector<int32_t> row_source_rank; // [padded rows] source rank of the route, -1 for padding
-  std::vector<int32_t> row_token;       // [padded rows] token index on the source rank, -1 for padding
-  std::vector<int32_t> row_k;           // [padded rows] position in the token's top-k, -1 for padding
+  std::vector<int32_t> expert_routes;     // [E_local] routes per local expert (unpadded)
+  std::vector<int32_t> expert_offsets;    // [E_local + 1] first padded row of each expert; back = padded rows
+  std::vector<int32_t> row_source_rank;   // [padded rows] source rank of the route, -1 for padding
+  std::vector<int32_t> row_token;         // [padded rows] token index on the source rank, -1 for padding
+  std::vector<int32_t> row_k;             // [padded rows] position in the token's top-k, -1 for padding
   std::vector<int32_t> minibatch_starts;  // m-block where each minibatch starts, then the total m-blocks
 
   int64_t padded_rows() const { return expert_offsets.empty() ? 0 : expert_offsets.back(); }
@@ -50,8 +50,7 @@ struct RankSchedule {
 
 // topk_ids[r] is rank r's [tokens[r], k] routing. Validates config and every rank's routing first.
 // minibatch_rows > 0; each minibatch holds ceil(minibatch_rows / kBlockM) m-blocks (the last may hold fewer).
-RankSchedule build_schedule(const EpConfig& config, int rank,
-                            std::span<const std::span<const int32_t>> topk_ids,
+RankSchedule build_schedule(const EpConfig& config, int rank, std::span<const std::span<const int32_t>> topk_ids,
                             std::span<const int64_t> tokens, int64_t minibatch_rows);
 
 }  // namespace pounce::planner

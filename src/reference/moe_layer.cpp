@@ -10,8 +10,7 @@ namespace pounce::reference {
 namespace {
 
 void require_size(const char* name, size_t got, int64_t want, const char* formula) {
-  POUNCE_REQUIRE(got == static_cast<size_t>(want), name, " has ", got, " elements, expected ", formula, " = ",
-                 want);
+  POUNCE_REQUIRE(got == static_cast<size_t>(want), name, " has ", got, " elements, expected ", formula, " = ", want);
 }
 
 void validate_shape(const MoeShape& s) {
@@ -20,8 +19,8 @@ void validate_shape(const MoeShape& s) {
   POUNCE_REQUIRE(s.intermediate > 0 && s.intermediate % 8 == 0, "MoeShape.intermediate = ", s.intermediate,
                  " must be a positive multiple of 8 (W13 interleaves gate/up rows in groups of 8)");
   POUNCE_REQUIRE(s.experts > 0, "MoeShape.experts = ", s.experts, " must be > 0");
-  POUNCE_REQUIRE(s.topk >= 1 && s.topk <= s.experts, "MoeShape.topk = ", s.topk, " must be in [1, experts = ",
-                 s.experts, "]");
+  POUNCE_REQUIRE(s.topk >= 1 && s.topk <= s.experts, "MoeShape.topk = ", s.topk,
+                 " must be in [1, experts = ", s.experts, "]");
 }
 
 // Forward of one route (token t through expert e), kept whole because the backward needs g and u.
@@ -99,8 +98,8 @@ void validate(const MoeShape& shape, const MoeInputs& in) {
       POUNCE_REQUIRE(ids[k] >= 0 && ids[k] < E, "topk_ids[token ", t, "][k ", k, "] = ", ids[k],
                      " is out of range [0, ", E, ")");
       for (int64_t earlier = 0; earlier < k; ++earlier) {
-        POUNCE_REQUIRE(ids[earlier] != ids[k], "token ", t, " lists expert ", ids[k], " twice (k ", earlier,
-                       " and k ", k, ")");
+        POUNCE_REQUIRE(ids[earlier] != ids[k], "token ", t, " lists expert ", ids[k], " twice (k ", earlier, " and k ",
+                       k, ")");
       }
     }
   }

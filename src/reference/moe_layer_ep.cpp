@@ -12,8 +12,8 @@ std::vector<EpRankResult> moe_layer_ep(const EpConfig& c, std::span<const EpRank
                  c.ranks);
   const int64_t H = c.hidden, I = c.intermediate, k = c.topk, local = c.local_experts();
   POUNCE_REQUIRE(int64_t(w13.size()) == c.experts * 2 * I * H && int64_t(w2.size()) == c.experts * H * I,
-                 "moe_layer_ep: weights have ", w13.size(), " / ", w2.size(), " elements, expected E*2I*H = ",
-                 c.experts * 2 * I * H, " / E*H*I = ", c.experts * H * I);
+                 "moe_layer_ep: weights have ", w13.size(), " / ", w2.size(),
+                 " elements, expected E*2I*H = ", c.experts * 2 * I * H, " / E*H*I = ", c.experts * H * I);
   std::vector<std::span<const int32_t>> ids;
   std::vector<int64_t> tokens;
   for (const EpRankInputs& r : ranks) {

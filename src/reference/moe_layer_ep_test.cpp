@@ -1,8 +1,9 @@
+#include "reference/moe_layer_ep.h"
+
 #include <gtest/gtest.h>
 
 #include "common/testing.h"
 #include "reference/moe_layer.h"
-#include "reference/moe_layer_ep.h"
 #include "reference/synthetic_routing.h"
 
 namespace pounce::reference {
@@ -24,8 +25,7 @@ class MoeLayerEpTest : public ::testing::TestWithParam<EpCase> {};
 TEST_P(MoeLayerEpTest, MatchesSingleDevice) {
   auto rng = testing::fresh_rng();
   const auto [P, pattern] = GetParam();
-  EpConfig c{.ranks = P, .experts = 16, .topk = 4, .hidden = 64, .intermediate = 64,
-                      .max_tokens_per_rank = 40};
+  EpConfig c{.ranks = P, .experts = 16, .topk = 4, .hidden = 64, .intermediate = 64, .max_tokens_per_rank = 40};
   const int64_t H = c.hidden, I = c.intermediate, k = c.topk, E = c.experts;
 
   std::vector<int64_t> tokens(P);

@@ -79,8 +79,16 @@ struct Dense {
   std::vector<int64_t> slot;         // [T, E]: k of e in the token's top-k, or -1
 
   explicit Dense(const Problem& problem)
-      : p(problem), T(p.shape.tokens), H(p.shape.hidden), I(p.shape.intermediate), E(p.shape.experts),
-        K(p.shape.topk), gate(E * I * H), up(E * I * H), w2(p.w2.begin(), p.w2.end()), coef(T * E, 0.0),
+      : p(problem),
+        T(p.shape.tokens),
+        H(p.shape.hidden),
+        I(p.shape.intermediate),
+        E(p.shape.experts),
+        K(p.shape.topk),
+        gate(E * I * H),
+        up(E * I * H),
+        w2(p.w2.begin(), p.w2.end()),
+        coef(T * E, 0.0),
         slot(T * E, -1) {
     for (int64_t e = 0; e < E; ++e) {
       for (int64_t row = 0; row < 2 * I; ++row) {
@@ -308,8 +316,7 @@ double loss(const Problem& p, const std::vector<float>& dy) {
 
 // Central difference of L in param[i] with step delta (the step actually taken, should saved +- delta
 // not be representable in float).
-double central_difference(Problem& p, std::vector<float>& param, size_t i, double delta,
-                          const std::vector<float>& dy) {
+double central_difference(Problem& p, std::vector<float>& param, size_t i, double delta, const std::vector<float>& dy) {
   const float saved = param[i];
   const float plus = float(saved + delta), minus = float(saved - delta);
   param[i] = plus;

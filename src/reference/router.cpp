@@ -13,22 +13,21 @@ namespace {
 
 void validate_config(const RouterConfig& c) {
   POUNCE_REQUIRE(c.experts > 0, "RouterConfig.experts = ", c.experts, " must be > 0");
-  POUNCE_REQUIRE(c.topk >= 1 && c.topk <= c.experts, "RouterConfig.topk = ", c.topk, " must be in [1, experts = ",
-                 c.experts, "]");
+  POUNCE_REQUIRE(c.topk >= 1 && c.topk <= c.experts, "RouterConfig.topk = ", c.topk,
+                 " must be in [1, experts = ", c.experts, "]");
   POUNCE_REQUIRE(c.n_group >= 1 && c.experts % c.n_group == 0, "RouterConfig.n_group = ", c.n_group,
                  " must be >= 1 and divide experts = ", c.experts);
-  POUNCE_REQUIRE(std::isfinite(c.scaling_factor), "RouterConfig.scaling_factor = ", c.scaling_factor,
-                 " is not finite");
+  POUNCE_REQUIRE(std::isfinite(c.scaling_factor), "RouterConfig.scaling_factor = ", c.scaling_factor, " is not finite");
   if (c.n_group == 1) return;
   const int group_size = c.experts / c.n_group;
   POUNCE_REQUIRE(c.topk_group >= 1 && c.topk_group <= c.n_group, "RouterConfig.topk_group = ", c.topk_group,
                  " must be in [1, n_group = ", c.n_group, "]");
   POUNCE_REQUIRE(c.topk <= c.topk_group * group_size, "RouterConfig.topk = ", c.topk, " exceeds the ",
-                 c.topk_group * group_size, " experts of the kept groups (topk_group ", c.topk_group, " x ",
-                 group_size, " experts per group)");
+                 c.topk_group * group_size, " experts of the kept groups (topk_group ", c.topk_group, " x ", group_size,
+                 " experts per group)");
   POUNCE_REQUIRE(c.score != ScoreFunction::kSigmoid || group_size >= 2,
-                 "sigmoid group-limited routing scores a group by its two best experts, but groups have ",
-                 group_size, " expert (experts ", c.experts, " / n_group ", c.n_group, ")");
+                 "sigmoid group-limited routing scores a group by its two best experts, but groups have ", group_size,
+                 " expert (experts ", c.experts, " / n_group ", c.n_group, ")");
 }
 
 // Group score from the biased selection scores of its members.
@@ -47,9 +46,8 @@ double group_score(ScoreFunction score, const double* choice, int group_size) {
 
 // Moves the n best indices (higher value first, ties to the lower index) to the front of idx, in order.
 void take_best(std::vector<int>& idx, const std::vector<double>& value, int n) {
-  std::partial_sort(idx.begin(), idx.begin() + n, idx.end(), [&](int a, int b) {
-    return value[a] > value[b] || (value[a] == value[b] && a < b);
-  });
+  std::partial_sort(idx.begin(), idx.begin() + n, idx.end(),
+                    [&](int a, int b) { return value[a] > value[b] || (value[a] == value[b] && a < b); });
 }
 
 }  // namespace

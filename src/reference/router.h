@@ -18,15 +18,15 @@ struct RouterConfig {
   int experts = 0;
   int topk = 0;
   ScoreFunction score = ScoreFunction::kSoftmax;
-  int n_group = 1;     // experts split into n_group equal groups; 1 = no group limit
-  int topk_group = 1;  // groups kept per token (ignored when n_group == 1)
-  bool normalize = true;       // weights divided by the sum of the selected scores
-  float scaling_factor = 1.0f; // applied after normalization (DeepSeek-V3: 2.5)
+  int n_group = 1;              // experts split into n_group equal groups; 1 = no group limit
+  int topk_group = 1;           // groups kept per token (ignored when n_group == 1)
+  bool normalize = true;        // weights divided by the sum of the selected scores
+  float scaling_factor = 1.0f;  // applied after normalization (DeepSeek-V3: 2.5)
 };
 
 struct RouterOutput {
-  std::vector<int32_t> topk_ids;     // [T, topk], in descending order of selection score
-  std::vector<float> topk_weights;   // [T, topk]
+  std::vector<int32_t> topk_ids;    // [T, topk], in descending order of selection score
+  std::vector<float> topk_weights;  // [T, topk]
 };
 
 // logits [T, E]. bias: empty, or [E] added to the scores for selection only (weights use the

@@ -127,13 +127,12 @@ std::vector<float> random_values(std::mt19937_64& rng, size_t n, float lo, float
 // ---- hand-checked examples -----------------------------------------------------------------------------
 
 TEST(Router, SoftmaxTopKHandChecked) {
-  const std::vector<float> logits = {1, 3, 2, 0,        // token 0
+  const std::vector<float> logits = {1,    3,  2,    0,   // token 0
                                      0.5f, -1, 0.5f, 2};  // token 1: experts 0 and 2 tie, 0 wins
   RouterConfig c = softmax_config(4, 2);
   RouterOutput out = route(c, logits, 2);
   EXPECT_EQ(out.topk_ids, (std::vector<int32_t>{1, 2, 3, 0}));
-  const double want_normalized[] = {0.7310585786300048, 0.2689414213699951, 0.8175744761936438,
-                                    0.18242552380635635};
+  const double want_normalized[] = {0.7310585786300048, 0.2689414213699951, 0.8175744761936438, 0.18242552380635635};
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(out.topk_weights[i], want_normalized[i], 1e-7) << i;
 
   c.normalize = false;

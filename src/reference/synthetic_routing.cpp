@@ -18,10 +18,14 @@ RoutingPattern parse_routing_pattern(const std::string& name) {
 
 const char* routing_pattern_name(RoutingPattern pattern) {
   switch (pattern) {
-    case RoutingPattern::kUniform: return "uniform";
-    case RoutingPattern::kZipf: return "zipf";
-    case RoutingPattern::kOneExpert: return "one_expert";
-    case RoutingPattern::kHalfEmpty: return "half_empty";
+    case RoutingPattern::kUniform:
+      return "uniform";
+    case RoutingPattern::kZipf:
+      return "zipf";
+    case RoutingPattern::kOneExpert:
+      return "one_expert";
+    case RoutingPattern::kHalfEmpty:
+      return "half_empty";
   }
   return "?";
 }

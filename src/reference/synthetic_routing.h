@@ -10,10 +10,10 @@
 namespace pounce::reference {
 
 enum class RoutingPattern {
-  kUniform,     // k distinct experts uniformly at random
-  kZipf,        // expert popularity ~ 1 / rank^1.2 over a random ranking: a few hot experts
-  kOneExpert,   // every token's first choice is one hot expert; the rest uniform
-  kHalfEmpty,   // only a random half of the experts receive tokens (needs k <= E/2)
+  kUniform,    // k distinct experts uniformly at random
+  kZipf,       // expert popularity ~ 1 / rank^1.2 over a random ranking: a few hot experts
+  kOneExpert,  // every token's first choice is one hot expert; the rest uniform
+  kHalfEmpty,  // only a random half of the experts receive tokens (needs k <= E/2)
 };
 
 RoutingPattern parse_routing_pattern(const std::string& name);  // "uniform", "zipf", "one_expert", "half_empty"
