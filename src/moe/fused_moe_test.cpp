@@ -200,7 +200,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4, 1000, 384, 256, 8, 3, RoutingPattern::kUniform, kMinRing, 6},
                       Case{8, 1, 128, 64, 8, 1, RoutingPattern::kUniform},
                       Case{8, 257, 256, 128, 16, 4, RoutingPattern::kOneExpert, kMinRing},
-                      Case{8, 77, 192, 320, 32, 5, RoutingPattern::kZipf, 0, 8, 12}),
+                      Case{8, 77, 192, 320, 32, 5, RoutingPattern::kZipf, 0, 8, 12},
+                      // Rank counts that are not powers of two (44, 26, 22 and 18 CTAs per rank).
+                      Case{3, 211, 256, 192, 12, 3, RoutingPattern::kZipf},
+                      Case{5, 50, 192, 64, 10, 7, RoutingPattern::kUniform, kMinRing},
+                      Case{6, 101, 128, 128, 12, 4, RoutingPattern::kHalfEmpty},
+                      Case{7, 33, 256, 128, 14, 2, RoutingPattern::kOneExpert, kMinRing}),
     testing::NameFromPrintTo());
 
 // One rank, default ring: every m-block fits, nothing is combined and the sums read GEMM2's rows in the
@@ -616,6 +621,25 @@ TEST(FusedMoe, DeviceBytesFollowTheDocumentedFormula) {
     EXPECT_NEAR(double(layer.device_bytes()), double(documented), double(P * (R / 4 + 4096)))
         << "P " << P << ", ring " << layer.ring_blocks() << " m-blocks, in place " << layer.in_place();
   }
+}
+
+// Router weights that are exactly zero (a route kept with no weight, a token whose weights are all zero)
+// contribute exactly nothing: y matches the reference, and a token with only zero weights is exactly 0.
+TEST(FusedMoe, ExactZeroRouterWeights) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, Case{2, 200, 256, 128, 8, 4, RoutingPattern::kZipf});
+  const int64_t k = p.config.topk, H = p.config.hidden;
+  for (int r = 0; r < 2; ++r) {
+    for (int64_t t = 0; t < p.tokens[r]; t += 3) p.weights[r][t * k + t % k] = 0.0f;
+    for (int64_t j = 0; j < k; ++j) p.weights[r][7 * k + j] = 0.0f;  // token 7: nothing at all
+    p.d_weights[r].upload(p.weights[r]);
+  }
+  FusedMoe layer(p.config);
+  p.load_weights(layer);
+  run_and_expect_reference(layer, p);
+  for (const auto& y : p.outputs())
+    for (int64_t i = 0; i < H; ++i) ASSERT_EQ(y[7 * H + i] & 0x7FFF, 0) << "token 7 has only zero weights";
 }
 
 }  // namespace
