@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Gathers what scripts/gpu_check.sh left in OUTDIR into one JSON per GPU kind (results/<kind>.json) and
+one log (results/<kind>.log): the benchmark JSONs as they are, the test and sanitizer summaries, the
+command that produced them. Absolute paths are cut from the log so it reads the same on any machine.
+
+usage: scripts/collect_results.py OUTDIR results/h200 --command "scripts/gpu_check.sh OUT --prebuilt --sanitize"
+"""
+import argparse
+import json
+import pathlib
+import re
+
+JSONS = ["bench-uniform", "bench-zipf", "torch", "copy", "dispatch", "ep"]
+LOGS = ["pounce_tests_gpu", "pounce_experiment_tests", "sanitizer", "bench", "copy", "dispatch", "ep"]
+
+
+def scrub(text):
+    # Source paths as the compiler saw them, and the output folder, without the machine's directories.
+    text = re.sub(r"/[^\s:'\"]*/(src|experiments|include)/", r"\1/", text)
+    return re.sub(r"/[^\s:'\"]*/(bench[-\w]*\.json|torch\.json|copy\.json|dispatch\.json|ep\.json)", r"<out>/\1", text)
+
+
+def test_summary(log):
+    summary = {}
+    for key, pattern in [("passed", r"^\[  PASSED  \] (\d+) test"), ("failed", r"^\[  FAILED  \] (\d+) test"),
+                         ("skipped", r"^\[  SKIPPED \] (\d+) test")]:
+        m = re.search(pattern, log, re.M)
+        summary[key] = int(m.group(1)) if m else 0
+    summary["failures"] = re.findall(r"^\[  FAILED  \] ([A-Za-z]\S*)", log, re.M)
+    return summary
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("outdir", type=pathlib.Path)
+    parser.add_argument("stem", type=pathlib.Path, help="results/<gpu kind>, without extension")
+    parser.add_argument("--command", required=True, help="the command that filled OUTDIR")
+    args = parser.parse_args()
+
+    doc = {"command": args.command}
+    for name in JSONS:
+        path = args.outdir / f"{name}.json"
+        if path.exists():
+            doc[name.replace("-", "_")] = json.loads(path.read_text())
+    env = doc["bench_uniform"]["environment"]
+    doc = {"gpu": env["gpu"], "git_commit": env["git_commit"], "date": env["date"], **doc}
+    doc["tests"] = {}
+    for suite in ["pounce_tests_gpu", "pounce_experiment_tests"]:
+        path = args.outdir / f"{suite}.log"
+        if path.exists():
+            doc["tests"][suite] = test_summary(path.read_text())
+    sanitizer = args.outdir / "sanitizer.log"
+    if sanitizer.exists():
+        text = sanitizer.read_text()
+        doc["tests"]["sanitizers"] = {
+            "runs": re.findall(r"^== compute-sanitizer --tool (\w+)", text, re.M),
+            "summaries": re.findall(r"^========= (.*SUMMARY.*)$", text, re.M)}
+
+    args.stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    with open(args.stem.with_suffix(".log"), "w") as log:
+        log.write(f"# {args.command}\n# commit {doc['git_commit']}, {doc['gpu']}, {doc['date']}\n")
+        for name in LOGS:
+            path = args.outdir / f"{name}.log"
+            if path.exists():
+                log.write(f"\n## {name}.log\n\n" + scrub(path.read_text()))
+
+
+if __name__ == "__main__":
+    main()
