@@ -40,13 +40,21 @@ constexpr uint32_t kConsumerRegisters = 232;
 // Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue.
 enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1 };
 
+// Where a tile's operands start. A K-major operand's slice kb is the box at (col + kb * kBlockK, row); an
+// MN-major operand's is the boxes at (col + 64 j, row + kb * kBlockK), one per 64 elements of M or N.
+struct OperandOrigin {
+  int32_t row, col;
+};
+
 struct TileInfo {
-  int32_t gemm;   // which GemmOperands
-  int32_t b_row;  // first B row of the tile (expert * n + n_block * kBlockN)
-  int32_t a_row;  // first A row and C row of the tile
+  int32_t gemm;  // which GemmOperands
+  OperandOrigin a, b;
+  int32_t c_row;     // first C row (of the expert's matrix when C is 3-D)
+  int32_t c_expert;  // 3-D C only
   int32_t n_block;
-  int32_t m_block;  // index of the tile's completion counter (GemmOperands::done)
-  int32_t valid;    // 0: no more tiles (queue drained, or the producer gave up): consumers exit
+  int32_t m_block;   // index of the tile's completion counter (GemmOperands::done)
+  int32_t k_blocks;  // K slices; 0 gives C = 0 (kAddF32: C unchanged)
+  int32_t valid;     // 0: no more tiles (queue drained, or the producer gave up): consumers exit
 };
 
 // Every TMA tile starts on a 1024-byte boundary: the 128-byte swizzle pattern repeats every 8 rows
@@ -73,15 +81,28 @@ __device__ __forceinline__ SharedStorage& shared_storage(uint8_t* smem_raw) {
 
 // ---- tile source contract ---------------------------------------------------------------------------
 //
-// The producer asks its TileSource for tiles:
+// What a kernel's tiles can be, fixed at compile time: each kernel carries only its own mainloop and
+// epilogues (with every variant in one kernel, ptxas spilled ~2 KB of accumulators per thread).
+enum class TileKind {
+  kForward,     // A and B K-major; bf16 out, kStore or kSwiGLU                  (m-grouped)
+  kDataGrad,    // A K-major, B MN-major (weights used transposed); bf16 kStore   (m-grouped)
+  kWeightGrad,  // A and B MN-major (row buffers used transposed); 3-D C, kStoreF32, kAddF32 or bf16 kStore
+                // (k-grouped; a tile may have no K slices)
+};
+
+// The producer asks its TileSource for tiles; TileSource::kKind is one of the kinds above.
 //   bool next(TileInfo& tile)  takes the next tile, waits (bounded) until its A rows are ready and fences
 //                              them for TMA; false when there are no more tiles or a wait gave up.
 //   const GemmOperands& operands(int gemm) const
 struct GemmOperands {
-  const CUtensorMap* a;  // [rows, k] bf16, box kBlockK x kBlockM
-  const CUtensorMap* b;  // [experts * n, k] bf16, box kBlockK x kBlockN
-  const CUtensorMap* c;  // [rows, out cols] bf16, box kStoreBoxCols x kStoreBoxRows
-  int32_t k_blocks;
+  // bf16. K-major A: [rows, k], box kBlockK x kBlockM; K-major B: [experts * n, k], box kBlockK x kBlockN.
+  // MN-major: [k rows, m or n], box 64 x kBlockK.
+  const CUtensorMap* a;
+  const CUtensorMap* b;
+  // bf16 [rows, out cols], box kStoreBoxCols x kStoreBoxRows; or (c_3d) [experts, m, n] bf16 or fp32,
+  // box 128 bytes x kStoreBoxRows x 1.
+  const CUtensorMap* c;
+  bool c_3d;
   Epilogue epilogue;
   const float* row_scale;  // optional, indexed by C row
   // Optional per-m-block completion counters: each consumer adds 1 once its half of a tile is in global
@@ -97,6 +118,20 @@ __device__ __forceinline__ uint64_t pipeline_timeout_ns(uint64_t ready_timeout_n
 
 // ---- producer ---------------------------------------------------------------------------------------
 
+// K slice kb of an operand tile with kRows rows of M or N: one box when K-major, a 64 x kBlockK box per
+// 64 elements of M or N when MN-major (TMA boxes are at most 128 bytes wide with the 128-byte swizzle).
+template <int kRows, bool kMNMajor>
+__device__ __forceinline__ void load_slice(__nv_bfloat16* dst, const CUtensorMap* map, const OperandOrigin& at, int kb,
+                                           uint64_t* full) {
+  if constexpr (kMNMajor) {
+#pragma unroll
+    for (int atom = 0; atom < kRows / 64; ++atom)
+      ptx::tma_load_2d(dst + atom * 64 * kBlockK, map, full, at.col + atom * 64, at.row + kb * kBlockK);
+  } else {
+    ptx::tma_load_2d(dst, map, full, at.col + kb * kBlockK, at.row);
+  }
+}
+
 template <class Tiles>
 __device__ void run_producer(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site) {
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
@@ -110,13 +145,13 @@ __device__ void run_producer(SharedStorage& s, Tiles& tiles, const WaitSite& pip
     if (!info.valid) return;
 
     const GemmOperands& op = tiles.operands(info.gemm);
-    for (int kb = 0; kb < op.k_blocks; ++kb) {
+    for (int kb = 0; kb < info.k_blocks; ++kb) {
       mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
       ptx::mbarrier_arrive_expect_tx(&s.full[stage], kStageBytes);
-      ptx::tma_load_2d(s.a[stage], op.a, &s.full[stage], kb * kBlockK, info.a_row);
+      load_slice<kBlockM, Tiles::kKind == TileKind::kWeightGrad>(s.a[stage], op.a, info.a, kb, &s.full[stage]);
       // B rows past the last expert are out of bounds and zero-filled; rows past this expert's N belong
       // to the next expert and only feed output columns the clipped store never writes.
-      ptx::tma_load_2d(s.b[stage], op.b, &s.full[stage], kb * kBlockK, info.b_row);
+      load_slice<kBlockN, Tiles::kKind != TileKind::kForward>(s.b[stage], op.b, info.b, kb, &s.full[stage]);
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
   }
@@ -134,20 +169,32 @@ __device__ __forceinline__ void st_shared_bf16x2(uint32_t addr, float lo, float 
   ptx::st_shared_b32(addr, *reinterpret_cast<const uint32_t*>(&v));
 }
 
+__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float lo, float hi) {
+  ptx::st_shared_b32(addr, __float_as_uint(lo));
+  ptx::st_shared_b32(addr + 4, __float_as_uint(hi));
+}
+
 // Accumulator fragment of wgmma m64nN: warp w of the warpgroup holds rows 16w + lane/4 and that + 8;
 // for 8-column chunk j it holds columns 8j + 2*(lane%4) + {0,1} in acc[4j + {0,1}] (first row) and
 // acc[4j + {2,3}] (second row). With gate/up interleaved in groups of 8, chunk 2i is gate and chunk
 // 2i + 1 the matching up: SwiGLU needs no data exchange between threads.
-template <Epilogue kEpilogue>
+// Outputs leave in boxes one swizzle row (128 bytes) wide: 64 bf16 or 32 fp32 columns.
+template <Epilogue kEpilogue, bool kMayBeEmpty = false>
 __device__ void store_tile(const float (&acc)[128], SharedStorage& s, const GemmOperands& op, const TileInfo& tile,
                            int consumer, int thread) {
+  // A k-grouped tile without K slices (an expert without rows) stores zeros; its accumulators hold stale
+  // values. Selecting here rather than clearing them first keeps ptxas from spilling (measured: ~3 KB).
+  const bool empty = kMayBeEmpty && tile.k_blocks == 0;
+  const auto value = [&](int i) { return empty ? 0.0f : acc[i]; };
+  constexpr bool kF32 = kEpilogue == Epilogue::kStoreF32 || kEpilogue == Epilogue::kAddF32;
   constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
-  constexpr int kBoxes = kOutCols / kStoreBoxCols;
+  constexpr int kBoxCols = kF32 ? 32 : kStoreBoxCols;
+  constexpr int kBoxes = kOutCols / kBoxCols;
   const int warp = thread / 32, lane = thread % 32;
   const int row = warp * 16 + lane / 4;  // within this consumer's 64 rows; the second row is row + 8
-  const int32_t out_row = tile.a_row + consumer * kRowsPerConsumer;
+  const int32_t out_row = tile.c_row + consumer * kRowsPerConsumer;
   float scale_lo = 1.0f, scale_hi = 1.0f;
-  if (op.row_scale != nullptr) {
+  if (!kF32 && op.row_scale != nullptr) {
     scale_lo = op.row_scale[out_row + row];
     scale_hi = op.row_scale[out_row + row + 8];
   }
@@ -160,29 +207,46 @@ __device__ void store_tile(const float (&acc)[128], SharedStorage& s, const Gemm
     // The store issued from this slot kStoreSlots boxes ago (maybe in the previous tile) must have read it.
     if (thread == 0) ptx::bulk_wait_group_read<kStoreSlots - 1>();
     ptx::named_barrier_sync(barrier, 128);
+    if constexpr (kF32) {
 #pragma unroll
-    for (int unit = 0; unit < 8; ++unit) {  // 16-byte unit of the 128-byte box row = 8 output columns
-      float v[4];
-      if constexpr (kEpilogue == Epilogue::kSwiGLU) {
-        constexpr int kChunksPerBox = 16;  // 8 gate + 8 up chunks make one box of outputs
-        const int gate = box * kChunksPerBox + 2 * unit;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) v[q] = silu(acc[4 * gate + q]) * acc[4 * (gate + 1) + q];
-      } else {
-        const int chunk = box * 8 + unit;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) v[q] = acc[4 * chunk + q];
+      for (int c = 0; c < 4; ++c) {  // 8-column chunks of the box: 16-byte units 2c and 2c + 1
+        const int chunk = box * 4 + c;
+        const int unit = 2 * c + (lane % 4) / 2;
+        const uint32_t offset = uint32_t((unit ^ (row % 8)) * 16 + (lane % 2) * 8);  // 128-byte swizzle
+        st_shared_f32x2(base + row * 128 + offset, value(4 * chunk), value(4 * chunk + 1));
+        st_shared_f32x2(base + (row + 8) * 128 + offset, value(4 * chunk + 2), value(4 * chunk + 3));
       }
-      // 128-byte swizzle, as the TMA store expects: unit u of row r sits at unit u ^ (r % 8). A warp's
-      // 8 rows x 4 lanes then hit 32 different banks.
-      const uint32_t offset = uint32_t(((unit ^ (row % 8)) * 16) + (lane % 4) * 4);
-      st_shared_bf16x2(base + row * 128 + offset, v[0] * scale_lo, v[1] * scale_lo);
-      st_shared_bf16x2(base + (row + 8) * 128 + offset, v[2] * scale_hi, v[3] * scale_hi);
+    } else {
+#pragma unroll
+      for (int unit = 0; unit < 8; ++unit) {  // 16-byte unit of the 128-byte box row = 8 output columns
+        float v[4];
+        if constexpr (kEpilogue == Epilogue::kSwiGLU) {
+          constexpr int kChunksPerBox = 16;  // 8 gate + 8 up chunks make one box of outputs
+          const int gate = box * kChunksPerBox + 2 * unit;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) v[q] = silu(value(4 * gate + q)) * value(4 * (gate + 1) + q);
+        } else {
+          const int chunk = box * 8 + unit;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) v[q] = value(4 * chunk + q);
+        }
+        // 128-byte swizzle, as the TMA store expects: unit u of row r sits at unit u ^ (r % 8). A warp's
+        // 8 rows x 4 lanes then hit 32 different banks.
+        const uint32_t offset = uint32_t(((unit ^ (row % 8)) * 16) + (lane % 4) * 4);
+        st_shared_bf16x2(base + row * 128 + offset, v[0] * scale_lo, v[1] * scale_lo);
+        st_shared_bf16x2(base + (row + 8) * 128 + offset, v[2] * scale_hi, v[3] * scale_hi);
+      }
     }
     ptx::fence_proxy_async_shared();  // st.shared (generic proxy) before the TMA store reads (async proxy)
     ptx::named_barrier_sync(barrier, 128);
     if (thread == 0) {
-      ptx::tma_store_2d(op.c, s.c[consumer][store_slot], tile.n_block * kOutCols + box * kStoreBoxCols, out_row);
+      const int32_t col = tile.n_block * kOutCols + box * kBoxCols;
+      if (!op.c_3d)
+        ptx::tma_store_2d(op.c, s.c[consumer][store_slot], col, out_row);
+      else if (kEpilogue == Epilogue::kAddF32)
+        ptx::tma_reduce_add_3d(op.c, s.c[consumer][store_slot], col, out_row, tile.c_expert);
+      else
+        ptx::tma_store_3d(op.c, s.c[consumer][store_slot], col, out_row, tile.c_expert);
       ptx::bulk_commit_group();
     }
   }
@@ -203,7 +267,44 @@ __device__ __forceinline__ void release_done(uint32_t*& counter) {
   counter = nullptr;
 }
 
-template <class Tiles>
+// One tile's mainloop: one wgmma group per K slice; keep one group in flight and release a stage as soon
+// as the group reading it has completed. K-major slices step K by 32 bytes per wgmma, MN-major ones by
+// 16 rows of 128 bytes; each consumer reads its 64 rows of A (8 KB into the stage either way).
+template <bool kTransA, bool kTransB>
+__device__ __forceinline__ void run_mainloop(SharedStorage& s, float (&acc)[128], int k_blocks, uint32_t& stage,
+                                             uint32_t& phase, uint32_t*& pending_done, const WaitSite& pipe_site,
+                                             int consumer, int thread) {
+  constexpr uint32_t kStepA = kTransA ? 16 * 128 : 32, kStepB = kTransB ? 16 * 128 : 32;
+  const int lane = thread % 32;
+  uint32_t previous_stage = 0;
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+    const uint32_t a_base = ptx::smem_addr(s.a[stage]) + consumer * kRowsPerConsumer * 128;
+    const uint32_t b_base = ptx::smem_addr(s.b[stage]);
+    ptx::fence_registers(acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      const uint64_t a = kTransA ? ptx::wgmma_desc_mn_major_sw128(a_base + kk * kStepA, 64 * 128)
+                                 : ptx::wgmma_desc_k_major_sw128(a_base + kk * kStepA);
+      const uint64_t b = kTransB ? ptx::wgmma_desc_mn_major_sw128(b_base + kk * kStepB, 64 * 128)
+                                 : ptx::wgmma_desc_k_major_sw128(b_base + kk * kStepB);
+      ptx::wgmma_m64n256k16_bf16<kTransA, kTransB>(acc, a, b, kb > 0 || kk > 0);
+    }
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait_group<1>();
+    ptx::fence_registers(acc);
+    if (kb > 0 && lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
+    if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
+    previous_stage = stage;
+    if (++stage == kStages) stage = 0, phase ^= 1;
+  }
+  ptx::wgmma_wait_group<0>();
+  ptx::fence_registers(acc);
+  if (k_blocks > 0 && lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
+}
+
+template <TileKind kKind, class Tiles>
 __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSite& pipe_site, int consumer) {
   const int thread = threadIdx.x % 128, lane = thread % 32;
   float acc[128];
@@ -220,36 +321,25 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
     if (!tile.valid) break;
     const GemmOperands& op = tiles.operands(tile.gemm);
 
-    // Mainloop: one wgmma group per K slice; keep one group in flight and release a stage as soon as
-    // the group reading it has completed.
-    uint32_t previous_stage = 0;
-    for (int kb = 0; kb < op.k_blocks; ++kb) {
-      mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-      const uint32_t a_base = ptx::smem_addr(s.a[stage]) + consumer * kRowsPerConsumer * 128;
-      const uint32_t b_base = ptx::smem_addr(s.b[stage]);
-      ptx::fence_registers(acc);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk)
-        ptx::wgmma_m64n256k16_bf16(acc, ptx::wgmma_desc_k_major_sw128(a_base + kk * 32),
-                                   ptx::wgmma_desc_k_major_sw128(b_base + kk * 32), kb > 0 || kk > 0);
-      ptx::wgmma_commit_group();
-      ptx::wgmma_wait_group<1>();
-      ptx::fence_registers(acc);
-      if (kb > 0 && lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
-      if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
-      previous_stage = stage;
-      if (++stage == kStages) stage = 0, phase ^= 1;
-    }
-    ptx::wgmma_wait_group<0>();
-    ptx::fence_registers(acc);
-    if (lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
+    constexpr bool kTransA = kKind == TileKind::kWeightGrad, kTransB = kKind != TileKind::kForward;
+    run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, stage, phase, pending_done, pipe_site, consumer, thread);
     if (thread == 0) release_done(pending_done);  // a tile of at most kDoneLagSlices K slices
 
-    if (op.epilogue == Epilogue::kSwiGLU)
-      store_tile<Epilogue::kSwiGLU>(acc, s, op, tile, consumer, thread);
-    else
+    if constexpr (kKind == TileKind::kForward) {
+      if (op.epilogue == Epilogue::kSwiGLU)
+        store_tile<Epilogue::kSwiGLU>(acc, s, op, tile, consumer, thread);
+      else
+        store_tile<Epilogue::kStore>(acc, s, op, tile, consumer, thread);
+    } else if constexpr (kKind == TileKind::kDataGrad) {
       store_tile<Epilogue::kStore>(acc, s, op, tile, consumer, thread);
+    } else {
+      if (op.epilogue == Epilogue::kAddF32)
+        store_tile<Epilogue::kAddF32, true>(acc, s, op, tile, consumer, thread);
+      else if (op.epilogue == Epilogue::kStoreF32)
+        store_tile<Epilogue::kStoreF32, true>(acc, s, op, tile, consumer, thread);
+      else
+        store_tile<Epilogue::kStore, true>(acc, s, op, tile, consumer, thread);
+    }
     if (thread == 0 && op.done != nullptr) pending_done = op.done + tile.m_block;
   }
   if (thread == 0) {
@@ -293,7 +383,7 @@ __device__ void run_gemm_cta(SharedStorage& s, Tiles& tiles, const WaitSite& pip
     }
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();
-    run_consumer(s, tiles, pipe_site, warpgroup - 1);
+    run_consumer<Tiles::kKind>(s, tiles, pipe_site, warpgroup - 1);
     then_consumers();
   }
 }

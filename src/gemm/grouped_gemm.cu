@@ -1,5 +1,8 @@
-// Stand-alone grouped GEMM kernel for sm_90a: the engine's CTA (gemm/gemm_pipeline.cuh) fed by the
-// tile queue of one grouped GEMM, optionally gated by per-m-block readiness counters.
+// Stand-alone grouped GEMM kernel for sm_90a: the engine's CTA (gemm/gemm_pipeline.cuh) fed by the tile
+// queue of one grouped GEMM, m-grouped (optionally gated by per-m-block readiness counters) or
+// k-grouped.
+#include <algorithm>
+
 #include "common/bounded_wait.cuh"
 #include "common/cuda_check.h"
 #include "common/gpu.h"
@@ -16,10 +19,12 @@ using pipeline::GemmOperands;
 using pipeline::kSharedBytes;
 using pipeline::kThreads;
 using pipeline::TileInfo;
+using pipeline::TileKind;
 
 struct KernelParams {
-  int32_t experts, n, k;
-  int64_t a_rows;
+  int32_t experts;
+  int32_t m, n, k;  // k-grouped: m and n of every expert's C (k comes from the schedule); m-grouped: n, k
+  int64_t rows;     // of the row buffers: A (m-grouped), A and B (k-grouped)
   const int32_t* expert_offsets;
   const float* row_scale;
   Epilogue epilogue;
@@ -31,20 +36,25 @@ struct KernelParams {
   uint64_t wait_timeout_ns;
 };
 
-// Tiles of one grouped GEMM from the shared ticket, in TileScheduler order.
+// Tiles of one grouped GEMM from the shared ticket: m-grouped in TileScheduler order; k-grouped
+// (kWeightGrad) expert by expert (its rows stay in L2 while its tiles run), n-blocks fastest.
+template <TileKind kTileKind>
 class QueueTiles {
  public:
+  static constexpr TileKind kKind = kTileKind;
+  static constexpr bool kKGrouped = kKind == TileKind::kWeightGrad;
+
   __device__ QueueTiles(const KernelParams& p, const GemmOperands& op)
       : p_(p),
         op_(op),
-        scheduler_{p.expert_offsets, p.experts, p.n / kBlockN + (p.n % kBlockN != 0), p.band_m_blocks},
+        scheduler_{p.expert_offsets, p.experts, n_blocks(p.n), p.band_m_blocks},
         ready_site_{p.error, DeviceRole::kGemmProducer, p.wait_timeout_ns} {
     // The rows in use come from device memory (the planner's output): check them before any load.
     const int32_t rows_in_use = p.expert_offsets[p.experts];
-    total_tiles_ = scheduler_.total_tiles();
-    if (rows_in_use > p.a_rows) {
+    total_tiles_ = kKGrouped ? int64_t(p.experts) * tiles_per_expert() : scheduler_.total_tiles();
+    if (rows_in_use > p.rows) {
       report_device_error(p.error, DeviceErrorCode::kBadSchedule, DeviceRole::kGemmProducer, WaitTarget::kRowsInBounds,
-                          p.experts, uint64_t(p.a_rows), uint64_t(rows_in_use), 0);
+                          p.experts, uint64_t(p.rows), uint64_t(rows_in_use), 0);
       total_tiles_ = 0;
     }
   }
@@ -52,6 +62,30 @@ class QueueTiles {
   __device__ bool next(TileInfo& info) {
     const int64_t tile = atomicAdd(p_.ticket, 1u);
     if (tile >= total_tiles_) return false;
+    if constexpr (kKGrouped) {
+      const int32_t expert = int32_t(tile / tiles_per_expert()), in_expert = int32_t(tile % tiles_per_expert());
+      const int32_t m_block = in_expert / n_blocks(p_.n), n_block = in_expert % n_blocks(p_.n);
+      const int32_t first_row = p_.expert_offsets[expert];
+      const int32_t k_blocks = (p_.expert_offsets[expert + 1] - first_row) / kBlockK;
+      info = {0,
+              {first_row, m_block * kBlockM},
+              {first_row, n_block * kBlockN},
+              m_block * kBlockM,
+              expert,
+              n_block,
+              m_block,
+              k_blocks,
+              1};
+      return true;
+    } else {
+      return next_m_grouped(tile, info);
+    }
+  }
+
+  __device__ const GemmOperands& operands(int) const { return op_; }
+
+ private:
+  __device__ bool next_m_grouped(int64_t tile, TileInfo& info) {
     const TileCoord t = scheduler_.decode(tile);
     if (p_.m_block_ready != nullptr) {
       if (!counter_wait_bounded(p_.m_block_ready + t.m_block, p_.ready_target, ready_site_, WaitTarget::kMBlockReady,
@@ -61,13 +95,17 @@ class QueueTiles {
       // through the async proxy, which needs this fence to observe them.
       ptx::fence_proxy_async_global();
     }
-    info = {0, t.expert * p_.n + t.n_block * kBlockN, t.m_block * kBlockM, t.n_block, t.m_block, 1};
+    // B: K-major weights [experts * n, k] start at the expert's n-block row; N-major ones [experts * k, n]
+    // at the expert's first K row and the n-block's column.
+    const pipeline::OperandOrigin b = kKind == TileKind::kForward
+                                          ? pipeline::OperandOrigin{t.expert * p_.n + t.n_block * kBlockN, 0}
+                                          : pipeline::OperandOrigin{t.expert * p_.k, t.n_block * kBlockN};
+    info = {0, {t.m_block * kBlockM, 0}, b, t.m_block * kBlockM, 0, t.n_block, t.m_block, p_.k / kBlockK, 1};
     return true;
   }
 
-  __device__ const GemmOperands& operands(int) const { return op_; }
+  __device__ int32_t tiles_per_expert() const { return ((p_.m + kBlockM - 1) / kBlockM) * n_blocks(p_.n); }
 
- private:
   const KernelParams& p_;
   const GemmOperands& op_;
   TileScheduler scheduler_;
@@ -75,31 +113,41 @@ class QueueTiles {
   int64_t total_tiles_ = 0;
 };
 
+template <TileKind kKind>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                         const __grid_constant__ CUtensorMap c_map, const KernelParams p) {
   extern __shared__ uint8_t smem_raw[];
-  const GemmOperands op{&a_map, &b_map, &c_map, p.k / kBlockK, p.epilogue, p.row_scale, nullptr};
-  QueueTiles tiles(p, op);
+  const GemmOperands op{&a_map, &b_map, &c_map, kKind == TileKind::kWeightGrad, p.epilogue, p.row_scale, nullptr};
+  QueueTiles<kKind> tiles(p, op);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, pipeline::pipeline_timeout_ns(p.wait_timeout_ns)};
   pipeline::run_gemm_cta(pipeline::shared_storage(smem_raw), tiles, pipe_site, [] {});
 }
 
 // ---- host -------------------------------------------------------------------------------------------
 
-void launch(const GroupedGemmArgs& args, const KernelParams& params, int ctas, cudaStream_t stream) {
+template <TileKind kKind>
+void launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& c_map, const KernelParams& params,
+            int max_ctas, cudaStream_t stream) {
   static const bool configured = [] {
-    CUDA_CHECK(
-        cudaFuncSetAttribute(grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes)));
+    CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kKind>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(kSharedBytes)));
     return true;
   }();
   (void)configured;
-  const int64_t out_cols = args.epilogue == Epilogue::kSwiGLU ? args.n / 2 : args.n;
-  const CUtensorMap a_map = make_bf16_tensor_map(args.a, args.k, args.a_rows, kBlockK, kBlockM);
-  const CUtensorMap b_map = make_bf16_tensor_map(args.b, args.k, uint64_t(args.experts) * args.n, kBlockK, kBlockN);
-  const CUtensorMap c_map = make_bf16_tensor_map(args.c, out_cols, args.a_rows, kStoreBoxCols, kStoreBoxRows);
-  grouped_gemm_kernel<<<ctas, kThreads, kSharedBytes, stream>>>(a_map, b_map, c_map, params);
+  const int ctas = max_ctas > 0 ? max_ctas : gpu_info().multiprocessors;
+  grouped_gemm_kernel<kKind><<<ctas, kThreads, kSharedBytes, stream>>>(a_map, b_map, c_map, params);
   CUDA_CHECK_LAUNCH();
+}
+
+void require_hopper() {
+  POUNCE_REQUIRE(gpu_is_hopper(), "grouped GEMM needs a Hopper GPU (sm_90a); this one is ",
+                 gpu_info().present ? gpu_info().name : gpu_info().why_absent);
+}
+
+void require_multiple_of_64(const char* what, int64_t value) {
+  POUNCE_REQUIRE(value > 0 && value % 64 == 0 && value <= INT32_MAX, "grouped GEMM: ", what, " = ", value,
+                 " is not supported: it must be a positive multiple of 64");
 }
 
 }  // namespace
@@ -108,27 +156,27 @@ GroupedGemm::GroupedGemm() : ticket_(1) {}
 
 void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   POUNCE_REQUIRE(args.experts >= 1, "grouped GEMM: experts = ", args.experts, ", must be at least 1");
-  POUNCE_REQUIRE(args.n > 0 && args.n % 64 == 0, "grouped GEMM: n = ", args.n,
-                 " is not supported: it must be a positive multiple of 64");
-  POUNCE_REQUIRE(args.k > 0 && args.k % 64 == 0, "grouped GEMM: k = ", args.k,
-                 " is not supported: it must be a positive multiple of 64");
+  require_multiple_of_64("n", args.n);
+  require_multiple_of_64("k", args.k);
   POUNCE_REQUIRE(args.a_rows >= 0 && args.a_rows % kBlockM == 0 && args.a_rows <= INT32_MAX,
                  "grouped GEMM: a_rows = ", args.a_rows, " must be a multiple of ", kBlockM, " that fits int32");
-  POUNCE_REQUIRE(int64_t(args.experts) * args.n <= INT32_MAX && args.k <= INT32_MAX,
-                 "grouped GEMM: experts * n = ", int64_t(args.experts) * args.n, " exceeds int32 row coordinates");
+  POUNCE_REQUIRE(int64_t(args.experts) * std::max(args.n, args.k) <= INT32_MAX,
+                 "grouped GEMM: experts * n = ", int64_t(args.experts) * args.n,
+                 " or experts * k exceeds int32 row coordinates");
   POUNCE_REQUIRE(args.a && args.b && args.c && args.expert_offsets,
                  "grouped GEMM: a, b, c and expert_offsets must be set");
+  POUNCE_REQUIRE(args.epilogue == Epilogue::kStore || (args.epilogue == Epilogue::kSwiGLU && args.b_major == Major::kK),
+                 "grouped GEMM: an m-grouped GEMM writes bf16: kStore, or kSwiGLU with K-major weights");
   POUNCE_REQUIRE(args.tuning.band_m_blocks >= 1, "grouped GEMM: band_m_blocks = ", args.tuning.band_m_blocks,
                  ", must be at least 1");
-  POUNCE_REQUIRE(gpu_is_hopper(), "grouped GEMM needs a Hopper GPU (sm_90a); this one is ",
-                 gpu_info().present ? gpu_info().name : gpu_info().why_absent);
+  require_hopper();
   if (args.a_rows == 0) return;
 
   KernelParams params{};
   params.experts = args.experts;
   params.n = int32_t(args.n);
   params.k = int32_t(args.k);
-  params.a_rows = args.a_rows;
+  params.rows = args.a_rows;
   params.expert_offsets = args.expert_offsets;
   params.row_scale = args.row_scale;
   params.epilogue = args.epilogue;
@@ -138,9 +186,52 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   params.ticket = ticket_.data();
   params.error = errors_.device_sink();
   params.wait_timeout_ns = args.wait_timeout_ns;
-  const int ctas = args.max_ctas > 0 ? args.max_ctas : gpu_info().multiprocessors;
+
+  const uint64_t E = args.experts, n = args.n, k = args.k;
+  const int64_t out_cols = args.epilogue == Epilogue::kSwiGLU ? args.n / 2 : args.n;
+  const CUtensorMap a_map = make_bf16_tensor_map(args.a, k, args.a_rows, kBlockK, kBlockM);
+  const CUtensorMap b_map = args.b_major == Major::kK ? make_bf16_tensor_map(args.b, k, E * n, kBlockK, kBlockN)
+                                                      : make_bf16_tensor_map(args.b, n, E * k, 64, kBlockK);
+  const CUtensorMap c_map = make_bf16_tensor_map(args.c, out_cols, args.a_rows, kStoreBoxCols, kStoreBoxRows);
   CUDA_CHECK(cudaMemsetAsync(ticket_.data(), 0, sizeof(uint32_t), stream));
-  launch(args, params, ctas, stream);
+  if (args.b_major == Major::kK)
+    launch<TileKind::kForward>(a_map, b_map, c_map, params, args.max_ctas, stream);
+  else
+    launch<TileKind::kDataGrad>(a_map, b_map, c_map, params, args.max_ctas, stream);
+}
+
+void GroupedGemm::run_k_grouped(const KGroupedGemmArgs& args, cudaStream_t stream) {
+  POUNCE_REQUIRE(args.experts >= 1, "k-grouped GEMM: experts = ", args.experts, ", must be at least 1");
+  require_multiple_of_64("m", args.m);
+  require_multiple_of_64("n", args.n);
+  POUNCE_REQUIRE(args.rows >= 0 && args.rows % kBlockM == 0 && args.rows <= INT32_MAX,
+                 "k-grouped GEMM: rows = ", args.rows, " must be a multiple of ", kBlockM, " that fits int32");
+  POUNCE_REQUIRE(args.a && args.b && args.c && args.expert_offsets,
+                 "k-grouped GEMM: a, b, c and expert_offsets must be set");
+  POUNCE_REQUIRE(args.epilogue != Epilogue::kSwiGLU, "k-grouped GEMM: the SwiGLU epilogue is m-grouped only");
+  require_hopper();
+
+  KernelParams params{};
+  params.experts = args.experts;
+  params.m = int32_t(args.m);
+  params.n = int32_t(args.n);
+  params.rows = args.rows;
+  params.expert_offsets = args.expert_offsets;
+  params.epilogue = args.epilogue;
+  params.band_m_blocks = 1;
+  params.ticket = ticket_.data();
+  params.error = errors_.device_sink();
+  params.wait_timeout_ns = args.wait_timeout_ns;
+
+  // Both operands are row buffers read transposed: boxes of 64 columns by kBlockK rows.
+  const bool fp32 = args.epilogue != Epilogue::kStore;
+  const uint64_t rows = std::max<int64_t>(args.rows, kBlockM);  // a descriptor needs a nonzero extent
+  const CUtensorMap a_map = make_bf16_tensor_map(args.a, args.m, rows, 64, kBlockK);
+  const CUtensorMap b_map = make_bf16_tensor_map(args.b, args.n, rows, 64, kBlockK);
+  const CUtensorMap c_map =
+      make_3d_tensor_map(args.c, fp32, args.n, args.m, args.experts, fp32 ? 32 : kStoreBoxCols, kStoreBoxRows);
+  CUDA_CHECK(cudaMemsetAsync(ticket_.data(), 0, sizeof(uint32_t), stream));
+  launch<TileKind::kWeightGrad>(a_map, b_map, c_map, params, args.max_ctas, stream);
 }
 
 }  // namespace pounce::gemm

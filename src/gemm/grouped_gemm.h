@@ -1,7 +1,13 @@
-// Grouped GEMM for the expert FFN on Hopper (sm_90a): for every local expert e,
-//   C[rows of e] = epilogue( A[rows of e] . B[e]^T )
-// A is the expert-contiguous token pool [rows, K] bf16 (each expert's rows start on a 128-row
-// m-block), B the expert weights [E, N, K] bf16 (K-major), C [rows, N] (plain) or [rows, N/2] (SwiGLU).
+// Grouped GEMMs for the expert FFN on Hopper (sm_90a), forward and backward. Two groupings:
+//   m-grouped (forward, and the backward's data gradients): for every local expert e,
+//     C[rows of e] = epilogue( A[rows of e] . B[e]^T )
+//   A is the expert-contiguous token pool [rows, K] bf16 (each expert's rows start on a 128-row
+//   m-block); B the expert weights, [E, N, K] (K-major) or [E, K, N] (N-major: the forward's weights
+//   used transposed); C [rows, N] (plain) or [rows, N/2] (SwiGLU).
+//   k-grouped (the backward's weight gradients): for every local expert e,
+//     C[e] (+)= A[rows of e]^T . B[rows of e]        C [E, M, N] fp32 or bf16
+//   A [rows, M] and B [rows, N] are expert-contiguous row buffers: the reduction runs over each expert's
+//   rows, as many as the device schedule says (nothing about them on the host).
 //
 // Persistent CTAs take tiles (expert, m-block, n-block) of 128 x 256 from a device queue. Before
 // loading A for a tile, a CTA waits (acquire, bounded) until that m-block's readiness counter reaches
@@ -32,9 +38,14 @@ inline constexpr int kStoreBoxCols = 64;
 inline constexpr int kStoreBoxRows = kBlockM / kConsumerWarpgroups;
 
 enum class Epilogue {
-  kStore,   // C = A . B^T                                  [rows, N]
-  kSwiGLU,  // C = silu(gate) * up, gate/up interleaved in groups of 8 along N   [rows, N/2]
+  kStore,     // C = A . B^T, bf16                                              [rows, N]
+  kSwiGLU,    // C = silu(gate) * up, gate/up interleaved in groups of 8 along N, bf16   [rows, N/2]
+  kStoreF32,  // C = A . B^T, fp32 (k-grouped)
+  kAddF32,    // C += A . B^T, fp32 (k-grouped: a gradient accumulated across steps)
 };
+
+// Which dimension of an operand is contiguous in memory: K, or its M / N.
+enum class Major { kK, kMN };
 
 // Scheduling knobs. The default is the measured best on the H200 (docs/grouped_gemm.md); the
 // benchmark sweeps the alternatives so that stays checked.
@@ -46,7 +57,8 @@ struct GemmTuning {
 struct GroupedGemmArgs {
   const __nv_bfloat16* a = nullptr;  // [a_rows, k]
   int64_t a_rows = 0;                // rows of the A buffer (capacity), a multiple of 128
-  const __nv_bfloat16* b = nullptr;  // [experts, n, k]
+  const __nv_bfloat16* b = nullptr;  // [experts, n, k] (b_major kK) or [experts, k, n] (kMN)
+  Major b_major = Major::kK;
   int experts = 0;
   int64_t n = 0, k = 0;        // multiples of 64
   __nv_bfloat16* c = nullptr;  // [a_rows, n] or [a_rows, n / 2]
@@ -63,12 +75,29 @@ struct GroupedGemmArgs {
   int max_ctas = 0;                             // 0: one per multiprocessor
 };
 
+// C[e] (+)= A[rows of e]^T . B[rows of e] for every expert e: weight gradients.
+struct KGroupedGemmArgs {
+  const __nv_bfloat16* a = nullptr;  // [rows, m]
+  const __nv_bfloat16* b = nullptr;  // [rows, n]
+  int64_t rows = 0;                  // rows of both buffers (capacity), a multiple of 128
+  int64_t m = 0, n = 0;              // multiples of 64
+  int experts = 0;
+  // Device [experts + 1]: first row of each expert, multiples of 128; rows past [experts] are not read.
+  // Every row in use must be finite; padding rows must be zero in A or B (they are summed like any row).
+  const int32_t* expert_offsets = nullptr;
+  void* c = nullptr;  // [experts, m, n], fp32 (kStoreF32, kAddF32) or bf16 (kStore)
+  Epilogue epilogue = Epilogue::kStoreF32;
+  uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait
+  int max_ctas = 0;                             // 0: one per multiprocessor
+};
+
 // Owns the queue ticket and error record of one stream's GEMM launches.
 class GroupedGemm {
  public:
   GroupedGemm();
-  // Enqueues the GEMM on `stream`; no host synchronization. Throws pounce::Error on invalid arguments.
+  // Enqueue the GEMM on `stream`; no host synchronization. Throw pounce::Error on invalid arguments.
   void run(const GroupedGemmArgs& args, cudaStream_t stream);
+  void run_k_grouped(const KGroupedGemmArgs& args, cudaStream_t stream);
   // After the stream has synchronized: throws pounce::Error if a launch reported a device-side error
   // (a readiness wait that timed out, expert_offsets beyond the A buffer).
   void check_device_errors() { errors_.check(); }

@@ -179,6 +179,20 @@ TEST_P(GroupedGemmTest, MatchesHost) {
   // Same inputs, same bits: tiles never split K, so no reduction order can change between runs.
   const auto second = run(gemm, d, d.args(p));
   EXPECT_EQ(std::memcmp(first.data(), second.data(), first.size() * sizeof(uint16_t)), 0) << "not deterministic";
+
+  // The same product with the weights stored N-major, [E, K, N] (the backward's data gradients use the
+  // forward's weights this way).
+  if (c.epilogue == Epilogue::kStore) {
+    SCOPED_TRACE("N-major weights");
+    std::vector<float> b_n_major(p.b.size());
+    for (int e = 0; e < p.experts; ++e)
+      for (int64_t j = 0; j < p.n; ++j)
+        for (int64_t i = 0; i < p.k; ++i) b_n_major[(e * p.k + i) * p.n + j] = p.b[(e * p.n + j) * p.k + i];
+    d.b.upload(testing::to_bf16_bits(b_n_major));
+    GroupedGemmArgs args = d.args(p);
+    args.b_major = Major::kMN;
+    expect_matches(p, run(gemm, d, args));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -192,6 +206,111 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"wide_n_scaled", 4, 1024, 512, {700, 300, 900, 129}, 0, Epilogue::kStore, true},
         Case{"deep_k", 2, 256, 2048, {200, 90}, 0, Epilogue::kSwiGLU, true},
         Case{"max_experts", 512, 64, 64, {}, 3, Epilogue::kStore, false}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// ---- k-grouped: C[e] (+)= A[rows of e]^T . B[rows of e], the weight gradients -------------------------
+
+struct KCase {
+  const char* name;
+  int experts;
+  int64_t m, n;
+  std::vector<int32_t> counts;  // routed rows per expert (padded to 128-row m-blocks in the buffers)
+  Epilogue epilogue;
+};
+
+void PrintTo(const KCase& c, std::ostream* out) { *out << c.name; }
+
+class KGroupedGemmTest : public ::testing::TestWithParam<KCase> {};
+
+// Against a double-precision host sum. Padding rows are zero in A and finite in B, as the contract asks
+// (they are summed like any row); the unused tail of both buffers is NaN, so a tile reading past its
+// expert's rows fails.
+TEST_P(KGroupedGemmTest, MatchesHost) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const KCase c = GetParam();
+  const int E = c.experts;
+  std::vector<int32_t> offsets(E + 1, 0);
+  for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + (c.counts[e] + kBlockM - 1) / kBlockM * kBlockM;
+  const int64_t rows = offsets.back() + kBlockM;  // one unused m-block at the end
+  std::vector<float> a(rows * c.m, std::nanf("")), b(rows * c.n, std::nanf(""));
+  const auto a_values = testing::random_bf16_values(rng, rows * c.m),
+             b_values = testing::random_bf16_values(rng, rows * c.n);
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
+      const bool routed = r < offsets[e] + c.counts[e];
+      for (int64_t i = 0; i < c.m; ++i) a[r * c.m + i] = routed ? a_values[r * c.m + i] : 0.0f;
+      for (int64_t j = 0; j < c.n; ++j) b[r * c.n + j] = b_values[r * c.n + j];
+    }
+  const bool fp32 = c.epilogue != Epilogue::kStore;
+  const int64_t c_elems = int64_t(E) * c.m * c.n;
+  std::vector<float> before = testing::random_bf16_values(rng, c_elems);  // kAddF32 adds to these
+
+  std::vector<double> want(c_elems);
+  for (int e = 0; e < E; ++e)
+    for (int64_t i = 0; i < c.m; ++i)
+      for (int64_t j = 0; j < c.n; ++j) {
+        double sum = c.epilogue == Epilogue::kAddF32 ? before[(e * c.m + i) * c.n + j] : 0.0;
+        for (int64_t r = offsets[e]; r < offsets[e] + c.counts[e]; ++r) sum += double(a[r * c.m + i]) * b[r * c.n + j];
+        want[(e * c.m + i) * c.n + j] = sum;
+      }
+
+  DeviceBuffer<uint16_t> d_a(testing::to_bf16_bits(a)), d_b(testing::to_bf16_bits(b));
+  DeviceBuffer<int32_t> d_offsets(offsets);
+  DeviceBuffer<float> c32(fp32 ? c_elems : 0);
+  DeviceBuffer<uint16_t> c16(fp32 ? 0 : c_elems);
+  KGroupedGemmArgs args;
+  args.a = reinterpret_cast<const __nv_bfloat16*>(d_a.data());
+  args.b = reinterpret_cast<const __nv_bfloat16*>(d_b.data());
+  args.rows = rows;
+  args.m = c.m;
+  args.n = c.n;
+  args.experts = E;
+  args.expert_offsets = d_offsets.data();
+  args.c = fp32 ? static_cast<void*>(c32.data()) : static_cast<void*>(c16.data());
+  args.epilogue = c.epilogue;
+  GroupedGemm gemm;
+  const auto run_once = [&] {
+    if (c.epilogue == Epilogue::kAddF32)
+      c32.upload(before);
+    else if (fp32)
+      c32.fill_bytes(0xFF);
+    else
+      c16.fill_bytes(0xFF);
+    gemm.run_k_grouped(args, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    gemm.check_device_errors();
+    std::vector<float> got;
+    if (fp32)
+      got = c32.download();
+    else
+      for (uint16_t v : c16.download()) got.push_back(formats::bf16_to_float(v));
+    return got;
+  };
+  const std::vector<float> got = run_once();
+  int64_t non_finite = 0;
+  for (float v : got) non_finite += !std::isfinite(v);
+  EXPECT_EQ(non_finite, 0) << "a weight gradient read padding or rows past its expert, or was left unwritten";
+  // fp32 out: the products of bf16 inputs summed in fp32 (~1e-6 relative); bf16 out adds its rounding.
+  const double tolerance = fp32 ? 1e-5 : 1e-2;
+  EXPECT_LT(testing::relative_l2_error(got, want), tolerance);
+  // Expert by expert: each matrix against its own norm (an expert's gradient lost or doubled fails).
+  for (int e = 0; e < E; ++e) {
+    const std::span<const float> g(got.data() + e * c.m * c.n, c.m * c.n);
+    const std::span<const double> w(want.data() + e * c.m * c.n, c.m * c.n);
+    EXPECT_LE(relative_l2_error(g, w), tolerance) << "expert " << e << " (" << c.counts[e] << " rows)";
+  }
+  EXPECT_EQ(run_once(), got) << "not deterministic";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, KGroupedGemmTest,
+    ::testing::Values(KCase{"one_expert_one_row", 1, 64, 64, {1}, Epilogue::kStoreF32},
+                      KCase{"empty_experts_store", 5, 128, 256, {0, 300, 0, 129, 0}, Epilogue::kStoreF32},
+                      KCase{"empty_experts_accumulate", 5, 128, 256, {0, 300, 0, 129, 0}, Epilogue::kAddF32},
+                      KCase{"ragged_m_and_n", 3, 192, 320, {500, 1, 260}, Epilogue::kStoreF32},
+                      KCase{"bf16_out", 4, 256, 512, {700, 128, 0, 90}, Epilogue::kStore},
+                      KCase{"deep_reduction", 2, 256, 256, {3000, 2200}, Epilogue::kAddF32}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Every scheduling knob must compute the same bits: tiles never split K, so only who computes a tile

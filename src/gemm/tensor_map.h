@@ -1,5 +1,5 @@
-// TMA descriptors for the GEMM engine's operands: row-major bf16 [outer, inner] with boxes of
-// [box_outer, box_inner], 128-byte swizzle, out-of-bounds reads zero-filled and writes dropped.
+// TMA descriptors for the GEMM engine's operands: row-major tensors with 128-byte swizzled boxes,
+// out-of-bounds reads zero-filled and writes dropped.
 #pragma once
 
 #include <cuda.h>
@@ -8,8 +8,14 @@
 
 namespace pounce::gemm {
 
-// Throws pounce::Error (naming the shape and box) when the driver rejects the descriptor.
+// bf16 [outer, inner] with boxes of [box_outer, box_inner]. Throws pounce::Error (naming the shape and
+// box) when the driver rejects the descriptor.
 CUtensorMap make_bf16_tensor_map(const void* base, uint64_t inner, uint64_t outer, uint32_t box_inner,
                                  uint32_t box_outer);
+
+// [outer, middle, inner] of bf16 or fp32 with boxes of [1, box_middle, box_inner]: per-expert output
+// matrices, so a box that overhangs one expert's rows is clipped instead of writing into the next's.
+CUtensorMap make_3d_tensor_map(const void* base, bool fp32, uint64_t inner, uint64_t middle, uint64_t outer,
+                               uint32_t box_inner, uint32_t box_middle);
 
 }  // namespace pounce::gemm

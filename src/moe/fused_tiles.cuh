@@ -18,6 +18,8 @@ namespace pounce::moe {
 
 class FusedTiles {
  public:
+  static constexpr gemm::pipeline::TileKind kKind = gemm::pipeline::TileKind::kForward;
+
   // ops: shared [2], filled here by thread 0 and published by run_gemm_cta's first __syncthreads. Indexed by
   // the tile's GEMM, an array in the object would live in local memory, and with ~230 KB of shared
   // memory the SM's L1 is too small to keep the consumers' local reads in it: every epilogue then waited
@@ -28,9 +30,9 @@ class FusedTiles {
     n_blocks_[0] = n_blocks(2 * p.intermediate);
     n_blocks_[1] = n_blocks(p.hidden);
     if (threadIdx.x == 0) {
-      ops[0] = {&maps.x_ring, &maps.w13[lr], &maps.h_ring_store, p.hidden / kBlockK, gemm::Epilogue::kSwiGLU,
+      ops[0] = {&maps.x_ring, &maps.w13[lr], &maps.h_ring_store, false, gemm::Epilogue::kSwiGLU,
                 nullptr,      rs.gemm1_done};
-      ops[1] = {&maps.h_ring_load,      &maps.w2[lr], &maps.out_ring_store, p.intermediate / kBlockK,
+      ops[1] = {&maps.h_ring_load,      &maps.w2[lr], &maps.out_ring_store, false,
                 gemm::Epilogue::kStore, nullptr,      rs.gemm2_done};
     }
   }
@@ -51,7 +53,9 @@ class FusedTiles {
     // Weight rows of this rank's own experts: its weights hold the local experts only.
     const int32_t expert = expert_of_row(rs_.expert_offsets, p_.local_experts, int64_t(m_block) * kBlockM);
     const int32_t n = gemm == 0 ? 2 * p_.intermediate : p_.hidden;
-    info = {gemm, expert * n + n_block * kBlockN, int32_t(ring_row(p_, lr_, m_block, 0)), n_block, m_block, 1};
+    const int32_t row = int32_t(ring_row(p_, lr_, m_block, 0));
+    const int32_t k_blocks = (gemm == 0 ? p_.hidden : p_.intermediate) / kBlockK;
+    info = {gemm, {row, 0}, {expert * n + n_block * kBlockN, 0}, row, 0, n_block, m_block, k_blocks, 1};
     return true;
   }
 

@@ -122,6 +122,24 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
                : "memory");
 }
 
+// Shared -> global tile of a 3-D tensor at (inner, middle, outer); out-of-bounds parts are not written.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* smem_src, int32_t inner,
+                                             int32_t middle, int32_t outer) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_addr(smem_src)), "r"(inner), "r"(middle), "r"(outer)
+               : "memory");
+}
+
+// Like tma_store_3d, but adds the tile to what global memory holds (fp32 add, done by the TMA unit).
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const void* smem_src, int32_t inner,
+                                                  int32_t middle, int32_t outer) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_addr(smem_src)), "r"(inner), "r"(middle), "r"(outer)
+               : "memory");
+}
+
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 // Waits until at most N committed bulk groups still READ their shared-memory source.
@@ -227,6 +245,16 @@ __device__ __forceinline__ uint64_t wgmma_desc_k_major_sw128(uint32_t smem_addre
          | (uint64_t(1) << 62);                   // layout: 128-byte swizzle
 }
 
+// The same for an MN-major bf16 tile (M or N contiguous) stored with the 128-byte swizzle, as TMA writes
+// boxes of 64 elements (128 bytes) of M or N by 64 rows of K: rows of K 128 bytes apart, 8-row groups
+// 1024 bytes apart (the stride-dimension offset), successive 64-element atoms of M or N `atom_bytes`
+// apart (the leading-dimension offset). Stepping K by 16 rows adds 2048 bytes to the start address.
+__device__ __forceinline__ uint64_t wgmma_desc_mn_major_sw128(uint32_t smem_address, uint32_t atom_bytes) {
+  constexpr uint64_t kStrideBytes = 1024;  // between 8-row groups of K
+  return uint64_t((smem_address & 0x3FFFF) >> 4) | (uint64_t((atom_bytes >> 4) & 0x3FFF) << 16) |
+         (uint64_t(kStrideBytes >> 4) << 32) | (uint64_t(1) << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit_group() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -241,8 +269,10 @@ __device__ __forceinline__ void fence_registers(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// D[64 x 256] (+)= A[64 x 16] . B[256 x 16]^T: bf16 operands from shared memory (K-major, 128B swizzle),
-// fp32 accumulators, 128 per thread in the wgmma fragment layout. accumulate = false overwrites D.
+// D[64 x 256] (+)= A[64 x 16] . B[256 x 16]^T: bf16 operands from shared memory (128B swizzle), K-major
+// or, with kTransA / kTransB, MN-major; fp32 accumulators, 128 per thread in the wgmma fragment layout.
+// accumulate = false overwrites D.
+template <bool kTransA = false, bool kTransB = false>
 __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
                                                       bool accumulate) {
   asm volatile(
@@ -258,7 +288,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, 0;\n"
+      "}, %128, %129, p, 1, 1, %131, %132;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
         "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
@@ -276,7 +306,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
         "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]),
         "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]),
         "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));
+      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(int(kTransA)), "n"(int(kTransB)));
 }
 
 }  // namespace pounce::ptx
