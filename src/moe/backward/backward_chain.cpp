@@ -1,0 +1,123 @@
+#include "moe/backward/backward_chain.h"
+
+#include <functional>
+#include <string>
+
+#include "common/device_pointer.h"
+#include "moe/backward/backward_kernels.h"
+
+namespace pounce::moe {
+
+BackwardChain::BackwardChain(const EpConfig& config)
+    : config_(config), planner_(config, kBlockM) {
+  check_config(config);
+  POUNCE_REQUIRE(config.ranks == 1, "MoE backward chain: ", config.ranks, " ranks; it runs one rank on one GPU");
+  rows_ = planner_.capacity().max_padded_rows;
+  const int64_t H = config.hidden, I = config.intermediate;
+  ids_table_ = DeviceBuffer<const int32_t*>(1);
+  token_count_ = DeviceBuffer<int32_t>(1);
+  x_rows_ = DeviceBuffer<__nv_bfloat16>(rows_ * H);
+  dy_rows_ = DeviceBuffer<__nv_bfloat16>(rows_ * H);
+  h13_ = DeviceBuffer<__nv_bfloat16>(rows_ * 2 * I);
+  da_ = DeviceBuffer<__nv_bfloat16>(rows_ * I);
+  dgu_ = DeviceBuffer<__nv_bfloat16>(rows_ * 2 * I);
+  wa_ = DeviceBuffer<__nv_bfloat16>(rows_ * I);
+  dx_rows_ = DeviceBuffer<__nv_bfloat16>(rows_ * H);
+  row_weight_ = DeviceBuffer<float>(rows_);
+  route_dot_ = DeviceBuffer<float>(rows_);
+}
+
+BackwardChain::~BackwardChain() = default;
+
+void BackwardChain::run(const BackwardInputs& in, const BackwardOutputs& out, cudaStream_t stream) {
+  const int64_t T = in.tokens, H = config_.hidden, I = config_.intermediate, E = config_.experts, k = config_.topk;
+  POUNCE_REQUIRE(T >= 0 && T <= config_.max_tokens_per_rank, "MoE backward: ", T,
+                 " tokens, outside [0, max_tokens_per_rank = ", config_.max_tokens_per_rank, "]");
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  require_device_tensor(in.x, T * H * 2, device, "x", 0);
+  require_device_tensor(in.topk_ids, T * k * 4, device, "topk_ids", 0);
+  require_device_tensor(in.topk_weights, T * k * 4, device, "topk_weights", 0);
+  require_device_tensor(in.dy, T * H * 2, device, "dy", 0);
+  require_device_tensor(in.w13, E * 2 * I * H * 2, device, "w13", 0);
+  require_device_tensor(in.w2, E * H * I * 2, device, "w2", 0);
+  require_device_tensor(out.dx, T * H * 2, device, "dx", 0);
+  require_device_tensor(out.d_topk_weights, T * k * 4, device, "d_topk_weights", 0);
+  const int64_t dw_bytes = out.mode == WeightGradOutput::kBf16 ? 2 : 4;
+  require_device_tensor(out.dw13, E * 2 * I * H * dw_bytes, device, "dw13", 0);
+  require_device_tensor(out.dw2, E * H * I * dw_bytes, device, "dw2", 0);
+  if (out.mode == WeightGradOutput::kBf16 && dw_scratch_.size() == 0)
+    dw_scratch_ = DeviceBuffer<float>(E * 2 * I * H + E * H * I);
+
+  // Schedule, then every route's rows.
+  backward::set_plan_inputs(ids_table_.data(), token_count_.data(), in.topk_ids, int32_t(T), stream);
+  planner_.plan(0, ids_table_.data(), token_count_.data(), stream);
+  const int32_t* offsets = planner_.expert_offsets();
+  backward::gather_route_rows(in.x, in.dy, in.topk_weights, planner_.row_token(), planner_.row_k(), rows_, H, k,
+                              x_rows_.data(), dy_rows_.data(), row_weight_.data(), stream);
+
+  const auto m_grouped = [&](const __nv_bfloat16* a, const __nv_bfloat16* b, gemm::Major b_major, int64_t n,
+                             int64_t k_dim, __nv_bfloat16* c) {
+    gemm::GroupedGemmArgs g;
+    g.a = a;
+    g.a_rows = rows_;
+    g.b = b;
+    g.b_major = b_major;
+    g.experts = int(E);
+    g.n = n;
+    g.k = k_dim;
+    g.c = c;
+    g.expert_offsets = offsets;
+    gemm_.run(g, stream);
+  };
+  // GEMM1 again (the forward's gate/up rows before SwiGLU), then the data gradients.
+  m_grouped(x_rows_.data(), in.w13, gemm::Major::kK, 2 * I, H, h13_.data());
+  m_grouped(dy_rows_.data(), in.w2, gemm::Major::kMN, I, H, da_.data());
+  backward::swiglu_backward_rows(h13_.data(), da_.data(), row_weight_.data(), rows_, I, dgu_.data(), wa_.data(),
+                                 route_dot_.data(), stream);
+  m_grouped(dgu_.data(), in.w13, gemm::Major::kMN, H, 2 * I, dx_rows_.data());
+  backward::combine_gradients(dx_rows_.data(), route_dot_.data(), planner_.route_row(), T, k, H, out.dx,
+                              out.d_topk_weights, stream);
+
+  // Weight gradients: reductions over each expert's rows.
+  const bool bf16 = out.mode == WeightGradOutput::kBf16;
+  float* dw13_f32 = bf16 ? dw_scratch_.data() : static_cast<float*>(out.dw13);
+  float* dw2_f32 = bf16 ? dw_scratch_.data() + E * 2 * I * H : static_cast<float*>(out.dw2);
+  const gemm::Epilogue epilogue =
+      out.mode == WeightGradOutput::kAccumulateF32 ? gemm::Epilogue::kAddF32 : gemm::Epilogue::kStoreF32;
+  const auto k_grouped = [&](const __nv_bfloat16* a, int64_t m, const __nv_bfloat16* b, int64_t n, float* c) {
+    gemm::KGroupedGemmArgs g;
+    g.a = a;
+    g.b = b;
+    g.rows = rows_;
+    g.m = m;
+    g.n = n;
+    g.experts = int(E);
+    g.expert_offsets = offsets;
+    g.c = c;
+    g.epilogue = epilogue;
+    gemm_.run_k_grouped(g, stream);
+  };
+  k_grouped(dy_rows_.data(), H, wa_.data(), I, dw2_f32);
+  k_grouped(dgu_.data(), 2 * I, x_rows_.data(), H, dw13_f32);
+  if (bf16) {
+    backward::f32_to_bf16(dw13_f32, E * 2 * I * H, static_cast<__nv_bfloat16*>(out.dw13), stream);
+    backward::f32_to_bf16(dw2_f32, E * H * I, static_cast<__nv_bfloat16*>(out.dw2), stream);
+  }
+}
+
+void BackwardChain::check_device_errors() {
+  // Both slots are read (and cleared) before either throws.
+  std::string error;
+  for (const auto& check : {std::function<void()>([&] { planner_.check_device_errors(); }),
+                            std::function<void()>([&] { gemm_.check_device_errors(); })}) {
+    try {
+      check();
+    } catch (const Error& e) {
+      error += (error.empty() ? "" : "; and ") + std::string(e.what());
+    }
+  }
+  if (!error.empty()) throw Error(error);
+}
+
+}  // namespace pounce::moe

@@ -1,0 +1,158 @@
+// The MoE backward chain against the host reference (reference::moe_backward, double accumulation) on
+// fresh random inputs: dx token by token, the router-weight gradients route by route, the weight
+// gradients expert by expert; outputs poisoned first; bitwise repeats; the three weight-gradient modes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "common/device_buffer.h"
+#include "common/gpu.h"
+#include "common/testing.h"
+#include "moe/backward/backward_chain.h"
+#include "reference/moe_layer.h"
+#include "reference/synthetic_routing.h"
+
+namespace pounce::moe {
+namespace {
+
+using reference::RoutingPattern;
+
+struct Case {
+  int64_t tokens, hidden, intermediate;
+  int experts, topk;
+  RoutingPattern pattern;
+  bool zero_weights = false;  // every third route's router weight exactly 0
+};
+
+void PrintTo(const Case& c, std::ostream* out) {
+  *out << "T" << c.tokens << "_H" << c.hidden << "_I" << c.intermediate << "_E" << c.experts << "_k" << c.topk << "_"
+       << reference::routing_pattern_name(c.pattern) << (c.zero_weights ? "_zero_weights" : "");
+}
+
+template <typename T>
+const __nv_bfloat16* bf16(const DeviceBuffer<T>& b) {
+  return reinterpret_cast<const __nv_bfloat16*>(b.data());
+}
+
+std::vector<float> bf16_floats(const DeviceBuffer<uint16_t>& b) {
+  std::vector<float> out;
+  for (uint16_t v : b.download()) out.push_back(formats::bf16_to_float(v));
+  return out;
+}
+
+// Worst of a set of slices' relative errors, each against its own norm (tokens, experts).
+double worst_slice_error(const std::vector<float>& got, const std::vector<double>& want, int64_t slice) {
+  return testing::worst_token_error(got, want, size_t(slice));
+}
+
+class BackwardChainTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(BackwardChainTest, MatchesHostReference) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const Case c = GetParam();
+  const int64_t T = c.tokens, H = c.hidden, I = c.intermediate, E = c.experts, k = c.topk;
+  const auto x = testing::random_bf16_values(rng, T * H);
+  const auto dy = testing::random_bf16_values(rng, T * H);
+  const auto w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
+  const auto w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
+  const auto ids = reference::synthetic_topk_ids(c.pattern, T, c.experts, c.topk, rng);
+  auto weights = reference::synthetic_topk_weights(T, c.topk, rng);
+  if (c.zero_weights)
+    for (size_t i = 0; i < weights.size(); i += 3) weights[i] = 0.0f;
+  const reference::MoeShape shape{T, H, I, E, k};
+  const auto want = reference::moe_backward(shape, {x, ids, weights, w13, w2}, dy);
+
+  DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x)), d_dy(testing::to_bf16_bits(dy)),
+      d_w13(testing::to_bf16_bits(w13)), d_w2(testing::to_bf16_bits(w2)), d_dx(T * H);
+  DeviceBuffer<int32_t> d_ids(ids);
+  DeviceBuffer<float> d_weights(weights), d_dw(T * k), dw13(E * 2 * I * H), dw2(E * H * I);
+  const EpConfig config{.ranks = 1, .experts = c.experts, .topk = c.topk, .hidden = H, .intermediate = I,
+                        .max_tokens_per_rank = T + 5};
+  BackwardChain chain(config);
+  const BackwardInputs in{bf16(d_x), d_ids.data(), d_weights.data(), T, bf16(d_dy), bf16(d_w13), bf16(d_w2)};
+  const BackwardOutputs out{reinterpret_cast<__nv_bfloat16*>(d_dx.data()), d_dw.data(), dw13.data(), dw2.data(),
+                            WeightGradOutput::kF32};
+  const auto run = [&] {
+    for (auto* b : {&d_dw, &dw13, &dw2}) b->fill_bytes(0xFF);
+    d_dx.fill_bytes(0xFF);
+    chain.run(in, out, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    chain.check_device_errors();
+  };
+  run();
+  const auto dx = bf16_floats(d_dx), d_topk = d_dw.download(), g13 = dw13.download(), g2 = dw2.download();
+  if (T > 0) {
+    const double dx_l2 = testing::relative_l2_error(dx, want.dx), dx_worst = worst_slice_error(dx, want.dx, H);
+    const double dw_l2 = testing::relative_l2_error(d_topk, want.d_topk_weights);
+    std::printf("[ measured ] dx %.3g (worst token %.3g), d_topk_weights %.3g, dW13 %.3g, dW2 %.3g\n", dx_l2, dx_worst,
+                dw_l2, testing::relative_l2_error(g13, want.dw13), testing::relative_l2_error(g2, want.dw2));
+    // bf16 rounding of the recomputed gate/up rows, da, dgu and dx rows, and of dx: a few 1e-3.
+    EXPECT_LT(dx_l2, 2e-2);
+    EXPECT_LT(dx_worst, 5e-2);
+    EXPECT_LT(dw_l2, 2e-2);
+    // A route's router-weight gradient against its token's (a lost or doubled route fails).
+    EXPECT_LT(worst_slice_error(d_topk, want.d_topk_weights, k), 5e-2);
+  }
+  // Weight gradients expert by expert; an expert nobody chose gets exactly zero.
+  for (int64_t e = 0; e < E; ++e) {
+    const std::span<const float> got13(g13.data() + e * 2 * I * H, 2 * I * H), got2(g2.data() + e * H * I, H * I);
+    const std::span<const double> want13(want.dw13.data() + e * 2 * I * H, 2 * I * H),
+        want2(want.dw2.data() + e * H * I, H * I);
+    EXPECT_LT(relative_l2_error(got13, want13), 2e-2) << "dW13 of expert " << e;
+    EXPECT_LT(relative_l2_error(got2, want2), 2e-2) << "dW2 of expert " << e;
+  }
+
+  // Bit for bit again; then the weight gradients accumulated into what is there, and in bf16.
+  run();
+  EXPECT_EQ(bf16_floats(d_dx), dx);
+  EXPECT_EQ(d_dw.download(), d_topk);
+  EXPECT_EQ(dw13.download(), g13);
+  EXPECT_EQ(dw2.download(), g2);
+  dw13.upload(g13);
+  dw2.upload(g2);
+  chain.run(in, {out.dx, out.d_topk_weights, dw13.data(), dw2.data(), WeightGradOutput::kAccumulateF32}, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  chain.check_device_errors();
+  std::vector<float> twice13 = g13, twice2 = g2;
+  for (float& v : twice13) v *= 2;
+  for (float& v : twice2) v *= 2;
+  EXPECT_EQ(dw13.download(), twice13) << "accumulating adds exactly the same gradient once more";
+  EXPECT_EQ(dw2.download(), twice2);
+  DeviceBuffer<uint16_t> b13(E * 2 * I * H), b2(E * H * I);
+  chain.run(in, {out.dx, out.d_topk_weights, b13.data(), b2.data(), WeightGradOutput::kBf16}, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  chain.check_device_errors();
+  EXPECT_LT(testing::relative_l2_error(bf16_floats(b13), g13), 1e-2);
+  EXPECT_LT(testing::relative_l2_error(bf16_floats(b2), g2), 1e-2);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Routings, BackwardChainTest,
+    ::testing::Values(Case{300, 256, 128, 8, 2, RoutingPattern::kUniform},
+                      Case{700, 384, 192, 16, 6, RoutingPattern::kZipf},
+                      Case{500, 256, 256, 8, 8, RoutingPattern::kOneExpert},
+                      Case{333, 192, 128, 16, 3, RoutingPattern::kHalfEmpty},
+                      Case{257, 256, 128, 8, 4, RoutingPattern::kUniform, true},
+                      Case{0, 256, 128, 8, 2, RoutingPattern::kUniform},
+                      Case{1, 128, 64, 4, 1, RoutingPattern::kUniform},
+                      Case{97, 256, 128, 40, 12, RoutingPattern::kUniform}),
+    testing::NameFromPrintTo());
+
+TEST(BackwardChain, RejectsBadInputByName) {
+  POUNCE_REQUIRE_HOPPER();
+  const EpConfig config{.ranks = 1, .experts = 8, .topk = 2, .hidden = 128, .intermediate = 64,
+                        .max_tokens_per_rank = 16};
+  BackwardChain chain(config);
+  DeviceBuffer<uint16_t> x(16 * 128);
+  BackwardInputs in{bf16(x), nullptr, nullptr, 17, bf16(x), nullptr, nullptr};
+  testing::expect_error([&] { chain.run(in, {}, nullptr); }, "17 tokens, outside [0, max_tokens_per_rank = 16]");
+  in.tokens = 4;
+  testing::expect_error([&] { chain.run(in, {}, nullptr); }, "rank 0's topk_ids is a null pointer");
+  EpConfig two = config;
+  two.ranks = 2;
+  testing::expect_error([&] { BackwardChain bad(two); }, "it runs one rank on one GPU");
+}
+
+}  // namespace
+}  // namespace pounce::moe

@@ -1,0 +1,163 @@
+#include "moe/backward/backward_kernels.h"
+
+#include <algorithm>
+
+#include "common/cuda_check.h"
+
+namespace pounce::moe::backward {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kVec = 8;  // bf16 per 16-byte access
+
+// Enough CTAs to fill an H200 several times over; kernels stride over the rest.
+int grid_for(int64_t items) { return int(std::clamp<int64_t>(items, 1, 132 * 16)); }
+
+__global__ void set_plan_inputs_kernel(const int32_t** ids_table, int32_t* token_count, const int32_t* topk_ids,
+                                       int32_t tokens) {
+  ids_table[0] = topk_ids;
+  *token_count = tokens;
+}
+
+__global__ void gather_kernel(const uint4* x, const uint4* dy, const float* topk_weights, const int32_t* row_token,
+                              const int32_t* row_k, int64_t rows, int64_t vecs, int64_t topk, uint4* x_rows,
+                              uint4* dy_rows, float* row_weight) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int32_t t = row_token[r];
+    if (threadIdx.x == 0) row_weight[r] = t >= 0 ? topk_weights[t * topk + row_k[r]] : 0.0f;
+    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
+      x_rows[r * vecs + v] = t >= 0 ? x[t * vecs + v] : zero;
+      dy_rows[r * vecs + v] = t >= 0 ? dy[t * vecs + v] : zero;
+    }
+  }
+}
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+// One CTA per row; each thread owns groups of 8 intermediate columns (16 bytes of da, 32 of gate/up).
+__global__ void swiglu_backward_kernel(const uint4* h13, const uint4* da, const float* row_weight, int64_t rows,
+                                       int64_t groups, uint4* dgu, uint4* wa, float* route_dot) {
+  __shared__ float warp_dots[kThreads / 32];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float w = row_weight[r];
+    float dot = 0.0f;
+    for (int64_t j = threadIdx.x; j < groups; j += blockDim.x) {
+      const uint4 g_bits = h13[(r * groups + j) * 2], u_bits = h13[(r * groups + j) * 2 + 1], d_bits = da[r * groups + j];
+      const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g_bits);
+      const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u_bits);
+      const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&d_bits);
+      uint4 dg_bits, du_bits, wa_bits;
+      __nv_bfloat162* dg2 = reinterpret_cast<__nv_bfloat162*>(&dg_bits);
+      __nv_bfloat162* du2 = reinterpret_cast<__nv_bfloat162*>(&du_bits);
+      __nv_bfloat162* wa2 = reinterpret_cast<__nv_bfloat162*>(&wa_bits);
+#pragma unroll
+      for (int p = 0; p < kVec / 2; ++p) {
+        const float2 g = __bfloat1622float2(g2[p]), u = __bfloat1622float2(u2[p]), d = __bfloat1622float2(d2[p]);
+        const float sx = sigmoid(g.x), sy = sigmoid(g.y);
+        const float ax = g.x * sx * u.x, ay = g.y * sy * u.y;  // a = silu(g) u
+        dot = fmaf(d.x, ax, dot);
+        dot = fmaf(d.y, ay, dot);
+        const float dx = w * d.x, dy = w * d.y;  // the route's share of dy, through W2
+        // silu'(g) = s (1 + g (1 - s))
+        dg2[p] = __floats2bfloat162_rn(dx * u.x * sx * (1.0f + g.x * (1.0f - sx)),
+                                       dy * u.y * sy * (1.0f + g.y * (1.0f - sy)));
+        du2[p] = __floats2bfloat162_rn(dx * g.x * sx, dy * g.y * sy);
+        wa2[p] = __floats2bfloat162_rn(w * ax, w * ay);
+      }
+      dgu[(r * groups + j) * 2] = dg_bits;
+      dgu[(r * groups + j) * 2 + 1] = du_bits;
+      wa[r * groups + j] = wa_bits;
+    }
+    // The row's dot in a fixed order: lanes by a butterfly, then warps in index order.
+    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, offset);
+    if (threadIdx.x % 32 == 0) warp_dots[threadIdx.x / 32] = dot;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float sum = 0.0f;
+      for (int i = 0; i < kThreads / 32; ++i) sum += warp_dots[i];
+      route_dot[r] = sum;
+    }
+    __syncthreads();  // warp_dots is read before the next row overwrites it
+  }
+}
+
+__global__ void combine_kernel(const uint4* dx_rows, const float* route_dot, const int32_t* route_row, int64_t tokens,
+                               int64_t topk, int64_t vecs, uint4* dx, float* d_topk_weights) {
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    for (int64_t k = threadIdx.x; k < topk; k += blockDim.x)
+      d_topk_weights[t * topk + k] = route_dot[route_row[t * topk + k]];
+    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
+      float acc[kVec] = {};
+      for (int64_t k = 0; k < topk; ++k) {  // fixed k order: bitwise deterministic
+        const uint4 bits = dx_rows[route_row[t * topk + k] * vecs + v];
+        const __nv_bfloat162* d = reinterpret_cast<const __nv_bfloat162*>(&bits);
+#pragma unroll
+        for (int p = 0; p < kVec / 2; ++p) {
+          const float2 f = __bfloat1622float2(d[p]);
+          acc[2 * p] += f.x;
+          acc[2 * p + 1] += f.y;
+        }
+      }
+      uint4 out;
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+      for (int p = 0; p < kVec / 2; ++p) o[p] = __floats2bfloat162_rn(acc[2 * p], acc[2 * p + 1]);
+      dx[t * vecs + v] = out;
+    }
+  }
+}
+
+__global__ void f32_to_bf16_kernel(const float4* in, int64_t quads, uint2* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < quads; i += int64_t(gridDim.x) * blockDim.x) {
+    const float4 f = in[i];
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(f.x, f.y), hi = __floats2bfloat162_rn(f.z, f.w);
+    out[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+  }
+}
+
+}  // namespace
+
+void set_plan_inputs(const int32_t** ids_table, int32_t* token_count, const int32_t* topk_ids, int32_t tokens,
+                     cudaStream_t stream) {
+  set_plan_inputs_kernel<<<1, 1, 0, stream>>>(ids_table, token_count, topk_ids, tokens);
+  CUDA_CHECK_LAUNCH();
+}
+
+void gather_route_rows(const __nv_bfloat16* x, const __nv_bfloat16* dy, const float* topk_weights,
+                       const int32_t* row_token, const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk,
+                       __nv_bfloat16* x_rows, __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream) {
+  if (rows == 0) return;
+  gather_kernel<<<grid_for(rows), kThreads, 0, stream>>>(
+      reinterpret_cast<const uint4*>(x), reinterpret_cast<const uint4*>(dy), topk_weights, row_token, row_k, rows,
+      hidden / kVec, topk, reinterpret_cast<uint4*>(x_rows), reinterpret_cast<uint4*>(dy_rows), row_weight);
+  CUDA_CHECK_LAUNCH();
+}
+
+void swiglu_backward_rows(const __nv_bfloat16* h13, const __nv_bfloat16* da, const float* row_weight, int64_t rows,
+                          int64_t intermediate, __nv_bfloat16* dgu, __nv_bfloat16* wa, float* route_dot,
+                          cudaStream_t stream) {
+  if (rows == 0) return;
+  swiglu_backward_kernel<<<grid_for(rows), kThreads, 0, stream>>>(
+      reinterpret_cast<const uint4*>(h13), reinterpret_cast<const uint4*>(da), row_weight, rows, intermediate / kVec,
+      reinterpret_cast<uint4*>(dgu), reinterpret_cast<uint4*>(wa), route_dot);
+  CUDA_CHECK_LAUNCH();
+}
+
+void combine_gradients(const __nv_bfloat16* dx_rows, const float* route_dot, const int32_t* route_row, int64_t tokens,
+                       int64_t topk, int64_t hidden, __nv_bfloat16* dx, float* d_topk_weights, cudaStream_t stream) {
+  if (tokens == 0) return;
+  combine_kernel<<<grid_for(tokens), kThreads, 0, stream>>>(reinterpret_cast<const uint4*>(dx_rows), route_dot,
+                                                            route_row, tokens, topk, hidden / kVec,
+                                                            reinterpret_cast<uint4*>(dx), d_topk_weights);
+  CUDA_CHECK_LAUNCH();
+}
+
+void f32_to_bf16(const float* in, int64_t count, __nv_bfloat16* out, cudaStream_t stream) {
+  if (count == 0) return;
+  f32_to_bf16_kernel<<<grid_for(count / 4 / kThreads + 1), kThreads, 0, stream>>>(
+      reinterpret_cast<const float4*>(in), count / 4, reinterpret_cast<uint2*>(out));
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace pounce::moe::backward

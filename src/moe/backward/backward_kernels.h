@@ -1,0 +1,42 @@
+// The data-movement and elementwise kernels of the MoE backward, around its four grouped GEMMs
+// (moe/backward/backward_chain.h). Rows are routed rows of the expert-contiguous schedule
+// (planner/schedule.h); padding rows come out zero so the weight-gradient GEMMs may sum them.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace pounce::moe::backward {
+
+// Writes a one-rank planner input (its table of topk_ids pointers and its token count) in stream order,
+// from kernel arguments: a CUDA graph replays it with the values of its capture.
+void set_plan_inputs(const int32_t** ids_table, int32_t* token_count, const int32_t* topk_ids, int32_t tokens,
+                     cudaStream_t stream);
+
+// For every schedule row r < rows: x_rows[r] = x[token], dy_rows[r] = dy[token], row_weight[r] =
+// topk_weights[token, k]; padding rows (token -1) and rows past the schedule get zeros.
+void gather_route_rows(const __nv_bfloat16* x, const __nv_bfloat16* dy, const float* topk_weights,
+                       const int32_t* row_token, const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk,
+                       __nv_bfloat16* x_rows, __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream);
+
+// SwiGLU backward of every row, from the gate/up rows h13 [rows, 2I] (interleaved in groups of 8), the
+// unscaled da = dy . W2 [rows, I] and the route's weight w:
+//   a = silu(g) u;  route_dot[r] = <da, a> (the router-weight gradient, exact when w = 0)
+//   dgu = [w da u silu'(g), w da silu(g)] interleaved like h13;   wa = w a (for dW2)
+// Each row's dot is summed in a fixed order (bitwise deterministic). Rows with w = 0 and zero rows give
+// zero dgu and wa.
+void swiglu_backward_rows(const __nv_bfloat16* h13, const __nv_bfloat16* da, const float* row_weight, int64_t rows,
+                          int64_t intermediate, __nv_bfloat16* dgu, __nv_bfloat16* wa, float* route_dot,
+                          cudaStream_t stream);
+
+// dx[t] = sum_k dx_rows[route_row[t, k]] (k in order, fp32) and d_topk_weights[t, k] =
+// route_dot[route_row[t, k]].
+void combine_gradients(const __nv_bfloat16* dx_rows, const float* route_dot, const int32_t* route_row, int64_t tokens,
+                       int64_t topk, int64_t hidden, __nv_bfloat16* dx, float* d_topk_weights, cudaStream_t stream);
+
+// Converts fp32 weight gradients to bf16 (the bf16 output mode).
+void f32_to_bf16(const float* in, int64_t count, __nv_bfloat16* out, cudaStream_t stream);
+
+}  // namespace pounce::moe::backward
