@@ -39,6 +39,8 @@ void add_options(CLI::App& app, Options& o) {
   app.add_option("--commit", o.commit, "git commit recorded with the results")->envname("POUNCE_COMMIT");
   app.add_flag_callback(
       "--no-gemms", [&o] { o.gemms = false; }, "skip timing each grouped GEMM alone");
+  app.add_flag_callback(
+      "--no-backward", [&o] { o.backward = false; }, "skip the backward");
   app.add_flag("--sweeps", o.sweeps,
                "fused layer sweeps: comm CTAs at every shape; minibatch, engine rows, "
                "ring and virtual ranks at the default shape");

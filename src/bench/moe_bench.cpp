@@ -16,6 +16,7 @@
 #include "bench/dense_ceiling.h"
 #include "bench/device_fill.h"
 #include "bench/output_check.h"
+#include "moe/backward/backward_chain.h"
 #include "pounce/fused_moe.h"
 #include "reference/synthetic_routing.h"
 
@@ -425,6 +426,55 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
           compare(s.name, gate_up ? "GEMM1 gate/up" : "GEMM2 down", flops, candidates, o, dense_tflops, report, stream);
     }
     result["grouped_gemms"] = gemms;
+  }
+
+  if (o.backward) {
+    // The backward on one GPU: pounce's chain (it plans again and recomputes GEMM1 from x; those FLOPs
+    // are not counted: backward FLOPs = 12 routes H I), and each of its GEMMs alone. Its dx is checked
+    // against its own first run on the same token set (the test suite checks the chain against the
+    // host reference; no GPU baseline of the backward exists yet).
+    moe::BackwardChain chain(one_rank);
+    std::vector<DeviceBuffer<__nv_bfloat16>> dy, dx_first;
+    for (int i = 0; i < kSets; ++i) {
+      dy.emplace_back(T * H);
+      fill_random_bf16(dy.back().data(), T * H, 200 + i, 1.0f, stream);
+      dx_first.emplace_back(T * H);
+    }
+    DeviceBuffer<__nv_bfloat16> dx(T * H);
+    DeviceBuffer<float> d_topk(T * k), dw13(E * 2 * I * H), dw2(E * H * I);
+    const auto backward = [&](int set, __nv_bfloat16* into) {
+      chain.run({x[set].data(), d_ids.data(), d_weights.data(), T, dy[set].data(), w13.data(), w2.data()},
+                {into, d_topk.data(), dw13.data(), dw2.data(), moe::WeightGradOutput::kF32}, stream);
+    };
+    for (int i = 0; i < kSets; ++i) backward(i, dx_first[i].data());
+    const double routes = double(plan.routes), backward_flops = 12.0 * routes * double(H) * double(I);
+    const Output dx_check{
+        dx.data(), [&](int rep) { return dx_first[rep % kSets].data(); }, T, H, nullptr, "the chain's own first run"};
+    result["backward"] =
+        compare(s.name, "backward", backward_flops,
+                {{"pounce backward chain", Role::kPounce, [&](int rep) { backward(rep % kSets, dx.data()); }, dx_check},
+                 dense_reference},
+                o, dense_tflops, report, stream);
+    std::vector<Candidate> gemms;
+    const std::pair<const char*, moe::BackwardGemm> kinds[] = {
+        {"GEMM1 again (gate/up)", moe::BackwardGemm::kGateUp},
+        {"dgrad down (dy W2)", moe::BackwardGemm::kDataDown},
+        {"dgrad gate/up (dgu W13)", moe::BackwardGemm::kDataGateUp},
+        {"wgrad down (dW2)", moe::BackwardGemm::kWeightDown},
+        {"wgrad gate/up (dW13)", moe::BackwardGemm::kWeightGateUp}};
+    for (const auto& [name, which] : kinds) {
+      const bool gate_up = which == moe::BackwardGemm::kGateUp || which == moe::BackwardGemm::kDataGateUp ||
+                           which == moe::BackwardGemm::kWeightGateUp;
+      gemms.push_back({name,
+                       Role::kPounce,
+                       [&chain, which = which, stream](int) { chain.run_gemm(which, stream); },
+                       {},
+                       (gate_up ? 4.0 : 2.0) * routes * double(H) * double(I)});
+    }
+    gemms.push_back(dense_reference);
+    result["backward_gemms"] = compare(s.name, "backward GEMMs", 0, gemms, o, dense_tflops, report, stream);
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    chain.check_device_errors();
   }
   CUDA_CHECK(cudaStreamSynchronize(stream));
   unfused.check_device_errors();

@@ -8,8 +8,7 @@
 
 namespace pounce::moe {
 
-BackwardChain::BackwardChain(const EpConfig& config)
-    : config_(config), planner_(config, kBlockM) {
+BackwardChain::BackwardChain(const EpConfig& config) : config_(config), planner_(config, kBlockM) {
   check_config(config);
   POUNCE_REQUIRE(config.ranks == 1, "MoE backward chain: ", config.ranks, " ranks; it runs one rank on one GPU");
   rows_ = planner_.capacity().max_padded_rows;
@@ -52,12 +51,45 @@ void BackwardChain::run(const BackwardInputs& in, const BackwardOutputs& out, cu
   // Schedule, then every route's rows.
   backward::set_plan_inputs(ids_table_.data(), token_count_.data(), in.topk_ids, int32_t(T), stream);
   planner_.plan(0, ids_table_.data(), token_count_.data(), stream);
-  const int32_t* offsets = planner_.expert_offsets();
   backward::gather_route_rows(in.x, in.dy, in.topk_weights, planner_.row_token(), planner_.row_k(), rows_, H, k,
                               x_rows_.data(), dy_rows_.data(), row_weight_.data(), stream);
 
-  const auto m_grouped = [&](const __nv_bfloat16* a, const __nv_bfloat16* b, gemm::Major b_major, int64_t n,
-                             int64_t k_dim, __nv_bfloat16* c) {
+  last_in_ = in;
+  // GEMM1 again (the forward's gate/up rows before SwiGLU), then the data gradients.
+  gemm(BackwardGemm::kGateUp, nullptr, gemm::Epilogue::kStore, stream);
+  gemm(BackwardGemm::kDataDown, nullptr, gemm::Epilogue::kStore, stream);
+  backward::swiglu_backward_rows(h13_.data(), da_.data(), row_weight_.data(), rows_, I, dgu_.data(), wa_.data(),
+                                 route_dot_.data(), stream);
+  gemm(BackwardGemm::kDataGateUp, nullptr, gemm::Epilogue::kStore, stream);
+  backward::combine_gradients(dx_rows_.data(), route_dot_.data(), planner_.route_row(), T, k, H, out.dx,
+                              out.d_topk_weights, stream);
+
+  // Weight gradients: reductions over each expert's rows, in fp32 (bf16 output converts afterwards).
+  const bool bf16 = out.mode == WeightGradOutput::kBf16;
+  float* dw13_f32 = bf16 ? dw_scratch_.data() : static_cast<float*>(out.dw13);
+  float* dw2_f32 = bf16 ? dw_scratch_.data() + E * 2 * I * H : static_cast<float*>(out.dw2);
+  const gemm::Epilogue epilogue =
+      out.mode == WeightGradOutput::kAccumulateF32 ? gemm::Epilogue::kAddF32 : gemm::Epilogue::kStoreF32;
+  gemm(BackwardGemm::kWeightDown, dw2_f32, epilogue, stream);
+  gemm(BackwardGemm::kWeightGateUp, dw13_f32, epilogue, stream);
+  if (bf16) {
+    backward::f32_to_bf16(dw13_f32, E * 2 * I * H, static_cast<__nv_bfloat16*>(out.dw13), stream);
+    backward::f32_to_bf16(dw2_f32, E * H * I, static_cast<__nv_bfloat16*>(out.dw2), stream);
+  }
+}
+
+void BackwardChain::run_gemm(BackwardGemm which, cudaStream_t stream) {
+  POUNCE_REQUIRE(last_in_.w13 != nullptr, "MoE backward: run_gemm needs an earlier run()");
+  const int64_t E = config_.experts, H = config_.hidden, I = config_.intermediate;
+  if (dw_scratch_.size() == 0) dw_scratch_ = DeviceBuffer<float>(E * 2 * I * H + E * H * I);
+  gemm(which, dw_scratch_.data(), gemm::Epilogue::kStoreF32, stream);
+}
+
+void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue epilogue, cudaStream_t stream) {
+  const int64_t E = config_.experts, H = config_.hidden, I = config_.intermediate;
+  const int32_t* offsets = planner_.expert_offsets();
+  const auto m_grouped = [&](const __nv_bfloat16* a, const __nv_bfloat16* b, gemm::Major b_major, int64_t n, int64_t k,
+                             __nv_bfloat16* c) {
     gemm::GroupedGemmArgs g;
     g.a = a;
     g.a_rows = rows_;
@@ -65,27 +97,12 @@ void BackwardChain::run(const BackwardInputs& in, const BackwardOutputs& out, cu
     g.b_major = b_major;
     g.experts = int(E);
     g.n = n;
-    g.k = k_dim;
+    g.k = k;
     g.c = c;
     g.expert_offsets = offsets;
     gemm_.run(g, stream);
   };
-  // GEMM1 again (the forward's gate/up rows before SwiGLU), then the data gradients.
-  m_grouped(x_rows_.data(), in.w13, gemm::Major::kK, 2 * I, H, h13_.data());
-  m_grouped(dy_rows_.data(), in.w2, gemm::Major::kMN, I, H, da_.data());
-  backward::swiglu_backward_rows(h13_.data(), da_.data(), row_weight_.data(), rows_, I, dgu_.data(), wa_.data(),
-                                 route_dot_.data(), stream);
-  m_grouped(dgu_.data(), in.w13, gemm::Major::kMN, H, 2 * I, dx_rows_.data());
-  backward::combine_gradients(dx_rows_.data(), route_dot_.data(), planner_.route_row(), T, k, H, out.dx,
-                              out.d_topk_weights, stream);
-
-  // Weight gradients: reductions over each expert's rows.
-  const bool bf16 = out.mode == WeightGradOutput::kBf16;
-  float* dw13_f32 = bf16 ? dw_scratch_.data() : static_cast<float*>(out.dw13);
-  float* dw2_f32 = bf16 ? dw_scratch_.data() + E * 2 * I * H : static_cast<float*>(out.dw2);
-  const gemm::Epilogue epilogue =
-      out.mode == WeightGradOutput::kAccumulateF32 ? gemm::Epilogue::kAddF32 : gemm::Epilogue::kStoreF32;
-  const auto k_grouped = [&](const __nv_bfloat16* a, int64_t m, const __nv_bfloat16* b, int64_t n, float* c) {
+  const auto k_grouped = [&](const __nv_bfloat16* a, int64_t m, const __nv_bfloat16* b, int64_t n) {
     gemm::KGroupedGemmArgs g;
     g.a = a;
     g.b = b;
@@ -94,15 +111,21 @@ void BackwardChain::run(const BackwardInputs& in, const BackwardOutputs& out, cu
     g.n = n;
     g.experts = int(E);
     g.expert_offsets = offsets;
-    g.c = c;
+    g.c = weight_grad;
     g.epilogue = epilogue;
     gemm_.run_k_grouped(g, stream);
   };
-  k_grouped(dy_rows_.data(), H, wa_.data(), I, dw2_f32);
-  k_grouped(dgu_.data(), 2 * I, x_rows_.data(), H, dw13_f32);
-  if (bf16) {
-    backward::f32_to_bf16(dw13_f32, E * 2 * I * H, static_cast<__nv_bfloat16*>(out.dw13), stream);
-    backward::f32_to_bf16(dw2_f32, E * H * I, static_cast<__nv_bfloat16*>(out.dw2), stream);
+  switch (which) {
+    case BackwardGemm::kGateUp:
+      return m_grouped(x_rows_.data(), last_in_.w13, gemm::Major::kK, 2 * I, H, h13_.data());
+    case BackwardGemm::kDataDown:
+      return m_grouped(dy_rows_.data(), last_in_.w2, gemm::Major::kMN, I, H, da_.data());
+    case BackwardGemm::kDataGateUp:
+      return m_grouped(dgu_.data(), last_in_.w13, gemm::Major::kMN, H, 2 * I, dx_rows_.data());
+    case BackwardGemm::kWeightDown:
+      return k_grouped(dy_rows_.data(), H, wa_.data(), I);
+    case BackwardGemm::kWeightGateUp:
+      return k_grouped(dgu_.data(), 2 * I, x_rows_.data(), H);
   }
 }
 

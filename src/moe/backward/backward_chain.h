@@ -31,17 +31,26 @@ struct BackwardInputs {
   const int32_t* topk_ids = nullptr;    // [tokens, k]
   const float* topk_weights = nullptr;  // [tokens, k]
   int64_t tokens = 0;
-  const __nv_bfloat16* dy = nullptr;    // [tokens, H]
-  const __nv_bfloat16* w13 = nullptr;   // [E, 2I, H]
-  const __nv_bfloat16* w2 = nullptr;    // [E, H, I]
+  const __nv_bfloat16* dy = nullptr;   // [tokens, H]
+  const __nv_bfloat16* w13 = nullptr;  // [E, 2I, H]
+  const __nv_bfloat16* w2 = nullptr;   // [E, H, I]
 };
 
 struct BackwardOutputs {
-  __nv_bfloat16* dx = nullptr;     // [tokens, H]
-  float* d_topk_weights = nullptr; // [tokens, k]
-  void* dw13 = nullptr;            // [E, 2I, H] bf16 or fp32 (see mode)
-  void* dw2 = nullptr;             // [E, H, I]
+  __nv_bfloat16* dx = nullptr;      // [tokens, H]
+  float* d_topk_weights = nullptr;  // [tokens, k]
+  void* dw13 = nullptr;             // [E, 2I, H] bf16 or fp32 (see mode)
+  void* dw2 = nullptr;              // [E, H, I]
   WeightGradOutput mode = WeightGradOutput::kF32;
+};
+
+// The five grouped GEMMs of the chain, in the order it runs them.
+enum class BackwardGemm {
+  kGateUp,        // h13 = x_rows . W13[e]^T            (GEMM1 again)
+  kDataDown,      // da = dy_rows . W2[e]
+  kDataGateUp,    // dx_rows = dgu . W13[e]
+  kWeightDown,    // dW2[e] = dy_rows[e]^T . wa[e]
+  kWeightGateUp,  // dW13[e] = dgu[e]^T . x_rows[e]
 };
 
 class BackwardChain {
@@ -55,11 +64,18 @@ class BackwardChain {
   void run(const BackwardInputs& in, const BackwardOutputs& out, cudaStream_t stream);
   void check_device_errors();
 
+  // One GEMM alone on the buffers and weights of the last run (benchmarks); weight gradients go to fp32
+  // scratch of the chain's own.
+  void run_gemm(BackwardGemm which, cudaStream_t stream);
+
   // The recomputed gate/up rows of the last run, expert-contiguous [capacity rows, 2I] (tests).
   const __nv_bfloat16* gate_up_rows() const { return h13_.data(); }
 
  private:
+  void gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue epilogue, cudaStream_t stream);
+
   EpConfig config_;
+  BackwardInputs last_in_;
   int64_t rows_ = 0;  // capacity: every row the schedule can hold
   planner::DevicePlanner planner_;
   DeviceBuffer<const int32_t*> ids_table_;

@@ -1,6 +1,8 @@
 // The MoE backward chain against the host reference (reference::moe_backward, double accumulation) on
 // fresh random inputs: dx token by token, the router-weight gradients route by route, the weight
 // gradients expert by expert; outputs poisoned first; bitwise repeats; the three weight-gradient modes.
+#include "moe/backward/backward_chain.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,7 +10,6 @@
 #include "common/device_buffer.h"
 #include "common/gpu.h"
 #include "common/testing.h"
-#include "moe/backward/backward_chain.h"
 #include "reference/moe_layer.h"
 #include "reference/synthetic_routing.h"
 
@@ -45,6 +46,25 @@ double worst_slice_error(const std::vector<float>& got, const std::vector<double
   return testing::worst_token_error(got, want, size_t(slice));
 }
 
+// The router-weight gradient of a route is a dot product <da, a> over I terms that may cancel: its
+// error is measured against the sum of the terms' magnitudes, sum_i |da_i a_i| (what bf16 rounding of
+// da and a scales with), not against the dot itself, which can be arbitrarily close to zero.
+std::vector<double> route_dot_scales(const reference::MoeShape& shape, const reference::MoeInputs& in,
+                                     std::span<const float> dy) {
+  const int64_t T = shape.tokens, H = shape.hidden, I = shape.intermediate, K = shape.topk;
+  const auto a = reference::moe_route_activations(shape, in).hidden;
+  std::vector<double> scale(T * K);
+  std::vector<double> da(I);
+  for (int64_t route = 0; route < T * K; ++route) {
+    const int64_t t = route / K, e = in.topk_ids[route];
+    std::fill(da.begin(), da.end(), 0.0);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < I; ++i) da[i] += double(in.w2[(e * H + h) * I + i]) * dy[t * H + h];
+    for (int64_t i = 0; i < I; ++i) scale[route] += std::abs(da[i] * a[route * I + i]);
+  }
+  return scale;
+}
+
 class BackwardChainTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(BackwardChainTest, MatchesHostReference) {
@@ -61,14 +81,16 @@ TEST_P(BackwardChainTest, MatchesHostReference) {
   if (c.zero_weights)
     for (size_t i = 0; i < weights.size(); i += 3) weights[i] = 0.0f;
   const reference::MoeShape shape{T, H, I, E, k};
-  const auto want = reference::moe_backward(shape, {x, ids, weights, w13, w2}, dy);
+  const reference::MoeInputs host_in{x, ids, weights, w13, w2};
+  const auto want = reference::moe_backward(shape, host_in, dy);
+  const auto dot_scale = route_dot_scales(shape, host_in, dy);
 
   DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x)), d_dy(testing::to_bf16_bits(dy)),
       d_w13(testing::to_bf16_bits(w13)), d_w2(testing::to_bf16_bits(w2)), d_dx(T * H);
   DeviceBuffer<int32_t> d_ids(ids);
   DeviceBuffer<float> d_weights(weights), d_dw(T * k), dw13(E * 2 * I * H), dw2(E * H * I);
-  const EpConfig config{.ranks = 1, .experts = c.experts, .topk = c.topk, .hidden = H, .intermediate = I,
-                        .max_tokens_per_rank = T + 5};
+  const EpConfig config{
+      .ranks = 1, .experts = c.experts, .topk = c.topk, .hidden = H, .intermediate = I, .max_tokens_per_rank = T + 5};
   BackwardChain chain(config);
   const BackwardInputs in{bf16(d_x), d_ids.data(), d_weights.data(), T, bf16(d_dy), bf16(d_w13), bf16(d_w2)};
   const BackwardOutputs out{reinterpret_cast<__nv_bfloat16*>(d_dx.data()), d_dw.data(), dw13.data(), dw2.data(),
@@ -84,15 +106,17 @@ TEST_P(BackwardChainTest, MatchesHostReference) {
   const auto dx = bf16_floats(d_dx), d_topk = d_dw.download(), g13 = dw13.download(), g2 = dw2.download();
   if (T > 0) {
     const double dx_l2 = testing::relative_l2_error(dx, want.dx), dx_worst = worst_slice_error(dx, want.dx, H);
-    const double dw_l2 = testing::relative_l2_error(d_topk, want.d_topk_weights);
-    std::printf("[ measured ] dx %.3g (worst token %.3g), d_topk_weights %.3g, dW13 %.3g, dW2 %.3g\n", dx_l2, dx_worst,
-                dw_l2, testing::relative_l2_error(g13, want.dw13), testing::relative_l2_error(g2, want.dw2));
+    double worst_route = 0;
+    for (int64_t r = 0; r < T * k; ++r)
+      worst_route = std::max(worst_route, std::abs(d_topk[r] - want.d_topk_weights[r]) / dot_scale[r]);
+    std::printf("[ measured ] dx %.3g (worst token %.3g), d_topk_weights worst route %.3g, dW13 %.3g, dW2 %.3g\n",
+                dx_l2, dx_worst, worst_route, testing::relative_l2_error(g13, want.dw13),
+                testing::relative_l2_error(g2, want.dw2));
     // bf16 rounding of the recomputed gate/up rows, da, dgu and dx rows, and of dx: a few 1e-3.
     EXPECT_LT(dx_l2, 2e-2);
     EXPECT_LT(dx_worst, 5e-2);
-    EXPECT_LT(dw_l2, 2e-2);
-    // A route's router-weight gradient against its token's (a lost or doubled route fails).
-    EXPECT_LT(worst_slice_error(d_topk, want.d_topk_weights, k), 5e-2);
+    // Each route's dot: bf16 rounding of da and of a bounds its error by ~4 * 2^-9 of its terms' sum.
+    EXPECT_LT(worst_route, 1e-2);
   }
   // Weight gradients expert by expert; an expert nobody chose gets exactly zero.
   for (int64_t e = 0; e < E; ++e) {
@@ -127,22 +151,21 @@ TEST_P(BackwardChainTest, MatchesHostReference) {
   EXPECT_LT(testing::relative_l2_error(bf16_floats(b2), g2), 1e-2);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Routings, BackwardChainTest,
-    ::testing::Values(Case{300, 256, 128, 8, 2, RoutingPattern::kUniform},
-                      Case{700, 384, 192, 16, 6, RoutingPattern::kZipf},
-                      Case{500, 256, 256, 8, 8, RoutingPattern::kOneExpert},
-                      Case{333, 192, 128, 16, 3, RoutingPattern::kHalfEmpty},
-                      Case{257, 256, 128, 8, 4, RoutingPattern::kUniform, true},
-                      Case{0, 256, 128, 8, 2, RoutingPattern::kUniform},
-                      Case{1, 128, 64, 4, 1, RoutingPattern::kUniform},
-                      Case{97, 256, 128, 40, 12, RoutingPattern::kUniform}),
-    testing::NameFromPrintTo());
+INSTANTIATE_TEST_SUITE_P(Routings, BackwardChainTest,
+                         ::testing::Values(Case{300, 256, 128, 8, 2, RoutingPattern::kUniform},
+                                           Case{700, 384, 192, 16, 6, RoutingPattern::kZipf},
+                                           Case{500, 256, 256, 8, 8, RoutingPattern::kOneExpert},
+                                           Case{333, 192, 128, 16, 3, RoutingPattern::kHalfEmpty},
+                                           Case{257, 256, 128, 8, 4, RoutingPattern::kUniform, true},
+                                           Case{0, 256, 128, 8, 2, RoutingPattern::kUniform},
+                                           Case{1, 128, 64, 4, 1, RoutingPattern::kUniform},
+                                           Case{97, 256, 128, 40, 12, RoutingPattern::kUniform}),
+                         testing::NameFromPrintTo());
 
 TEST(BackwardChain, RejectsBadInputByName) {
   POUNCE_REQUIRE_HOPPER();
-  const EpConfig config{.ranks = 1, .experts = 8, .topk = 2, .hidden = 128, .intermediate = 64,
-                        .max_tokens_per_rank = 16};
+  const EpConfig config{
+      .ranks = 1, .experts = 8, .topk = 2, .hidden = 128, .intermediate = 64, .max_tokens_per_rank = 16};
   BackwardChain chain(config);
   DeviceBuffer<uint16_t> x(16 * 128);
   BackwardInputs in{bf16(x), nullptr, nullptr, 17, bf16(x), nullptr, nullptr};

@@ -1,8 +1,7 @@
-#include "moe/backward/backward_kernels.h"
-
 #include <algorithm>
 
 #include "common/cuda_check.h"
+#include "moe/backward/backward_kernels.h"
 
 namespace pounce::moe::backward {
 namespace {
@@ -43,7 +42,8 @@ __global__ void swiglu_backward_kernel(const uint4* h13, const uint4* da, const 
     const float w = row_weight[r];
     float dot = 0.0f;
     for (int64_t j = threadIdx.x; j < groups; j += blockDim.x) {
-      const uint4 g_bits = h13[(r * groups + j) * 2], u_bits = h13[(r * groups + j) * 2 + 1], d_bits = da[r * groups + j];
+      const uint4 g_bits = h13[(r * groups + j) * 2], u_bits = h13[(r * groups + j) * 2 + 1],
+                  d_bits = da[r * groups + j];
       const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g_bits);
       const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u_bits);
       const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&d_bits);
