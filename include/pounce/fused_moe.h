@@ -64,6 +64,19 @@ struct RankIO {
   __nv_bfloat16* y = nullptr;           // [tokens, H], written by the forward
 };
 
+// One rank's gradients for one backward, device pointers on the layer's GPU, 16-byte aligned.
+struct RankGrads {
+  const __nv_bfloat16* dy = nullptr;  // [tokens, H], the gradient of y
+  __nv_bfloat16* dx = nullptr;        // [tokens, H]
+  float* d_topk_weights = nullptr;    // [tokens, k]
+  void* dw13 = nullptr;               // [E/P, 2I, H], bf16 or fp32 as WeightGradOutput says
+  void* dw2 = nullptr;                // [E/P, H, I]
+};
+
+// How weight gradients are written: bf16, fp32, or added into an existing fp32 gradient (the "main
+// grad" that training keeps across micro-batches).
+enum class WeightGradOutput { kBf16, kF32, kAccumulateF32 };
+
 class FusedMoe {
  public:
   // Virtual ranks: all config.ranks ranks on the current GPU.
@@ -87,6 +100,16 @@ class FusedMoe {
   // reports them, and y is left untouched.
   void forward(std::span<const RankIO> ranks, cudaStream_t stream);
   void forward(const RankIO& rank, cudaStream_t stream) { forward(std::span(&rank, 1), stream); }
+
+  // Enqueues the backward of a forward on the same inputs (the forward's RankIO, whose y is not read):
+  // dx, the router-weight gradients and the weight gradients of every rank on this GPU. Needs no state
+  // of the forward: it plans again and recomputes the gate/up rows. No host synchronization.
+  // Today it runs as a chain of pounce kernels, for one rank (config.ranks == 1); more ranks throw.
+  void backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
+                cudaStream_t stream);
+  void backward(const RankIO& forward_input, const RankGrads& grads, WeightGradOutput mode, cudaStream_t stream) {
+    backward(std::span(&forward_input, 1), std::span(&grads, 1), mode, stream);
+  }
 
   // After the stream has synchronized: throws pounce::Error describing a failure inside the kernel (bad
   // routing; or a wait that gave up, with its likely cause and the counter it watched). On one GPU the

@@ -444,7 +444,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     DeviceBuffer<float> d_topk(T * k), dw13(E * 2 * I * H), dw2(E * H * I);
     const auto backward = [&](int set, __nv_bfloat16* into) {
       chain.run({x[set].data(), d_ids.data(), d_weights.data(), T, dy[set].data(), w13.data(), w2.data()},
-                {into, d_topk.data(), dw13.data(), dw2.data(), moe::WeightGradOutput::kF32}, stream);
+                {into, d_topk.data(), dw13.data(), dw2.data(), WeightGradOutput::kF32}, stream);
     };
     for (int i = 0; i < kSets; ++i) backward(i, dx_first[i].data());
     const double routes = double(plan.routes), backward_flops = 12.0 * routes * double(H) * double(I);

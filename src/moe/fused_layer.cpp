@@ -294,6 +294,7 @@ void FusedLayer::set_weights(std::span<const ExpertWeights> ranks) {
     maps.w2[lr] = gemm::make_bf16_tensor_map(ranks[lr].w2, I, E * H, kBlockK, kBlockN);
   }
   maps_ = maps;
+  weights_ = ranks[0];
   has_weights_ = true;
 }
 
@@ -356,6 +357,24 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream) {
   launch_fused_moe(params_, maps_, stream);
 }
 
+void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads,
+                          WeightGradOutput mode, cudaStream_t stream) {
+  POUNCE_REQUIRE(config_.ranks == 1, "FusedMoe::backward: ", config_.ranks,
+                 " ranks; the backward runs one rank on one GPU for now");
+  POUNCE_REQUIRE(has_weights_, "FusedMoe::backward: call set_weights first");
+  POUNCE_REQUIRE(forward_inputs.size() == 1 && grads.size() == 1, "FusedMoe::backward: got ", forward_inputs.size(),
+                 " ranks' forward inputs and ", grads.size(), " ranks' gradients, the layer has 1 rank");
+  int device = -1;
+  CUDA_CHECK(cudaGetDevice(&device));
+  POUNCE_REQUIRE(device == device_, "FusedMoe::backward: the layer lives on GPU ", device_, ", the current device is ",
+                 device, " (cudaSetDevice first)");
+  if (!backward_) backward_ = std::make_unique<BackwardChain>(config_);
+  const RankIO& in = forward_inputs[0];
+  const RankGrads& g = grads[0];
+  backward_->run({in.x, in.topk_ids, in.topk_weights, in.tokens, g.dy, weights_.w13, weights_.w2},
+                 {g.dx, g.d_topk_weights, g.dw13, g.dw2, mode}, stream);
+}
+
 int64_t FusedLayer::device_bytes() const {
   int64_t bytes = window_bytes_;
   for (size_t b : {chunk_counts_.bytes(), expert_routes_.bytes(), expert_offsets_.bytes(), row_source_rank_.bytes(),
@@ -367,6 +386,7 @@ int64_t FusedLayer::device_bytes() const {
 }
 
 void FusedLayer::check_device_errors() {
+  if (backward_) backward_->check_device_errors();
   if (!errors_.has_error()) return;
   // The record is read before anything else: after a trap the context is gone and every CUDA call fails.
   const std::string what = errors_.describe();

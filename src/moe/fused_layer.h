@@ -27,6 +27,7 @@
 #include "comm/nccl_window.h"
 #include "common/device_buffer.h"
 #include "common/device_error.h"
+#include "moe/backward/backward_chain.h"
 #include "moe/fused_kernel.h"
 #include "planner/schedule.h"
 #include "pounce/fused_moe.h"
@@ -45,6 +46,8 @@ class FusedLayer {
 
   void set_weights(std::span<const ExpertWeights> ranks);
   void forward(std::span<const RankIO> ranks, cudaStream_t stream);
+  void backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
+                cudaStream_t stream);
   void check_device_errors();
 
   const EpConfig& config() const { return config_; }
@@ -86,7 +89,9 @@ class FusedLayer {
   DeviceBuffer<uint32_t> peer_words_;  // per rank: arrivals [T_max], start flags [P]
   DeviceBuffer<int32_t> token_counts_;
   DeviceBuffer<__nv_bfloat16> slots_;
-  int64_t slot_elems_ = 0;  // per rank: combine slots [T_max, k, H]; 0 in place (setup)
+  int64_t slot_elems_ = 0;                   // per rank: combine slots [T_max, k, H]; 0 in place (setup)
+  std::unique_ptr<BackwardChain> backward_;  // made on the first backward
+  ExpertWeights weights_{};                  // one rank's, for the backward
   std::unique_ptr<comm::NcclWindow> window_;
   int64_t window_bytes_ = 0;
   __nv_bfloat16* window_x_[2][kMaxRanks] = {};  // [forward parity][rank]

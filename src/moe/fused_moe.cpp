@@ -17,6 +17,10 @@ FusedMoe& FusedMoe::operator=(FusedMoe&&) noexcept = default;
 
 void FusedMoe::set_weights(std::span<const ExpertWeights> ranks) { layer_->set_weights(ranks); }
 void FusedMoe::forward(std::span<const RankIO> ranks, cudaStream_t stream) { layer_->forward(ranks, stream); }
+void FusedMoe::backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
+                        cudaStream_t stream) {
+  layer_->backward(forward_inputs, grads, mode, stream);
+}
 void FusedMoe::check_device_errors() { layer_->check_device_errors(); }
 
 const EpConfig& FusedMoe::config() const { return layer_->config(); }

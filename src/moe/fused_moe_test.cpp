@@ -17,6 +17,7 @@
 #include "common/gpu.h"
 #include "common/testing.h"
 #include "moe/layer_testing.h"
+#include "reference/moe_layer.h"
 #include "reference/moe_layer_ep.h"
 #include "reference/synthetic_routing.h"
 
@@ -640,6 +641,46 @@ TEST(FusedMoe, ExactZeroRouterWeights) {
   run_and_expect_reference(layer, p);
   for (const auto& y : p.outputs())
     for (int64_t i = 0; i < H; ++i) ASSERT_EQ(y[7 * H + i] & 0x7FFF, 0) << "token 7 has only zero weights";
+}
+
+// The public backward, after a forward on the same layer, against the host reference: every gradient.
+// More ranks are refused by name (the backward runs one rank for now).
+TEST(FusedMoe, BackwardMatchesHostReference) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, Case{1, 400, 256, 128, 8, 4, RoutingPattern::kZipf});
+  const int64_t T = p.tokens[0], H = p.config.hidden, I = p.config.intermediate, E = p.config.experts,
+                k = p.config.topk;
+  FusedMoe layer(p.config);
+  p.load_weights(layer);
+  run_and_expect_reference(layer, p);
+
+  const auto dy = testing::random_bf16_values(rng, T * H);
+  const auto want = reference::moe_backward({T, H, I, E, k}, {p.x[0], p.ids[0], p.weights[0], p.w13, p.w2}, dy);
+  DeviceBuffer<uint16_t> d_dy(testing::to_bf16_bits(dy)), d_dx(T * H);
+  DeviceBuffer<float> d_topk(T * k), dw13(E * 2 * I * H), dw2(E * H * I);
+  for (auto* b : {&d_topk, &dw13, &dw2}) b->fill_bytes(0xFF);
+  d_dx.fill_bytes(0xFF);
+  const RankGrads grads{bf16(d_dy), bf16(d_dx), d_topk.data(), dw13.data(), dw2.data()};
+  layer.backward(p.io()[0], grads, WeightGradOutput::kF32, nullptr);
+  const cudaError_t synced = cudaDeviceSynchronize();
+  layer.check_device_errors();
+  CUDA_CHECK(synced);
+  std::vector<float> dx;
+  for (uint16_t b : d_dx.download()) dx.push_back(formats::bf16_to_float(b));
+  EXPECT_LT(testing::relative_l2_error(dx, want.dx), 2e-2);
+  EXPECT_LT(testing::worst_token_error(dx, want.dx, H), 5e-2);
+  EXPECT_LT(testing::relative_l2_error(d_topk.download(), want.d_topk_weights), 2e-2);
+  EXPECT_LT(testing::relative_l2_error(dw13.download(), want.dw13), 2e-2);
+  EXPECT_LT(testing::relative_l2_error(dw2.download(), want.dw2), 2e-2);
+
+  Problem two = make_problem(rng, Case{2, 40, 128, 64, 8, 2, RoutingPattern::kUniform});
+  FusedMoe layer2(two.config);
+  two.load_weights(layer2);
+  const auto io = two.io();
+  const std::vector<RankGrads> none(2);
+  testing::expect_error([&] { layer2.backward(io, none, WeightGradOutput::kF32, nullptr); },
+                        "the backward runs one rank on one GPU for now");
 }
 
 }  // namespace

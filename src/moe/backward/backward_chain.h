@@ -19,12 +19,9 @@
 #include "gemm/grouped_gemm.h"
 #include "planner/device_planner.h"
 #include "pounce/config.h"
+#include "pounce/fused_moe.h"
 
 namespace pounce::moe {
-
-// How weight gradients are written: bf16, fp32, or added into an existing fp32 gradient (the "main
-// grad" kept across micro-batches).
-enum class WeightGradOutput { kBf16, kF32, kAccumulateF32 };
 
 struct BackwardInputs {
   const __nv_bfloat16* x = nullptr;     // [tokens, H], the forward's input
