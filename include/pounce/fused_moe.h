@@ -104,7 +104,8 @@ class FusedMoe {
   // Enqueues the backward of a forward on the same inputs (the forward's RankIO, whose y is not read):
   // dx, the router-weight gradients and the weight gradients of every rank on this GPU. Needs no state
   // of the forward: it plans again and recomputes the gate/up rows. No host synchronization.
-  // Today it runs as a chain of pounce kernels, for one rank (config.ranks == 1); more ranks throw.
+  // Today it runs as a chain of pounce kernels, for one rank (config.ranks == 1); more ranks throw. The
+  // first backward allocates its buffers: run one before capturing a graph.
   void backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
                 cudaStream_t stream);
   void backward(const RankIO& forward_input, const RankGrads& grads, WeightGradOutput mode, cudaStream_t stream) {
@@ -126,8 +127,8 @@ class FusedMoe {
   int64_t ring_blocks() const;
   bool in_place() const;  // one rank whose ring holds every routed row: nothing is combined
   int64_t max_m_blocks() const;
-  // Device memory the layer allocated on this GPU (ring, schedule, counters, combine slots), weights
-  // and the caller's tensors not included.
+  // Device memory the layer allocated on this GPU (ring, schedule, counters, combine slots; after the
+  // first backward, the backward's buffers too), weights and the caller's tensors not included.
   int64_t device_bytes() const;
 
  private:

@@ -56,14 +56,14 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
         const int32_t b = item.m_block;
         if (!item.combine) {
           const WaitSite site{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank};
-          go = b < p.ring_blocks || counter_wait_bounded(&rs.combined[b - p.ring_blocks], p.epoch * p.steps.combined,
+          go = b < p.ring_blocks || counter_wait_bounded(&rs.combined[b - p.ring_blocks], epoch(p) * p.steps.combined,
                                                          site, WaitTarget::kRingSlotFree, b);
           // The slot's last readers (GEMM1's TMA loads, the combine's bulk loads) and this item's bulk
           // writes are all async proxy, but they are ordered through generic-proxy counters.
           ptx::fence_proxy_async_global();
         } else {
           const WaitSite site{p.error, DeviceRole::kCombine, p.wait_timeout_ns, rs.rank};
-          go = counter_wait_bounded(&rs.gemm2_done[b], p.epoch * p.steps.gemm2_done, site, WaitTarget::kGemm2Done, b);
+          go = counter_wait_bounded(&rs.gemm2_done[b], epoch(p) * p.steps.gemm2_done, site, WaitTarget::kGemm2Done, b);
           ptx::fence_proxy_async_global();  // GEMM2's TMA stores, acquired above, before our bulk loads
         }
         cs.item = item;

@@ -100,6 +100,9 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
   return true;  // the opening's proxy fence covers the planner's shared tables too
 }
 
+// The forward's number, one kernel ahead of it in stream order (a graph replays both).
+__global__ void bump_epoch(uint32_t* epoch_word) { ++*epoch_word; }
+
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ FusedParams p, const __grid_constant__ FusedMaps maps) {
   extern __shared__ uint8_t smem_raw[];
@@ -130,6 +133,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 
 void launch_fused_moe(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream) {
+  bump_epoch<<<1, 1, 0, stream>>>(const_cast<uint32_t*>(p.epoch_word));
+  CUDA_CHECK_LAUNCH();
   launch_cooperative(fused_moe_kernel, p.launch_ranks * p.ctas_per_rank, kThreads, gemm::pipeline::kSharedBytes, stream,
                      p, maps);
 }

@@ -257,6 +257,9 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
     rs.route_row = route_row_.data();  // in place only (one rank)
   }
   CUDA_CHECK(cudaMemset(counters_.data(), 0, counters_.bytes()));
+  epoch_ = DeviceBuffer<uint32_t>(1);
+  epoch_.fill_bytes(0);
+  p.epoch_word = epoch_.data();
 
   const uint64_t H = config.hidden, I = config.intermediate;
   using gemm::kStoreBoxCols, gemm::kStoreBoxRows;
@@ -275,8 +278,9 @@ void FusedLayer::reset_counters() {
     CUDA_CHECK(cudaMemset(params_.peers.arrivals[0], 0, config_.max_tokens_per_rank * sizeof(uint32_t)));
     CUDA_CHECK(cudaMemset(params_.peers.start_flags[0], 0, sizeof(uint32_t)));
   }
+  CUDA_CHECK(cudaMemset(epoch_.data(), 0, epoch_.bytes()));
   CUDA_CHECK(cudaDeviceSynchronize());  // cleared before a forward on any stream reads them
-  params_.epoch = 0;
+  forwards_ = 0;
 }
 
 void FusedLayer::set_weights(std::span<const ExpertWeights> ranks) {
@@ -326,7 +330,16 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream) {
                  L, L == config_.ranks ? " ranks" : " rank on this GPU");
   for (int lr = 0; lr < L; ++lr) check_io(ranks[lr], params_.first_rank + lr);
 
-  const int parity = int((params_.epoch + 1) % 2);  // of the forward about to run
+  if (window_) {
+    // The window's double buffers alternate with the host's count of forwards, which a graph replay
+    // would not advance.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone,
+                   "FusedMoe::forward: a layer over NCCL cannot be captured "
+                   "in a CUDA graph yet (virtual ranks on one GPU can)");
+  }
+  const int parity = int((forwards_ + 1) % 2);  // of the forward about to run
   if (window_) {
     for (int r = 0; r < config_.ranks; ++r) {
       params_.peers.x[r] = window_x_[parity][r];
@@ -353,7 +366,7 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream) {
       params_.peers.topk_ids[r] = io.topk_ids;
     }
   }
-  ++params_.epoch;
+  ++forwards_;
   launch_fused_moe(params_, maps_, stream);
 }
 
@@ -376,7 +389,7 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
 }
 
 int64_t FusedLayer::device_bytes() const {
-  int64_t bytes = window_bytes_;
+  int64_t bytes = window_bytes_ + (backward_ ? backward_->device_bytes() : 0);
   for (size_t b : {chunk_counts_.bytes(), expert_routes_.bytes(), expert_offsets_.bytes(), row_source_rank_.bytes(),
                    row_token_.bytes(), row_k_.bytes(), minibatch_starts_.bytes(), sizes_.bytes(), topk_tables_.bytes(),
                    route_row_.bytes(), counters_.bytes(), x_ring_.bytes(), h_ring_.bytes(), out_ring_.bytes(),

@@ -84,6 +84,8 @@ class FusedLayer {
   DeviceBuffer<const int32_t*> topk_tables_;
   DeviceBuffer<int32_t> route_row_;  // in place: [T_max, k] ring row of every route
   DeviceBuffer<uint32_t> counters_;  // dispatched, gemm1_done, gemm2_done, combined, control
+  DeviceBuffer<uint32_t> epoch_;     // the forward number, bumped on the device by every forward
+  uint32_t forwards_ = 0;            // forwards enqueued since the counters were last cleared
   DeviceBuffer<__nv_bfloat16> x_ring_, h_ring_, out_ring_;
   // Symmetric buffers: virtual ranks keep them here; the NCCL transport in its window.
   DeviceBuffer<uint32_t> peer_words_;  // per rank: arrivals [T_max], start flags [P]

@@ -97,7 +97,9 @@ struct FusedParams {
   int32_t engine_rows;               // rows of each comm item the bulk-copy engine moves; warps move the rest
   int32_t blocks_per_minibatch;
   int32_t ring_blocks;  // m-blocks of ring per rank
-  uint32_t epoch;
+  // Forward number (1, 2, ...): bumped on the device by the launch's first kernel, so a CUDA graph that
+  // replays a forward runs it under a new number each time.
+  const uint32_t* epoch_word;
   CounterSteps steps;
   uint64_t wait_timeout_ns;
   int32_t stall_rank;         // fault injection for tests: this rank moves no rows, neither in the opening
@@ -113,5 +115,11 @@ struct FusedParams {
   RankState rank_state[kMaxRanks];  // [launch_ranks]
   PeerView peers;
 };
+
+#ifdef __CUDACC__
+// The forward number of this launch. Written before the kernel started (stream order) and constant while
+// it runs: a read-only load.
+__device__ __forceinline__ uint32_t epoch(const FusedParams& p) { return __ldg(p.epoch_word); }
+#endif
 
 }  // namespace pounce::moe

@@ -42,9 +42,9 @@ class FusedTiles {
     int32_t gemm = 0, m_block = 0, n_block = 0;
     if (!decode(ticket, gemm, m_block, n_block)) return false;
     const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
-    const bool ready = gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], p_.epoch * p_.steps.dispatched, site,
+    const bool ready = gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], epoch(p_) * p_.steps.dispatched, site,
                                                         WaitTarget::kMBlockReady, m_block)
-                                 : counter_wait_bounded(&rs_.gemm1_done[m_block], p_.epoch * p_.steps.gemm1_done, site,
+                                 : counter_wait_bounded(&rs_.gemm1_done[m_block], epoch(p_) * p_.steps.gemm1_done, site,
                                                         WaitTarget::kGemm1Done, m_block);
     if (!ready) return false;
     // NOTES: the A rows were written by other CTAs (bulk copies, TMA stores) and acquired above through

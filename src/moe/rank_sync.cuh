@@ -17,7 +17,7 @@ inline constexpr uint32_t kRankBarriersPerForward = 4;
 __device__ inline bool rank_barrier(const FusedParams& p, const RankState& rs, uint32_t index, int32_t* ok_flag) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    const uint32_t target = ((p.epoch - 1) * kRankBarriersPerForward + index) * uint32_t(p.ctas_per_rank);
+    const uint32_t target = ((epoch(p) - 1) * kRankBarriersPerForward + index) * uint32_t(p.ctas_per_rank);
     __threadfence();  // this CTA's writes (schedule rows, counts) before its arrival
     ptx::red_release_gpu_add(&rs.control[kRankBarrier], 1);
     const WaitSite site{p.error, DeviceRole::kRankSync, p.wait_timeout_ns, rs.rank};
@@ -34,11 +34,11 @@ __device__ inline bool rank_barrier(const FusedParams& p, const RankState& rs, u
 __device__ inline bool start_all_ranks(const FusedParams& p, const RankState& rs) {
   for (int r = 0; r < p.ranks; ++r) p.peers.token_counts[r][rs.rank] = rs.tokens;
   ptx::fence_acq_rel_sys();  // the counts before the flags that announce them
-  for (int r = 0; r < p.ranks; ++r) ptx::st_release_sys(&p.peers.start_flags[r][rs.rank], p.epoch);
+  for (int r = 0; r < p.ranks; ++r) ptx::st_release_sys(&p.peers.start_flags[r][rs.rank], epoch(p));
   const WaitSite site{p.error, DeviceRole::kRankSync, p.wait_timeout_ns, rs.rank};
   uint32_t* const flags = p.peers.start_flags[rs.rank];
   for (int r = 0; r < p.ranks; ++r)
-    if (!counter_wait_bounded<Scope::kSystem>(&flags[r], p.epoch, site, WaitTarget::kStartFlag, r)) return false;
+    if (!counter_wait_bounded<Scope::kSystem>(&flags[r], epoch(p), site, WaitTarget::kStartFlag, r)) return false;
   return true;
 }
 

@@ -45,11 +45,11 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
     if (p.in_place) {
       for (int k = lane; k < p.topk && ok; k += 32) {
         const int64_t m_block = (k == lane ? lane_row : row_of(k)) / kBlockM;
-        ok = counter_wait_bounded(&rs.gemm2_done[m_block], p.epoch * p.steps.gemm2_done, site, WaitTarget::kGemm2Done,
+        ok = counter_wait_bounded(&rs.gemm2_done[m_block], epoch(p) * p.steps.gemm2_done, site, WaitTarget::kGemm2Done,
                                   m_block);
       }
     } else if (lane == 0) {
-      const uint32_t target = p.epoch * p.steps.arrivals;
+      const uint32_t target = epoch(p) * p.steps.arrivals;
       ok = p.peers_on_this_gpu
                ? counter_wait_bounded<Scope::kGpu>(&arrivals[t], target, site, WaitTarget::kTokenArrivals, t)
                : counter_wait_bounded<Scope::kSystem>(&arrivals[t], target, site, WaitTarget::kTokenArrivals, t);

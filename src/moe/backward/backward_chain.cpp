@@ -78,6 +78,14 @@ void BackwardChain::run(const BackwardInputs& in, const BackwardOutputs& out, cu
   }
 }
 
+int64_t BackwardChain::device_bytes() const {
+  int64_t bytes = 0;
+  for (size_t b : {x_rows_.bytes(), dy_rows_.bytes(), h13_.bytes(), da_.bytes(), dgu_.bytes(), wa_.bytes(),
+                   dx_rows_.bytes(), row_weight_.bytes(), route_dot_.bytes(), dw_scratch_.bytes()})
+    bytes += int64_t(b);
+  return bytes;
+}
+
 void BackwardChain::run_gemm(BackwardGemm which, cudaStream_t stream) {
   POUNCE_REQUIRE(last_in_.w13 != nullptr, "MoE backward: run_gemm needs an earlier run()");
   const int64_t E = config_.experts, H = config_.hidden, I = config_.intermediate;

@@ -65,6 +65,9 @@ class BackwardChain {
   // scratch of the chain's own.
   void run_gemm(BackwardGemm which, cudaStream_t stream);
 
+  // Device memory of the chain's buffers.
+  int64_t device_bytes() const;
+
   // The recomputed gate/up rows of the last run, expert-contiguous [capacity rows, 2I] (tests).
   const __nv_bfloat16* gate_up_rows() const { return h13_.data(); }
 
