@@ -269,14 +269,19 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
 // After a device error on one GPU: counters start over. Across GPUs the other ranks' words are theirs
 // to clear, so a failed multi-GPU layer refuses further forwards and is rebuilt (collectively).
 void FusedLayer::reset_counters() {
-  CUDA_CHECK(cudaMemset(counters_.data(), 0, counters_.bytes()));
-  if (peer_words_.size() > 0) CUDA_CHECK(cudaMemset(peer_words_.data(), 0, peer_words_.bytes()));
-  if (window_) {
-    CUDA_CHECK(cudaMemset(params_.peers.arrivals[0], 0, config_.max_tokens_per_rank * sizeof(uint32_t)));
-    CUDA_CHECK(cudaMemset(params_.peers.start_flags[0], 0, sizeof(uint32_t)));
-  }
+  clear_counters(nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());  // cleared before a forward on any stream reads them
   params_.epoch = 0;
+}
+
+// The words a one-GPU layer's forwards count on: its counters and, where it has them, its peer words.
+void FusedLayer::clear_counters(cudaStream_t stream) {
+  CUDA_CHECK(cudaMemsetAsync(counters_.data(), 0, counters_.bytes(), stream));
+  if (peer_words_.size() > 0) CUDA_CHECK(cudaMemsetAsync(peer_words_.data(), 0, peer_words_.bytes(), stream));
+  if (window_) {
+    CUDA_CHECK(cudaMemsetAsync(params_.peers.arrivals[0], 0, config_.max_tokens_per_rank * sizeof(uint32_t), stream));
+    CUDA_CHECK(cudaMemsetAsync(params_.peers.start_flags[0], 0, sizeof(uint32_t), stream));
+  }
 }
 
 void FusedLayer::set_weights(std::span<const ExpertWeights> ranks) {
@@ -325,6 +330,21 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream) {
                  L, L == config_.ranks ? " ranks" : " rank on this GPU");
   for (int lr = 0; lr < L; ++lr) check_io(ranks[lr], params_.first_rank + lr);
 
+  // A CUDA graph replays a captured forward with the epoch it was captured with. So from the first capture
+  // on, every forward of a one-GPU layer clears its counters on the stream first and runs as epoch 1; the
+  // memsets are captured with it. Across GPUs the peers' words are not this rank's to clear.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    POUNCE_REQUIRE(!window_ || config_.ranks == 1,
+                   "FusedMoe::forward: a layer spanning GPUs cannot be captured in a CUDA graph (its forwards "
+                   "are numbered on the host); capture works on one GPU: virtual ranks or one NCCL rank");
+    captured_ = true;
+  }
+  if (captured_) {
+    clear_counters(stream);
+    params_.epoch = 0;
+  }
   const int parity = int((params_.epoch + 1) % 2);  // of the forward about to run
   if (window_) {
     for (int r = 0; r < config_.ranks; ++r) {

@@ -67,6 +67,7 @@ class FusedLayer {
   void check_io(const RankIO& io, int rank) const;
   static void check_same_config_on_every_rank(const EpConfig& config, const FusedMoeOptions& options, ncclComm_t comm);
   void reset_counters();
+  void clear_counters(cudaStream_t stream);
 
   EpConfig config_;
   planner::Capacity capacity_;
@@ -92,8 +93,9 @@ class FusedLayer {
   __nv_bfloat16* window_x_[2][kMaxRanks] = {};  // [forward parity][rank]
   int32_t* window_ids_[2][kMaxRanks] = {};
   int32_t* window_counts_[2][kMaxRanks] = {};
-  int device_ = -1;      // the GPU the layer's buffers live on
-  bool failed_ = false;  // NCCL, P > 1: a device error ended this layer
+  int device_ = -1;        // the GPU the layer's buffers live on
+  bool failed_ = false;    // NCCL, P > 1: a device error ended this layer
+  bool captured_ = false;  // a forward was captured in a CUDA graph: every forward now runs as epoch 1
   std::string failed_reason_;
 };
 

@@ -642,5 +642,52 @@ TEST(FusedMoe, ExactZeroRouterWeights) {
     for (int64_t i = 0; i < H; ++i) ASSERT_EQ(y[7 * H + i] & 0x7FFF, 0) << "token 7 has only zero weights";
 }
 
+// A forward captured in a CUDA graph and replayed on new inputs (same buffers and token counts) matches the
+// reference every time, and eager forwards after it still do: from the first capture on, every forward
+// clears its counters on the stream and runs as epoch 1. Virtual ranks (combined) and one rank in place.
+TEST(FusedMoe, CapturedInACudaGraphReplaysOnNewInputs) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  for (const int ranks : {1, 2}) {
+    SCOPED_TRACE("ranks " + std::to_string(ranks));
+    Problem p = make_problem(rng, Case{ranks, 300, 256, 128, 8, 2, RoutingPattern::kZipf});
+    FusedMoe layer(p.config);
+    p.load_weights(layer);
+    run_and_expect_reference(layer, p);  // eager forwards first: the capture follows epoch 1
+
+    cudaStream_t stream;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    const auto io = p.io();
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    layer.forward(io, stream);
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 3; ++replay) {
+      SCOPED_TRACE("replay " + std::to_string(replay));
+      for (int r = 0; r < ranks; ++r) {
+        p.x[r] = testing::random_bf16_values(rng, p.tokens[r] * p.config.hidden);
+        p.ids[r] =
+            reference::synthetic_topk_ids(RoutingPattern::kUniform, p.tokens[r], p.config.experts, p.config.topk, rng);
+        p.weights[r] = reference::synthetic_topk_weights(p.tokens[r], p.config.topk, rng);
+        p.d_x[r].upload(testing::to_bf16_bits(p.x[r]));
+        p.d_ids[r].upload(p.ids[r]);
+        p.d_weights[r].upload(p.weights[r]);
+      }
+      p.poison_outputs();
+      CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      const cudaError_t synced = cudaStreamSynchronize(stream);
+      layer.check_device_errors();
+      CUDA_CHECK(synced);
+      expect_matches(p.outputs(), reference_forward(p), p.config.hidden);
+    }
+    run_and_expect_reference(layer, p);  // eager again, after the replays
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+}
+
 }  // namespace
 }  // namespace pounce::moe
