@@ -47,11 +47,11 @@ typedef struct pounce_options {
 
 /* pounce::RankIO: one rank's tensors for one forward, device pointers, 16-byte aligned. */
 typedef struct pounce_rank_io {
-  const void* x;              /* [tokens, H] bf16 */
-  const int32_t* topk_ids;    /* [tokens, k], global expert ids, distinct within a token */
-  const float* topk_weights;  /* [tokens, k] */
-  int64_t tokens;             /* 0 .. max_tokens_per_rank */
-  void* y;                    /* [tokens, H] bf16, written by the forward */
+  const void* x;             /* [tokens, H] bf16 */
+  const int32_t* topk_ids;   /* [tokens, k], global expert ids, distinct within a token */
+  const float* topk_weights; /* [tokens, k] */
+  int64_t tokens;            /* 0 .. max_tokens_per_rank */
+  void* y;                   /* [tokens, H] bf16, written by the forward */
 } pounce_rank_io;
 
 /* What a layer resolved (the getters of pounce::FusedMoe). */

@@ -106,8 +106,10 @@ int pounce_moe_create(const pounce_config* config, const pounce_options* options
   return guarded([&] {
     POUNCE_REQUIRE(out != nullptr, "out is NULL");
     *out = nullptr;
+    const pounce::EpConfig ep = to_config(config);
+    pounce::check_config(ep);  // named before the layer's first CUDA call
     auto layer = std::make_unique<pounce_moe>();
-    layer->layer = std::make_unique<pounce::FusedMoe>(to_config(config), to_options(options));
+    layer->layer = std::make_unique<pounce::FusedMoe>(ep, to_options(options));
     *out = layer.release();
   });
 }
