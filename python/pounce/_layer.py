@@ -47,6 +47,7 @@ class Layer:
         max_tokens: Optional[int] = None,
         options: Optional[dict] = None,
     ):
+        self._handle = None  # ctypes.c_void_p of the C++ layer
         if group is not None and virtual_ranks is not None:
             raise Error("pounce: give either group (one rank per GPU) or virtual_ranks (all on this GPU), not both")
         self.hidden, self.intermediate, self.experts, self.topk = hidden, intermediate, experts, topk
@@ -62,7 +63,6 @@ class Layer:
         self.options = dict(options or {})
         self.key = next(_keys)
         _layers[self.key] = self
-        self._handle = None  # ctypes.c_void_p of the C++ layer
         self._device = None
         self._tokens_per_rank = 0  # what the C++ layer was sized for
         self._weights = None  # (w13, w2) pointers last handed to it
