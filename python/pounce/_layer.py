@@ -1,0 +1,232 @@
+"""Layer: the C++ layer (pounce::FusedMoe) behind a MoE, created on first use and found by the custom
+ops through an integer key."""
+
+import ctypes
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+
+from . import _lib
+from ._lib import Error
+
+_layers: "weakref.WeakValueDictionary[int, Layer]" = weakref.WeakValueDictionary()
+_keys = itertools.count(1)
+
+# Rows of a virtual rank start at a multiple of this many tokens, so that every rank's topk_ids and
+# topk_weights slice stays 16-byte aligned (4 tokens x k x 4 bytes).
+_TOKEN_ALIGN = 4
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class Layer:
+    """The fused layer of one MoE on one GPU; what the ops `pounce::moe_forward` and `pounce::moe_backward`
+    run on. The C++ object is made on the first forward, on the GPU of its inputs, with room for
+    `max_tokens` tokens (default: that forward's). On one GPU a later forward with more tokens replaces it
+    with a larger one; across GPUs (`group`) every rank must keep the same size, so there a larger forward
+    is an error that asks for `max_tokens`.
+
+    Ranks: `group`, a torch.distributed process group with one rank per GPU (this process holds experts
+    [rank E/P, (rank+1) E/P)), or `virtual_ranks` P on this GPU (this process holds all E experts; each
+    forward's tokens are split over the P ranks in order), or neither (one rank).
+    `options`: a dict of pounce::FusedMoeOptions fields (ring_bytes, wait_timeout_ns, ...)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        experts: int,
+        topk: int,
+        group=None,
+        *,
+        virtual_ranks: Optional[int] = None,
+        max_tokens: Optional[int] = None,
+        options: Optional[dict] = None,
+    ):
+        self._handle = None  # ctypes.c_void_p of the C++ layer
+        if group is not None and virtual_ranks is not None:
+            raise Error("pounce: give either group (one rank per GPU) or virtual_ranks (all on this GPU), not both")
+        self.hidden, self.intermediate, self.experts, self.topk = hidden, intermediate, experts, topk
+        self.group = group
+        self.virtual_ranks = virtual_ranks or 1
+        self.ranks = self.virtual_ranks if group is None else torch.distributed.get_world_size(group)
+        self.rank = 0 if group is None else torch.distributed.get_rank(group)
+        if self.ranks < 1 or experts % self.ranks != 0:
+            raise Error(f"pounce: experts = {experts} must be divisible by the {self.ranks} ranks")
+        # The experts whose weights this process holds: its own, or every virtual rank's.
+        self.experts_here = experts if group is None else experts // self.ranks
+        self.max_tokens = max_tokens
+        self.options = dict(options or {})
+        self.key = next(_keys)
+        _layers[self.key] = self
+        self._device = None
+        self._tokens_per_rank = 0  # what the C++ layer was sized for
+        self._weights = None  # (w13, w2) pointers last handed to it
+
+    @staticmethod
+    def get(key: int) -> "Layer":
+        layer = _layers.get(key)
+        if layer is None:
+            raise Error(f"pounce: layer {key} no longer exists")
+        return layer
+
+    # ---- the C++ layer -------------------------------------------------------------------------------
+
+    def _options(self) -> _lib.Options:
+        options = _lib.default_options()
+        for name, value in self.options.items():
+            if name not in dict(_lib.Options._fields_):
+                raise Error(f"pounce: unknown option {name!r}; the options are {[f for f, _ in _lib.Options._fields_]}")
+            setattr(options, name, value)
+        return options
+
+    def _config(self, tokens_per_rank: int) -> _lib.Config:
+        return _lib.Config(self.ranks, self.experts, self.topk, self.hidden, self.intermediate, tokens_per_rank)
+
+    def _tokens_per_rank(self, tokens: int) -> int:
+        """Tokens of the busiest rank when a forward has `tokens` tokens on this GPU."""
+        if self.virtual_ranks == 1:
+            return tokens
+        return _ceil_to(-(-tokens // self.virtual_ranks), _TOKEN_ALIGN)
+
+    def _create(self, tokens_per_rank: int, device: torch.device) -> None:
+        lib = _lib.library()
+        handle = ctypes.c_void_p()
+        config, options = self._config(tokens_per_rank), self._options()
+        if self.group is None:
+            _lib.check(lib.pounce_moe_create(ctypes.byref(config), ctypes.byref(options), ctypes.byref(handle)))
+        else:
+            unique_id = [None]
+            if self.rank == 0:
+                buffer = ctypes.create_string_buffer(_lib.NCCL_UNIQUE_ID_BYTES)
+                _lib.check(lib.pounce_nccl_unique_id(buffer))
+                unique_id = [buffer.raw]
+            src = torch.distributed.get_global_rank(self.group, 0)
+            torch.distributed.broadcast_object_list(unique_id, src=src, group=self.group, device=device)
+            _lib.check(
+                lib.pounce_moe_create_nccl(
+                    ctypes.byref(config), ctypes.byref(options), unique_id[0], self.rank, ctypes.byref(handle)
+                )
+            )
+        self._handle, self._device, self._tokens_per_rank, self._weights = handle, device, tokens_per_rank, None
+
+    def _group_max(self, tokens: int, device: torch.device) -> int:
+        count = torch.tensor([tokens], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return int(count.item())
+
+    def _ensure(self, tokens: int, device: torch.device) -> None:
+        """Makes the C++ layer on `device` with room for `tokens` tokens, unless it has it already."""
+        need = self._tokens_per_rank(tokens)
+        if self._handle is not None and self._device == device and need <= self._tokens_per_rank:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise Error(
+                f"pounce: a forward of {tokens} tokens needs a new layer, which allocates memory and so cannot "
+                "happen during CUDA graph capture: run one forward with the largest token count before capturing"
+            )
+        if self.group is None:
+            size = max(need, self._tokens_per_rank(self.max_tokens or 0), 1)
+            if self._handle is not None:  # grown or moved: forwards in flight still use the old one
+                torch.cuda.current_stream(self._device).synchronize()
+                self.close()
+        else:
+            if self._handle is not None:
+                raise Error(
+                    f"pounce: this rank has {tokens} tokens, above the {self._tokens_per_rank} the layer was made "
+                    "for; across GPUs every rank keeps the same size: pass max_tokens to the MoE"
+                )
+            size = self.max_tokens or self._group_max(tokens, device)
+            if need > size:
+                raise Error(f"pounce: this rank has {tokens} tokens, above max_tokens = {size}")
+        self._create(size, device)
+
+    def _set_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Hands the weights' addresses to the C++ layer when they changed (it keeps pointers, no copy)."""
+        pointers = (w13.data_ptr(), w2.data_ptr())
+        if self._weights == pointers:
+            return
+        n = self.virtual_ranks
+        w13_ranks = [w.data_ptr() for w in w13.chunk(n)]
+        w2_ranks = [w.data_ptr() for w in w2.chunk(n)]
+        _lib.check(
+            _lib.library().pounce_moe_set_weights(
+                self._handle, n, (ctypes.c_void_p * n)(*w13_ranks), (ctypes.c_void_p * n)(*w2_ranks)
+            )
+        )
+        self._weights = pointers
+
+    # ---- used by the ops -----------------------------------------------------------------------------
+
+    def forward(self, x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
+        """y = the MoE of x, enqueued on the current stream (the body of pounce::moe_forward)."""
+        tokens = x.shape[0]
+        with torch.cuda.device(x.device):
+            self._ensure(tokens, x.device)
+            # An error a kernel reported in an earlier forward surfaces here, before the next one runs.
+            self.check_device_errors(synchronize=False)
+            self._set_weights(w13, w2)
+            y = torch.empty_like(x)
+            chunk = self._tokens_per_rank(tokens)
+            ios = (_lib.RankIO * self.virtual_ranks)()
+            for r in range(self.virtual_ranks):
+                t0, t1 = min(r * chunk, tokens), min((r + 1) * chunk, tokens)
+                ios[r] = _lib.RankIO(
+                    _address(x, t0), _address(topk_ids, t0), _address(topk_weights, t0), t1 - t0, _address(y, t0)
+                )
+            stream = torch.cuda.current_stream(x.device).cuda_stream
+            _lib.check(_lib.library().pounce_moe_forward(self._handle, self.virtual_ranks, ios, stream))
+        return y
+
+    # ---- public --------------------------------------------------------------------------------------
+
+    def check_device_errors(self, synchronize: bool = True) -> None:
+        """Raises pounce.Error for an error a kernel of this layer reported (bad routing ids: out of range
+        or repeated within a token; a wait that gave up). With `synchronize`, the current stream is
+        synchronized first, so every forward enqueued so far is covered. Every forward also runs it
+        (without synchronizing) before it enqueues anything."""
+        if self._handle is None:
+            return
+        with torch.cuda.device(self._device):
+            if synchronize:
+                torch.cuda.current_stream().synchronize()
+            _lib.check(_lib.library().pounce_moe_check_device_errors(self._handle))
+
+    def info(self) -> Optional[dict]:
+        """What the C++ layer resolved (ranks on this GPU, CTAs, ring, device bytes...), None before the
+        first forward."""
+        if self._handle is None:
+            return None
+        info = _lib.Info()
+        _lib.check(_lib.library().pounce_moe_get_info(self._handle, ctypes.byref(info)))
+        result = {name: getattr(info, name) for name, _ in _lib.Info._fields_}
+        result["in_place"] = bool(result["in_place"])
+        result["max_tokens_per_rank"] = self._tokens_per_rank
+        return result
+
+    def close(self) -> None:
+        """Frees the C++ layer (the next forward makes a new one). Collective across GPUs: every rank of
+        the group calls it, in the same order as for its other layers."""
+        if self._handle is None:
+            return
+        handle, self._handle, self._weights = self._handle, None, None
+        with torch.cuda.device(self._device):
+            _lib.check(_lib.library().pounce_moe_destroy(handle))
+
+    def __del__(self):
+        # Across GPUs freeing is collective, which garbage collection cannot promise: those layers are freed
+        # by close() or with the process.
+        if self.group is None and self._handle is not None:
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001  (nothing can be raised from __del__)
+                pass
+
+
+def _address(t: torch.Tensor, row: int) -> int:
+    """Address of row `row` of a contiguous 2-D tensor (its end when row == rows)."""
+    return t.data_ptr() + row * t.stride(0) * t.element_size()

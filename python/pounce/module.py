@@ -1,0 +1,162 @@
+"""pounce.MoE (the module) and pounce.moe (the function): the fused MoE forward as a PyTorch layer."""
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import _ops  # noqa: F401  (registers torch.ops.pounce.*)
+from ._layer import Layer
+from ._lib import Error
+
+
+def interleave_w13(gate: Tensor, up: Tensor) -> Tensor:
+    """w13 [E, 2I, H] from gate and up [E, I, H]: rows 16j..16j+7 are gate rows 8j..8j+7 and rows
+    16j+8..16j+15 up rows 8j..8j+7 (reference::w13_row), as pounce's kernels expect."""
+    if gate.shape != up.shape or gate.dim() != 3 or gate.shape[1] % 8 != 0:
+        raise Error(f"pounce: gate {tuple(gate.shape)} and up {tuple(up.shape)} must both be [E, I, H], I % 8 == 0")
+    E, I, H = gate.shape
+    return torch.stack((gate.reshape(E, I // 8, 8, H), up.reshape(E, I // 8, 8, H)), dim=2).reshape(E, 2 * I, H)
+
+
+def split_w13(w13: Tensor):
+    """(gate, up) [E, I, H] from w13 [E, 2I, H]: the inverse of interleave_w13."""
+    E, two_i, H = w13.shape
+    pairs = w13.reshape(E, two_i // 16, 2, 8, H)
+    return pairs[:, :, 0].reshape(E, two_i // 2, H), pairs[:, :, 1].reshape(E, two_i // 2, H)
+
+
+_shared_layers = {}
+
+
+def moe(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    *,
+    layer: Optional[Layer] = None,
+    group=None,
+    virtual_ranks: Optional[int] = None,
+) -> Tensor:
+    """y [T, H] bf16 = sum_k topk_weights[t, k] * (w2[e] @ (silu(g) * u)), [g, u] = w13[e] @ x[t],
+    e = topk_ids[t, k], for x [T, H] bf16, topk_ids [T, k] int32 (int64 is converted), topk_weights
+    [T, k] fp32, w13 [E_here, 2I, H] (gate and up rows interleaved in groups of 8: interleave_w13) and
+    w2 [E_here, H, I] bf16, all contiguous on one GPU. Differentiable in x, topk_weights, w13 and w2;
+    the backward is computed in PyTorch for now (fp32 accumulation), not by a fused kernel.
+
+    layer: the pounce.Layer to run on; without one, a layer shared by calls of the same shape, group and
+    virtual_ranks is used (pass one explicitly under torch.compile). group / virtual_ranks: as for MoE."""
+    if layer is None:
+        ranks = torch.distributed.get_world_size(group) if group is not None else 1
+        shape = (x.shape[1], w2.shape[2], w13.shape[0] * ranks, topk_ids.shape[1])
+        key = shape + (x.device, group, virtual_ranks)
+        layer = _shared_layers.get(key)
+        if layer is None:
+            layer = _shared_layers[key] = Layer(*shape, group, virtual_ranks=virtual_ranks)
+    if topk_ids.dtype == torch.int64:
+        topk_ids = topk_ids.to(torch.int32)
+    return torch.ops.pounce.moe_forward(x, topk_ids, topk_weights, w13, w2, layer.key)
+
+
+class MoE(nn.Module):
+    """The routed experts of a Mixture-of-Experts layer, SwiGLU FFNs run by pounce's fused kernel.
+
+    MoE(hidden, intermediate, experts, topk, group=None, *, max_tokens=None, dtype=torch.bfloat16,
+        device=None, virtual_ranks=None, options=None)
+
+    Parameters: this rank's experts only, w13 [E/P, 2I, H] (each expert's gate and up projections, rows
+    interleaved in groups of 8: use load_experts to set them from separate tensors) and w2 [E/P, H, I]
+    (down), bf16. Initialised as nn.Linear initialises its weight: uniform in +-1/sqrt(fan_in), fan_in = H
+    for w13 and I for w2 (seed each rank differently, or its experts start equal to another rank's).
+
+    forward(x [T, H] bf16, topk_ids [T, k] int32 or int64, topk_weights [T, k] fp32) -> y [T, H] bf16,
+    differentiable in x, topk_weights, w13 and w2. The backward is, for now, computed in PyTorch
+    (pounce::moe_backward, fp32 accumulation, a per-expert loop that synchronizes with the host), not by
+    a fused kernel.
+
+    group: a torch.distributed process group, one rank per GPU (torchrun): rank r holds experts
+    [r E/P, (r+1) E/P), tokens travel over NVLink through NCCL. Every rank calls forward (with its own
+    tokens) and close() together. virtual_ranks=P: all P ranks on this GPU, for testing; the module then
+    holds all E experts and each forward's tokens are split over the ranks in order.
+
+    The fused layer is made on the first forward, on x's GPU, sized for max_tokens tokens per rank
+    (default: that forward's count). On one GPU a forward with more tokens makes a larger one; across GPUs
+    every rank keeps the first size, so pass max_tokens when the count varies. Make it before CUDA graph
+    capture (one forward with the largest count).
+
+    Device errors (routing ids out of range or repeated within a token; a wait that gave up) end the
+    kernel and are raised as pounce.Error by the next forward, or by check_device_errors(). options: a dict
+    of pounce::FusedMoeOptions fields (ring_bytes, wait_timeout_ns, ...)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        experts: int,
+        topk: int,
+        group=None,
+        *,
+        max_tokens: Optional[int] = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+        virtual_ranks: Optional[int] = None,
+        options: Optional[dict] = None,
+    ):
+        super().__init__()
+        if dtype != torch.bfloat16:
+            raise Error(f"pounce.MoE: dtype = {dtype}: the fused layer runs bf16 only")
+        self.layer = Layer(
+            hidden,
+            intermediate,
+            experts,
+            topk,
+            group,
+            virtual_ranks=virtual_ranks,
+            max_tokens=max_tokens,
+            options=options,
+        )
+        n = self.layer.experts_here
+        self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate, hidden, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(n, hidden, intermediate, dtype=dtype, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.w13.uniform_(-1 / math.sqrt(self.layer.hidden), 1 / math.sqrt(self.layer.hidden))
+            self.w2.uniform_(-1 / math.sqrt(self.layer.intermediate), 1 / math.sqrt(self.layer.intermediate))
+
+    def load_experts(self, gate: Tensor, up: Tensor, down: Tensor) -> None:
+        """Sets this rank's experts from separate projections, as checkpoints store them: gate and up
+        [E/P, I, H] (nn.Linear(H, I) weights), down [E/P, H, I] (nn.Linear(I, H) weights)."""
+        if tuple(down.shape) != tuple(self.w2.shape):
+            raise Error(f"pounce.MoE.load_experts: down has shape {tuple(down.shape)}, expected {list(self.w2.shape)}")
+        w13 = interleave_w13(gate, up)
+        if tuple(w13.shape) != tuple(self.w13.shape):
+            raise Error(
+                f"pounce.MoE.load_experts: gate and up have shape {tuple(gate.shape)}, expected "
+                f"{[self.w13.shape[0], self.w13.shape[1] // 2, self.w13.shape[2]]}"
+            )
+        with torch.no_grad():
+            self.w13.copy_(w13)
+            self.w2.copy_(down)
+
+    def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        return moe(x, topk_ids, topk_weights, self.w13, self.w2, layer=self.layer)
+
+    def check_device_errors(self) -> None:
+        """Synchronizes the current stream and raises pounce.Error for an error a forward's kernel
+        reported. The next forward checks the same without synchronizing."""
+        self.layer.check_device_errors()
+
+    def close(self) -> None:
+        """Frees the fused layer's GPU memory (the next forward makes it again). Across GPUs every rank
+        calls it; layers on one GPU are also freed with the module."""
+        self.layer.close()
+
+    def extra_repr(self) -> str:
+        L = self.layer
+        where = f", ranks={L.ranks}" + (", virtual" if L.group is None and L.ranks > 1 else "")
+        return f"hidden={L.hidden}, intermediate={L.intermediate}, experts={L.experts}, topk={L.topk}{where}"

@@ -1,0 +1,174 @@
+"""The fused forward and the PyTorch backward on a Hopper GPU against an eager fp32 MoE, through the
+module, the function, torch.library.opcheck, torch.compile(fullgraph=True) and CUDA graphs; bad inputs
+and device errors named. Skipped without a Hopper GPU."""
+
+import pytest
+from support import needs_hopper, pounce, random_routing, reference_moe, relative_error, torch
+
+pytestmark = needs_hopper
+
+# T, H, I, E, k, routing, virtual ranks
+CASES = [
+    (256, 256, 128, 8, 2, "uniform", None),
+    (300, 512, 256, 16, 4, "skewed", None),  # half the experts get no token
+    (97, 256, 128, 8, 2, "zero-weights", None),  # a third of the weights exactly 0, token 0 all zero
+    (301, 256, 128, 8, 2, "uniform", 2),
+    (500, 512, 128, 16, 6, "skewed", 4),
+    (1, 128, 64, 4, 4, "uniform", None),  # k = E
+]
+
+
+def case_id(case):
+    T, H, I, E, k, routing, P = case
+    return f"T{T}_H{H}_I{I}_E{E}_k{k}_{routing}" + (f"_P{P}" if P else "")
+
+
+def make(case, seed=0):
+    T, H, I, E, k, routing, P = case
+    g = torch.Generator().manual_seed(seed)
+    moe = pounce.MoE(H, I, E, k, virtual_ranks=P, device="cuda")
+    with torch.no_grad():  # larger than the default initialisation, so y is well above bf16 noise
+        moe.w13.copy_(torch.randn(moe.w13.shape, generator=g) * 0.1)
+        moe.w2.copy_(torch.randn(moe.w2.shape, generator=g) * 0.1)
+    x = torch.randn(T, H, generator=g).bfloat16().cuda()
+    ids, weights = random_routing(T, E, k, pattern=routing, generator=g, device="cuda")
+    return moe, x, ids, weights
+
+
+def expect_close(name, got, want, tolerance=1e-2):
+    if want.abs().sum() == 0:
+        assert got.abs().sum() == 0, f"{name} should be exactly zero"
+    else:
+        error = relative_error(got, want)
+        assert error < tolerance, f"{name}: relative L2 error {error:.2e}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_forward_and_gradients_match_the_eager_reference(case):
+    moe, x, ids, weights = make(case)
+    x.requires_grad_()
+    weights.requires_grad_()
+    y = moe(x, ids, weights)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+
+    leaves = [t.detach().float().requires_grad_() for t in (x, weights, moe.w13, moe.w2)]
+    want = reference_moe(leaves[0], ids, *leaves[1:])
+    want.backward(dy.float())
+    expect_close("y", y, want)
+    for name, got, leaf in zip(("dx", "d_topk_weights", "dw13", "dw2"), (x, weights, moe.w13, moe.w2), leaves):
+        expect_close(name, got.grad, leaf.grad)
+    with torch.no_grad():
+        assert torch.equal(moe(x, ids, weights), y), "forwards repeat bitwise"
+    if case[5] == "zero-weights":
+        assert y[0].abs().sum() == 0
+    moe.check_device_errors()
+
+
+def test_function_form_and_int64_ids_match_the_module():
+    moe, x, ids, weights = make(CASES[0])
+    y = moe(x, ids, weights)
+    assert torch.equal(pounce.moe(x, ids.long(), weights, moe.w13, moe.w2), y)
+    assert torch.equal(pounce.moe(x, ids, weights, moe.w13, moe.w2, layer=moe.layer), y)
+
+
+def test_layer_is_made_on_first_use_and_grows():
+    moe, x, ids, weights = make((600, 256, 128, 8, 2, "uniform", 2))
+    assert moe.layer.info() is None
+    y_small = moe(x[:100], ids[:100], weights[:100])
+    assert moe.layer.info()["max_tokens_per_rank"] == 52  # 100 tokens over 2 ranks, a multiple of 4
+    y = moe(x, ids, weights)
+    info = moe.layer.info()
+    assert info["max_tokens_per_rank"] == 300 and info["ranks_on_this_gpu"] == 2 and info["device_bytes"] > 0
+    expect_close("y[:100]", y[:100], y_small, 1e-3)  # the same tokens, split over the ranks differently
+    expect_close("y", y, reference_moe(x, ids, weights, moe.w13, moe.w2))
+    assert moe(x[:0], ids[:0], weights[:0]).shape == (0, 256)
+
+
+def test_opcheck():
+    moe, x, ids, weights = make(CASES[0])
+    args = (x.requires_grad_(), ids, weights.requires_grad_(), moe.w13, moe.w2, moe.layer.key)
+    torch.library.opcheck(torch.ops.pounce.moe_forward.default, args)
+    dy = torch.randn_like(x)
+    torch.library.opcheck(torch.ops.pounce.moe_backward.default, (dy,) + tuple(a.detach() for a in args[:5]) + args[5:])
+
+
+def test_torch_compile_fullgraph():
+    moe, x, ids, weights = make(CASES[1])
+
+    def block(x, ids, weights):  # the MoE with some PyTorch around it
+        return moe(torch.nn.functional.layer_norm(x, x.shape[1:]), ids, weights * 2) + x
+
+    compiled = torch.compile(block, fullgraph=True)
+    x.requires_grad_()
+    y = compiled(x, ids, weights)
+    y.sum().backward()
+    grads = x.grad.clone(), moe.w13.grad.clone()
+    x.grad = moe.w13.grad = None
+    eager = block(x, ids, weights)
+    eager.sum().backward()
+    expect_close("y", y, eager, 1e-3)  # the compiled layer norm may round differently
+    expect_close("dx", grads[0], x.grad)
+    expect_close("dw13", grads[1], moe.w13.grad)
+
+
+@pytest.mark.parametrize("virtual_ranks", [None, 2])
+def test_cuda_graph_capture_and_replay(virtual_ranks):
+    case = (256, 256, 128, 8, 2, "uniform", virtual_ranks)
+    moe, x, ids, weights = make(case)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        moe(x, ids, weights)  # warm-up: makes the layer, which capture cannot
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        y = moe(x, ids, weights)
+    for seed in range(1, 4):
+        _, new_x, new_ids, new_weights = make(case, seed)
+        x.copy_(new_x), ids.copy_(new_ids), weights.copy_(new_weights)
+        graph.replay()
+        torch.cuda.synchronize()
+        moe.check_device_errors()
+        with torch.no_grad():
+            assert torch.equal(y, moe(x, ids, weights)), f"replay {seed} differs from an eager forward"
+        expect_close("y", y, reference_moe(x, ids, weights, moe.w13, moe.w2))
+
+
+def test_capture_before_the_layer_exists_is_named():
+    moe, x, ids, weights = make(CASES[0])
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(pounce.Error, match="cannot happen during CUDA graph capture"):
+        with torch.no_grad(), torch.cuda.graph(graph):
+            moe(x, ids, weights)
+
+
+def test_bad_gpu_inputs_are_named():
+    moe, x, ids, weights = make(CASES[0])
+    misaligned = torch.empty(x.numel() + 1, dtype=torch.bfloat16, device="cuda")[1:].view_as(x)
+    with pytest.raises(pounce.Error, match="x at 0x[0-9a-f]+ is not 16-byte aligned"):
+        moe(misaligned, ids, weights)
+    with pytest.raises(pounce.Error, match="topk_weights is on cpu, expected a CUDA device"):
+        moe(x, ids, weights.cpu())
+    with pytest.raises(pounce.Error, match="topk_ids is not contiguous"):
+        moe(x, ids.t().contiguous().t(), weights)
+
+
+@pytest.mark.parametrize(
+    "bad, needle", [(lambda ids: ids.__setitem__((5, 1), 99), "out of range"), (lambda ids: ids.__setitem__((7, 1), int(ids[7, 0])), "twice")]
+)
+def test_bad_routing_is_raised_after_the_forward_and_the_layer_recovers(bad, needle):
+    moe, x, ids, weights = make(CASES[0])
+    good = moe(x, ids, weights)
+    broken = ids.clone()
+    bad(broken)
+    moe(x, broken, weights)  # enqueued; only the GPU sees the ids
+    with pytest.raises(pounce.Error, match=needle):
+        moe.check_device_errors()
+    assert torch.equal(moe(x, ids, weights), good)
+
+    moe(x, broken, weights)  # not collected: the next forward raises it before it runs
+    with pytest.raises(pounce.Error, match=needle):
+        torch.cuda.synchronize()
+        moe(x, ids, weights)
+    assert torch.equal(moe(x, ids, weights), good)

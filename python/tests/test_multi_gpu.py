@@ -1,0 +1,66 @@
+"""Expert parallelism over NCCL, one process per GPU (torch.multiprocessing, as torchrun would start
+them): every rank's forward and gradients against the eager reference over all ranks' tokens. Skipped
+without two Hopper GPUs."""
+
+import os
+import tempfile
+
+import pytest
+from support import gpu_skip_reason, pounce, random_routing, reference_moe, relative_error, torch
+
+GPUS = min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 0
+pytestmark = pytest.mark.skipif(
+    gpu_skip_reason() is not None or GPUS < 2, reason=gpu_skip_reason() or f"needs 2 GPUs, this machine has {GPUS}"
+)
+
+T, H, I, E, K = 200, 256, 128, 8, 2
+
+
+def rank_inputs(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    tokens = T + 3 * rank  # ranks with different token counts
+    x = torch.randn(tokens, H, generator=g).bfloat16()
+    ids, weights = random_routing(tokens, E, K, generator=g)
+    return x, ids, weights, torch.randn(tokens, H, generator=g).bfloat16()
+
+
+def run_rank(rank, ranks, store):
+    torch.cuda.set_device(rank)
+    torch.distributed.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=ranks)
+    try:
+        g = torch.Generator().manual_seed(0)
+        w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.1).bfloat16()
+        w2 = (torch.randn(E, H, I, generator=g) * 0.1).bfloat16()
+        mine = slice(rank * E // ranks, (rank + 1) * E // ranks)
+        moe = pounce.MoE(H, I, E, K, torch.distributed.group.WORLD, max_tokens=T + 3 * ranks, device="cuda")
+        gate, up = pounce.split_w13(w13[mine])
+        moe.load_experts(gate, up, w2[mine])
+
+        x, ids, weights, dy = (t.cuda() for t in rank_inputs(rank))
+        x.requires_grad_(), weights.requires_grad_()
+        y = moe(x, ids, weights)
+        y.backward(dy)
+        moe.check_device_errors()
+
+        # The reference: every rank's tokens through every expert, on this GPU.
+        ref = [t.float().cuda().requires_grad_() for t in (w13, w2)]
+        for r in range(ranks):
+            rx, rids, rweights, rdy = (t.cuda() for t in rank_inputs(r))
+            leaves = [rx.float().requires_grad_(), rweights.float().requires_grad_()]
+            want = reference_moe(leaves[0], rids, leaves[1], *ref)
+            want.backward(rdy.float())
+            if r == rank:
+                assert relative_error(y, want) < 1e-2
+                assert relative_error(x.grad, leaves[0].grad) < 1e-2
+                assert relative_error(weights.grad, leaves[1].grad) < 1e-2
+        assert relative_error(moe.w13.grad, ref[0].grad[mine]) < 1e-2
+        assert relative_error(moe.w2.grad, ref[1].grad[mine]) < 1e-2
+        moe.close()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("ranks", sorted({2, GPUS}))
+def test_nccl_ranks_match_the_reference(ranks):
+    with tempfile.TemporaryDirectory() as folder:
+        torch.multiprocessing.spawn(run_rank, args=(ranks, os.path.join(folder, "store")), nprocs=ranks)

@@ -1,0 +1,208 @@
+// The C ABI of include/pounce/pounce_c.h over pounce::FusedMoe: every entry point runs its body inside
+// guarded(), which turns any exception into a status and this thread's last-error message.
+#include "pounce/pounce_c.h"
+
+#include <nccl.h>
+
+#include <algorithm>
+#include <exception>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/nccl_window.h"
+#include "common/require.h"
+#include "pounce/fused_moe.h"
+
+struct pounce_moe {
+  std::unique_ptr<pounce::FusedMoe> layer;
+  ncclComm_t comm = nullptr;  // owned by NCCL layers
+};
+
+namespace {
+
+static_assert(sizeof(ncclUniqueId) == POUNCE_NCCL_UNIQUE_ID_BYTES);
+
+thread_local std::string last_error;
+
+template <typename Body>
+int guarded(Body&& body) noexcept {
+  try {
+    body();
+    return POUNCE_OK;
+  } catch (const pounce::Error& e) {
+    last_error = e.what();
+    return POUNCE_ERROR;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return POUNCE_ERROR_INTERNAL;
+  } catch (...) {
+    last_error = "unknown exception";
+    return POUNCE_ERROR_INTERNAL;
+  }
+}
+
+template <typename T>
+const T& required(const T* p, const char* name) {
+  POUNCE_REQUIRE(p != nullptr, name, " is NULL");
+  return *p;
+}
+
+pounce::FusedMoe& layer_of(pounce_moe* layer) { return *required(layer, "layer").layer; }
+
+pounce::EpConfig to_config(const pounce_config* c) {
+  const pounce_config& config = required(c, "config");
+  return {.ranks = config.ranks,
+          .experts = config.experts,
+          .topk = config.topk,
+          .hidden = config.hidden,
+          .intermediate = config.intermediate,
+          .max_tokens_per_rank = config.max_tokens_per_rank};
+}
+
+pounce::FusedMoeOptions to_options(const pounce_options* o) {
+  if (o == nullptr) return {};
+  return {.ctas_per_rank = o->ctas_per_rank,
+          .comm_ctas = o->comm_ctas,
+          .engine_rows = o->engine_rows,
+          .minibatch_rows = o->minibatch_rows,
+          .ring_blocks = o->ring_blocks,
+          .ring_bytes = o->ring_bytes,
+          .wait_timeout_ns = o->wait_timeout_ns};
+}
+
+// Finalizes and destroys a communicator, reporting the first failure after trying both.
+void destroy_comm(ncclComm_t comm) {
+  const ncclResult_t finalized = ncclCommFinalize(comm);
+  const ncclResult_t destroyed = ncclCommDestroy(comm);
+  POUNCE_REQUIRE(finalized == ncclSuccess, "ncclCommFinalize failed: ", ncclGetErrorString(finalized));
+  POUNCE_REQUIRE(destroyed == ncclSuccess, "ncclCommDestroy failed: ", ncclGetErrorString(destroyed));
+}
+
+}  // namespace
+
+extern "C" {
+
+int pounce_abi_version(void) { return POUNCE_C_ABI_VERSION; }
+
+const char* pounce_last_error(void) { return last_error.c_str(); }
+
+int pounce_default_options(pounce_options* out) {
+  return guarded([&] {
+    POUNCE_REQUIRE(out != nullptr, "out is NULL");
+    const pounce::FusedMoeOptions d;
+    *out = {.ctas_per_rank = d.ctas_per_rank,
+            .comm_ctas = d.comm_ctas,
+            .engine_rows = d.engine_rows,
+            .minibatch_rows = d.minibatch_rows,
+            .ring_blocks = d.ring_blocks,
+            .ring_bytes = d.ring_bytes,
+            .wait_timeout_ns = d.wait_timeout_ns};
+  });
+}
+
+int pounce_moe_create(const pounce_config* config, const pounce_options* options, pounce_moe** out) {
+  return guarded([&] {
+    POUNCE_REQUIRE(out != nullptr, "out is NULL");
+    *out = nullptr;
+    const pounce::EpConfig ep = to_config(config);
+    pounce::check_config(ep);  // named before the layer's first CUDA call
+    auto layer = std::make_unique<pounce_moe>();
+    layer->layer = std::make_unique<pounce::FusedMoe>(ep, to_options(options));
+    *out = layer.release();
+  });
+}
+
+int pounce_nccl_unique_id(char out[POUNCE_NCCL_UNIQUE_ID_BYTES]) {
+  return guarded([&] {
+    POUNCE_REQUIRE(out != nullptr, "out is NULL");
+    pounce::comm::checked_nccl_version();
+    pounce::comm::disable_multicast();
+    ncclUniqueId id;
+    NCCL_CHECK(ncclGetUniqueId(&id));
+    std::copy_n(id.internal, POUNCE_NCCL_UNIQUE_ID_BYTES, out);
+  });
+}
+
+int pounce_moe_create_nccl(const pounce_config* config, const pounce_options* options,
+                           const char unique_id[POUNCE_NCCL_UNIQUE_ID_BYTES], int rank, pounce_moe** out) {
+  return guarded([&] {
+    POUNCE_REQUIRE(out != nullptr, "out is NULL");
+    POUNCE_REQUIRE(unique_id != nullptr, "unique_id is NULL");
+    *out = nullptr;
+    const pounce::EpConfig ep = to_config(config);
+    pounce::check_config(ep);  // named before any rank waits on the others
+    POUNCE_REQUIRE(rank >= 0 && rank < ep.ranks, "NCCL: rank ", rank, " is not a rank of a group of ", ep.ranks);
+    pounce::comm::checked_nccl_version();
+    pounce::comm::disable_multicast();
+    ncclUniqueId id;
+    std::copy_n(unique_id, POUNCE_NCCL_UNIQUE_ID_BYTES, id.internal);
+    auto layer = std::make_unique<pounce_moe>();
+    NCCL_CHECK(ncclCommInitRank(&layer->comm, ep.ranks, id, rank));
+    try {
+      layer->layer = std::make_unique<pounce::FusedMoe>(ep, layer->comm, to_options(options));
+    } catch (...) {
+      ncclCommAbort(layer->comm);  // the layer's own error is the one to report
+      throw;
+    }
+    *out = layer.release();
+  });
+}
+
+int pounce_moe_set_weights(pounce_moe* layer, int n, const void* const* w13, const void* const* w2) {
+  return guarded([&] {
+    pounce::FusedMoe& moe = layer_of(layer);
+    POUNCE_REQUIRE(n >= 0 && (n == 0 || (w13 != nullptr && w2 != nullptr)), "set_weights: n = ", n,
+                   " with w13 and w2 arrays of n pointers each");
+    std::vector<pounce::ExpertWeights> weights(n);
+    for (int r = 0; r < n; ++r) {
+      weights[r] = {static_cast<const __nv_bfloat16*>(w13[r]), static_cast<const __nv_bfloat16*>(w2[r])};
+    }
+    moe.set_weights(weights);
+  });
+}
+
+int pounce_moe_forward(pounce_moe* layer, int n, const pounce_rank_io* ios, void* stream) {
+  return guarded([&] {
+    pounce::FusedMoe& moe = layer_of(layer);
+    POUNCE_REQUIRE(n >= 0 && (n == 0 || ios != nullptr), "forward: n = ", n, " with an array of n pounce_rank_io");
+    std::vector<pounce::RankIO> ranks(n);
+    for (int r = 0; r < n; ++r) {
+      ranks[r] = {static_cast<const __nv_bfloat16*>(ios[r].x), ios[r].topk_ids, ios[r].topk_weights, ios[r].tokens,
+                  static_cast<__nv_bfloat16*>(ios[r].y)};
+    }
+    moe.forward(ranks, static_cast<cudaStream_t>(stream));
+  });
+}
+
+int pounce_moe_check_device_errors(pounce_moe* layer) {
+  return guarded([&] { layer_of(layer).check_device_errors(); });
+}
+
+int pounce_moe_get_info(const pounce_moe* layer, pounce_moe_info* out) {
+  return guarded([&] {
+    POUNCE_REQUIRE(out != nullptr, "out is NULL");
+    const pounce::FusedMoe& moe = *required(layer, "layer").layer;
+    *out = {.ranks_on_this_gpu = moe.ranks_on_this_gpu(),
+            .ctas_per_rank = moe.ctas_per_rank(),
+            .comm_ctas = moe.comm_ctas(),
+            .engine_rows = moe.engine_rows(),
+            .minibatch_rows = moe.minibatch_rows(),
+            .ring_blocks = moe.ring_blocks(),
+            .max_m_blocks = moe.max_m_blocks(),
+            .device_bytes = moe.device_bytes(),
+            .in_place = moe.in_place() ? 1 : 0};
+  });
+}
+
+int pounce_moe_destroy(pounce_moe* layer) {
+  return guarded([&] {
+    std::unique_ptr<pounce_moe> owned(layer);
+    if (!owned) return;
+    owned->layer.reset();  // its NCCL window goes before the communicator
+    if (owned->comm) destroy_comm(std::exchange(owned->comm, nullptr));
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,129 @@
+// The C ABI returns every failure as a status and a message, never as an exception; these checks need
+// no GPU: each fails before the layer touches one (or, for a valid config, either makes a layer on a
+// Hopper GPU or says why it cannot).
+#include "pounce/pounce_c.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <thread>
+
+#include "common/gpu.h"
+#include "pounce/fused_moe.h"
+
+namespace {
+
+using ::testing::HasSubstr;
+
+pounce_config small_config() {
+  return {.ranks = 2, .experts = 8, .topk = 2, .hidden = 128, .intermediate = 64, .max_tokens_per_rank = 256};
+}
+
+// The status of `status`, and the message it left.
+std::pair<int, std::string> outcome(int status) { return {status, pounce_last_error()}; }
+
+TEST(CApi, BadConfigIsAStatusNamingTheProblem) {
+  pounce_config config = small_config();
+  config.ranks = 9;
+  pounce_moe* layer = reinterpret_cast<pounce_moe*>(1);  // overwritten with NULL on failure
+  const auto [status, message] = outcome(pounce_moe_create(&config, nullptr, &layer));
+  EXPECT_EQ(status, POUNCE_ERROR);
+  EXPECT_THAT(message, HasSubstr("ranks = 9 is not supported"));
+  EXPECT_EQ(layer, nullptr);
+
+  config = small_config();
+  config.hidden = 100;
+  EXPECT_EQ(pounce_moe_create(&config, nullptr, &layer), POUNCE_ERROR);
+  EXPECT_THAT(pounce_last_error(), HasSubstr("hidden = 100 is not supported"));
+}
+
+TEST(CApi, NullArgumentsAreNamed) {
+  pounce_moe* layer = nullptr;
+  const pounce_config config = small_config();
+  EXPECT_EQ(pounce_moe_create(nullptr, nullptr, &layer), POUNCE_ERROR);
+  EXPECT_STREQ(pounce_last_error(), "config is NULL");
+  EXPECT_EQ(pounce_moe_create(&config, nullptr, nullptr), POUNCE_ERROR);
+  EXPECT_STREQ(pounce_last_error(), "out is NULL");
+  EXPECT_EQ(pounce_moe_forward(nullptr, 0, nullptr, nullptr), POUNCE_ERROR);
+  EXPECT_STREQ(pounce_last_error(), "layer is NULL");
+  EXPECT_EQ(pounce_moe_set_weights(nullptr, 0, nullptr, nullptr), POUNCE_ERROR);
+  EXPECT_EQ(pounce_moe_check_device_errors(nullptr), POUNCE_ERROR);
+  pounce_moe_info info;
+  EXPECT_EQ(pounce_moe_get_info(nullptr, &info), POUNCE_ERROR);
+  EXPECT_EQ(pounce_default_options(nullptr), POUNCE_ERROR);
+  EXPECT_EQ(pounce_nccl_unique_id(nullptr), POUNCE_ERROR);
+  EXPECT_EQ(pounce_moe_destroy(nullptr), POUNCE_OK);  // like free(NULL)
+}
+
+TEST(CApi, DefaultOptionsAreTheLibrarys) {
+  pounce_options options;
+  ASSERT_EQ(pounce_default_options(&options), POUNCE_OK);
+  const pounce::FusedMoeOptions d;
+  EXPECT_EQ(options.ctas_per_rank, d.ctas_per_rank);
+  EXPECT_EQ(options.comm_ctas, d.comm_ctas);
+  EXPECT_EQ(options.engine_rows, d.engine_rows);
+  EXPECT_EQ(options.minibatch_rows, d.minibatch_rows);
+  EXPECT_EQ(options.ring_blocks, d.ring_blocks);
+  EXPECT_EQ(options.ring_bytes, d.ring_bytes);
+  EXPECT_EQ(options.wait_timeout_ns, d.wait_timeout_ns);
+  EXPECT_EQ(pounce_abi_version(), POUNCE_C_ABI_VERSION);
+}
+
+// Rank and config are checked before NCCL is asked for anything, so no rank waits on a doomed group.
+TEST(CApi, NcclLayerChecksRankAndConfigFirst) {
+  const char id[POUNCE_NCCL_UNIQUE_ID_BYTES] = {};
+  pounce_config config = small_config();
+  pounce_moe* layer = nullptr;
+  EXPECT_EQ(pounce_moe_create_nccl(&config, nullptr, id, 2, &layer), POUNCE_ERROR);
+  EXPECT_THAT(pounce_last_error(), HasSubstr("rank 2 is not a rank of a group of 2"));
+  config.topk = 9;
+  EXPECT_EQ(pounce_moe_create_nccl(&config, nullptr, id, 0, &layer), POUNCE_ERROR);
+  EXPECT_THAT(pounce_last_error(), HasSubstr("topk = 9"));
+  EXPECT_EQ(pounce_moe_create_nccl(&config, nullptr, nullptr, 0, &layer), POUNCE_ERROR);
+  EXPECT_STREQ(pounce_last_error(), "unique_id is NULL");
+}
+
+// A valid config makes a layer on a Hopper GPU; elsewhere it is a status saying why (never a throw).
+TEST(CApi, ValidConfigMakesALayerOrSaysWhyNot) {
+  const pounce_config config = small_config();
+  pounce_moe* layer = nullptr;
+  const int status = pounce_moe_create(&config, nullptr, &layer);
+  if (!pounce::gpu_is_hopper()) {
+    EXPECT_NE(status, POUNCE_OK);
+    EXPECT_NE(std::string(pounce_last_error()), "");
+    EXPECT_EQ(layer, nullptr);
+    return;
+  }
+  ASSERT_EQ(status, POUNCE_OK) << pounce_last_error();
+  pounce_moe_info info;
+  ASSERT_EQ(pounce_moe_get_info(layer, &info), POUNCE_OK);
+  EXPECT_EQ(info.ranks_on_this_gpu, 2);
+  EXPECT_GT(info.device_bytes, 0);
+  // Forward before set_weights, and a wrong rank count: named, and the layer stays usable.
+  pounce_rank_io ios[2] = {};
+  EXPECT_EQ(pounce_moe_forward(layer, 2, ios, nullptr), POUNCE_ERROR);
+  EXPECT_THAT(pounce_last_error(), HasSubstr("call set_weights first"));
+  const void* w[1] = {nullptr};
+  EXPECT_EQ(pounce_moe_set_weights(layer, 1, w, w), POUNCE_ERROR);
+  EXPECT_THAT(pounce_last_error(), HasSubstr("got 1 ranks' weights, the layer has 2 ranks"));
+  EXPECT_EQ(pounce_moe_check_device_errors(layer), POUNCE_OK);
+  EXPECT_EQ(pounce_moe_destroy(layer), POUNCE_OK);
+}
+
+// Each thread keeps its own message: another thread's failure does not overwrite this one's.
+TEST(CApi, LastErrorIsPerThread) {
+  pounce_moe* layer = nullptr;
+  ASSERT_EQ(pounce_moe_create(nullptr, nullptr, &layer), POUNCE_ERROR);
+  std::string other;
+  std::thread([&] {
+    other = pounce_last_error();
+    pounce_config config = small_config();
+    config.experts = 7;
+    pounce_moe_create(&config, nullptr, &layer);
+  }).join();
+  EXPECT_EQ(other, "");
+  EXPECT_STREQ(pounce_last_error(), "config is NULL");
+}
+
+}  // namespace
