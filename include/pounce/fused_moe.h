@@ -75,7 +75,7 @@ struct RankGrads {
 
 // How weight gradients are written: bf16, fp32, or added into an existing fp32 gradient (the "main
 // grad" that training keeps across micro-batches).
-enum class WeightGradOutput { kBf16, kF32, kAccumulateF32 };
+enum class WeightGradOutput { kBf16 = 0, kF32 = 1, kAccumulateF32 = 2 };  // values of the C ABI's too
 
 class FusedMoe {
  public:

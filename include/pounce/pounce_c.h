@@ -15,7 +15,7 @@ extern "C" {
 #endif
 
 /* Raised whenever a struct below changes layout; bindings compare it with pounce_abi_version(). */
-#define POUNCE_C_ABI_VERSION 1
+#define POUNCE_C_ABI_VERSION 2
 #define POUNCE_NCCL_UNIQUE_ID_BYTES 128
 
 enum {
@@ -53,6 +53,22 @@ typedef struct pounce_rank_io {
   int64_t tokens;            /* 0 .. max_tokens_per_rank */
   void* y;                   /* [tokens, H] bf16, written by the forward */
 } pounce_rank_io;
+
+/* pounce::RankGrads: one rank's gradients for one backward, device pointers, 16-byte aligned. */
+typedef struct pounce_rank_grads {
+  const void* dy;        /* [tokens, H] bf16 */
+  void* dx;              /* [tokens, H] bf16 */
+  float* d_topk_weights; /* [tokens, k] */
+  void* dw13;            /* [E/P, 2I, H], bf16 or fp32 (see pounce_weight_grad_output) */
+  void* dw2;             /* [E/P, H, I] */
+} pounce_rank_grads;
+
+/* pounce::WeightGradOutput. */
+enum pounce_weight_grad_output {
+  POUNCE_WEIGHT_GRAD_BF16 = 0,
+  POUNCE_WEIGHT_GRAD_F32 = 1,
+  POUNCE_WEIGHT_GRAD_ACCUMULATE_F32 = 2, /* added to what dw13 and dw2 hold */
+};
 
 /* What a layer resolved (the getters of pounce::FusedMoe). */
 typedef struct pounce_moe_info {
@@ -96,6 +112,12 @@ int pounce_moe_set_weights(pounce_moe* layer, int n, const void* const* w13, con
 /* Enqueues one forward of the n = ranks_on_this_gpu ranks on this GPU on `stream` (a cudaStream_t; NULL
  * is the default stream). No host synchronization. */
 int pounce_moe_forward(pounce_moe* layer, int n, const pounce_rank_io* ios, void* stream);
+
+/* Enqueues the backward of a forward on the same inputs (its pounce_rank_io, y unused) for the n ranks on
+ * this GPU (pounce::FusedMoe::backward: one rank for now). `weight_grad_output` is a
+ * pounce_weight_grad_output. No host synchronization. */
+int pounce_moe_backward(pounce_moe* layer, int n, const pounce_rank_io* forward_inputs, const pounce_rank_grads* grads,
+                        int weight_grad_output, void* stream);
 
 /* Fails with the message of an error a kernel reported (bad routing ids, a wait that gave up); reads host
  * memory only, unless an error is there. Call it once the forward's stream has synchronized to be sure to

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 NCCL_UNIQUE_ID_BYTES = 128
 
 
@@ -52,6 +52,20 @@ class RankIO(ctypes.Structure):
     ]
 
 
+class RankGrads(ctypes.Structure):
+    _fields_ = [
+        ("dy", ctypes.c_void_p),
+        ("dx", ctypes.c_void_p),
+        ("d_topk_weights", ctypes.c_void_p),
+        ("dw13", ctypes.c_void_p),
+        ("dw2", ctypes.c_void_p),
+    ]
+
+
+# pounce_weight_grad_output
+WEIGHT_GRAD_BF16, WEIGHT_GRAD_F32, WEIGHT_GRAD_ACCUMULATE_F32 = 0, 1, 2
+
+
 class Info(ctypes.Structure):
     _fields_ = [
         ("ranks_on_this_gpu", ctypes.c_int32),
@@ -81,6 +95,7 @@ _SIGNATURES = {
     ],
     "pounce_moe_set_weights": [_P, ctypes.c_int, ctypes.POINTER(_P), ctypes.POINTER(_P)],
     "pounce_moe_forward": [_P, ctypes.c_int, ctypes.POINTER(RankIO), _P],
+    "pounce_moe_backward": [_P, ctypes.c_int, ctypes.POINTER(RankIO), ctypes.POINTER(RankGrads), ctypes.c_int, _P],
     "pounce_moe_check_device_errors": [_P],
     "pounce_moe_get_info": [_P, ctypes.POINTER(Info)],
     "pounce_moe_destroy": [_P],

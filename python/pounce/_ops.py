@@ -1,8 +1,9 @@
 """The custom ops: pounce::moe_forward (the fused kernel through the C ABI) and pounce::moe_backward
-(for now in PyTorch), with their fake (meta) implementations and the autograd formula joining them.
+(pounce's backward kernels at one rank on one GPU, otherwise PyTorch), with their fake (meta)
+implementations and the autograd formula joining them.
 
 The layer is passed as an int, the key of a pounce Layer, so the ops stay opaque to torch.compile and
-can be captured in CUDA graphs (the forward; the PyTorch backward synchronizes with the host)."""
+can be captured in CUDA graphs (the PyTorch backward synchronizes with the host: not that one)."""
 
 from typing import Tuple
 
@@ -58,7 +59,10 @@ def _(x, topk_ids, topk_weights, w13, w2, layer):
     return torch.empty_like(x)
 
 
-# ---- backward: PyTorch, until the fused backward kernel exists --------------------------------------
+# ---- backward ----------------------------------------------------------------------------------------
+# One rank on one GPU: pounce's backward (libpounce: a chain of its kernels, no host synchronization).
+# Virtual ranks and process groups: the PyTorch backward below, until the fused backward kernel covers
+# them.
 
 
 def _split_w13_rows(gu: Tensor) -> Tuple[Tensor, Tensor]:
@@ -117,11 +121,13 @@ def _exchange(rows: Tensor, send: list, recv: list, group) -> Tensor:
 def moe_backward(
     dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, layer: int
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, d_topk_weights, dw13, dw2) of pounce::moe_forward, in PyTorch with fp32 accumulation. Across
-    GPUs each route's x and dy rows travel to its expert's rank and its dx share and router-weight
-    gradient back (all_to_all). Synchronizes with the host (per-expert loop): the fused backward kernel
-    will replace it behind this same op."""
+    """(dx, d_topk_weights, dw13, dw2) of pounce::moe_forward. One rank on one GPU: pounce's backward
+    kernels. Otherwise in PyTorch with fp32 accumulation: across GPUs each route's x and dy rows travel
+    to its expert's rank and its dx share and router-weight gradient back (all_to_all); this path
+    synchronizes with the host (per-expert loop)."""
     owner = Layer.get(layer)
+    if owner.runs_backward(x):
+        return owner.backward(dy, x, topk_ids, topk_weights, w13, w2)
     T, k = topk_ids.shape
     token = torch.arange(T, device=x.device).repeat_interleave(k)  # route (t, k) -> t, routes in (t, k) order
     expert, weight = topk_ids.reshape(-1).long(), topk_weights.reshape(-1)

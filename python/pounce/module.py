@@ -45,7 +45,7 @@ def moe(
     e = topk_ids[t, k], for x [T, H] bf16, topk_ids [T, k] int32 (int64 is converted), topk_weights
     [T, k] fp32, w13 [E_here, 2I, H] (gate and up rows interleaved in groups of 8: interleave_w13) and
     w2 [E_here, H, I] bf16, all contiguous on one GPU. Differentiable in x, topk_weights, w13 and w2;
-    the backward is computed in PyTorch for now (fp32 accumulation), not by a fused kernel.
+    the backward runs pounce's backward kernels at one rank on one GPU, otherwise PyTorch (fp32).
 
     layer: the pounce.Layer to run on; without one, a layer shared by calls of the same shape, group and
     virtual_ranks is used (pass one explicitly under torch.compile). group / virtual_ranks: as for MoE."""
@@ -73,9 +73,9 @@ class MoE(nn.Module):
     for w13 and I for w2 (seed each rank differently, or its experts start equal to another rank's).
 
     forward(x [T, H] bf16, topk_ids [T, k] int32 or int64, topk_weights [T, k] fp32) -> y [T, H] bf16,
-    differentiable in x, topk_weights, w13 and w2. The backward is, for now, computed in PyTorch
-    (pounce::moe_backward, fp32 accumulation, a per-expert loop that synchronizes with the host), not by
-    a fused kernel.
+    differentiable in x, topk_weights, w13 and w2. The backward (pounce::moe_backward) runs pounce's
+    backward kernels at one rank on one GPU; with virtual ranks or a process group it is computed in
+    PyTorch for now (fp32 accumulation, a per-expert loop that synchronizes with the host).
 
     group: a torch.distributed process group, one rank per GPU (torchrun): rank r holds experts
     [r E/P, (r+1) E/P), tokens travel over NVLink through NCCL. Every rank calls forward (with its own

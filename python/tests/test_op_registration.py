@@ -1,6 +1,7 @@
 """The ops' registration (schema, fake implementation, autograd) under torch.library.opcheck and
 torch.compile(fullgraph=True), without a GPU: the fused kernel is replaced by the eager reference and
-the CUDA-device check is dropped, everything else is pounce's own. The GPU tests repeat this with the
+the CUDA-device check is dropped (on CPU tensors the backward op is the PyTorch one), everything else is
+pounce's own. The GPU tests repeat this with the
 kernel."""
 
 import pytest

@@ -176,6 +176,30 @@ int pounce_moe_forward(pounce_moe* layer, int n, const pounce_rank_io* ios, void
   });
 }
 
+int pounce_moe_backward(pounce_moe* layer, int n, const pounce_rank_io* forward_inputs, const pounce_rank_grads* grads,
+                        int weight_grad_output, void* stream) {
+  return guarded([&] {
+    pounce::FusedMoe& moe = layer_of(layer);
+    POUNCE_REQUIRE(n >= 0 && (n == 0 || (forward_inputs != nullptr && grads != nullptr)), "backward: n = ", n,
+                   " with arrays of n pounce_rank_io and pounce_rank_grads");
+    POUNCE_REQUIRE(
+        weight_grad_output >= POUNCE_WEIGHT_GRAD_BF16 && weight_grad_output <= POUNCE_WEIGHT_GRAD_ACCUMULATE_F32,
+        "backward: weight_grad_output = ", weight_grad_output, " is not a pounce_weight_grad_output");
+    std::vector<pounce::RankIO> ins(n);
+    std::vector<pounce::RankGrads> outs(n);
+    for (int r = 0; r < n; ++r) {
+      const pounce_rank_io& io = forward_inputs[r];
+      const pounce_rank_grads& g = grads[r];
+      ins[r] = {static_cast<const __nv_bfloat16*>(io.x), io.topk_ids, io.topk_weights, io.tokens,
+                static_cast<__nv_bfloat16*>(io.y)};
+      outs[r] = {static_cast<const __nv_bfloat16*>(g.dy), static_cast<__nv_bfloat16*>(g.dx), g.d_topk_weights, g.dw13,
+                 g.dw2};
+    }
+    moe.backward(ins, outs, static_cast<pounce::WeightGradOutput>(weight_grad_output),
+                 static_cast<cudaStream_t>(stream));
+  });
+}
+
 int pounce_moe_check_device_errors(pounce_moe* layer) {
   return guarded([&] { layer_of(layer).check_device_errors(); });
 }
