@@ -65,8 +65,8 @@ static std::string likely_cause(const DeviceErrorRecord& r) {
     case WaitTarget::kRingSlotFree:
     case WaitTarget::kGemm1Done:
     case WaitTarget::kGemm2Done:
-      out << "rank " << r.rank << "'s pipeline stopped moving (its communication or GEMM CTAs stalled): a kernel "
-          << "fault, or CTAs that never ran";
+      out << "rank " << r.rank << "'s pipeline stopped: token rows it waits for never arrived (a source rank, or "
+          << "this rank's communication CTAs, stalled or failed in this forward), or one of its GEMM CTAs stopped";
       break;
     case WaitTarget::kRankBarrier:
       out << "not every CTA of rank " << r.rank << " reached a barrier: the forward's CTAs were not all running "
