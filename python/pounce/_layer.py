@@ -64,7 +64,7 @@ class Layer:
         self.key = next(_keys)
         _layers[self.key] = self
         self._device = None
-        self._tokens_per_rank = 0  # what the C++ layer was sized for
+        self._sized_for = 0  # what the C++ layer was sized for
         self._weights = None  # (w13, w2) pointers last handed to it
 
     @staticmethod
@@ -112,7 +112,7 @@ class Layer:
                     ctypes.byref(config), ctypes.byref(options), unique_id[0], self.rank, ctypes.byref(handle)
                 )
             )
-        self._handle, self._device, self._tokens_per_rank, self._weights = handle, device, tokens_per_rank, None
+        self._handle, self._device, self._sized_for, self._weights = handle, device, tokens_per_rank, None
 
     def _group_max(self, tokens: int, device: torch.device) -> int:
         count = torch.tensor([tokens], dtype=torch.int64, device=device)
@@ -122,7 +122,7 @@ class Layer:
     def _ensure(self, tokens: int, device: torch.device) -> None:
         """Makes the C++ layer on `device` with room for `tokens` tokens, unless it has it already."""
         need = self._tokens_per_rank(tokens)
-        if self._handle is not None and self._device == device and need <= self._tokens_per_rank:
+        if self._handle is not None and self._device == device and need <= self._sized_for:
             return
         if torch.cuda.is_current_stream_capturing():
             raise Error(
@@ -137,7 +137,7 @@ class Layer:
         else:
             if self._handle is not None:
                 raise Error(
-                    f"pounce: this rank has {tokens} tokens, above the {self._tokens_per_rank} the layer was made "
+                    f"pounce: this rank has {tokens} tokens, above the {self._sized_for} the layer was made "
                     "for; across GPUs every rank keeps the same size: pass max_tokens to the MoE"
                 )
             size = self.max_tokens or self._group_max(tokens, device)
@@ -233,7 +233,7 @@ class Layer:
         _lib.check(_lib.library().pounce_moe_get_info(self._handle, ctypes.byref(info)))
         result = {name: getattr(info, name) for name, _ in _lib.Info._fields_}
         result["in_place"] = bool(result["in_place"])
-        result["max_tokens_per_rank"] = self._tokens_per_rank
+        result["max_tokens_per_rank"] = self._sized_for
         return result
 
     def close(self) -> None:
