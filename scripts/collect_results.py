@@ -11,7 +11,7 @@ import pathlib
 import re
 
 JSONS = ["bench-uniform", "bench-zipf", "torch", "copy", "dispatch", "ep"]
-LOGS = ["pounce_tests_gpu", "pounce_experiment_tests", "sanitizer", "bench", "copy", "dispatch", "ep"]
+LOGS = ["pounce_tests_gpu", "pounce_experiment_tests", "pytest", "sanitizer", "bench", "copy", "dispatch", "ep"]
 
 
 def scrub(text):
@@ -49,6 +49,10 @@ def main():
         path = args.outdir / f"{suite}.log"
         if path.exists():
             doc["tests"][suite] = test_summary(path.read_text())
+    pytest_log = args.outdir / "pytest.log"
+    if pytest_log.exists():
+        lines = pytest_log.read_text().strip().splitlines()
+        doc["tests"]["pytest"] = lines[-1] if lines else ""
     sanitizer = args.outdir / "sanitizer.log"
     if sanitizer.exists():
         text = sanitizer.read_text()
