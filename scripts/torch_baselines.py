@@ -7,7 +7,10 @@
   - a loop of per-expert torch.mm (cuBLAS) for each GEMM: the same loop pounce_bench times as
     "cublas_loop", so pounce / torch._grouped_mm can be read through a reference that does the same work,
     each ratio measured interleaved in its own process;
-  - torch.matmul 8192^3 bf16 as this process's dense ceiling.
+  - torch.matmul 8192^3 bf16 as this process's dense ceiling;
+  - when the pounce package imports (from python/ over build/bin/libpounce.so, or installed), pounce's
+    layer (pounce.moe) forward and forward + backward against the eager MoE's, in this same process and
+    interleaved: the same-process speed-ups.
 CUDA events, warm-up, median of repetitions, as pounce_bench does. Under sustained load the H200 sits at
 its power cap and lowers its clocks, so each shape's measurements are interleaved with the dense GEMM
 (as pounce_bench interleaves its own): compare fractions of the interleaved dense rate across the two.
@@ -23,8 +26,20 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+try:  # the checkout's package over its build, else an installed one
+    if (ROOT / "build" / "bin" / "libpounce.so").exists():
+        os.environ.setdefault("POUNCE_LIBRARY", str(ROOT / "build" / "bin" / "libpounce.so"))
+        sys.path.insert(0, str(ROOT / "python"))
+    import pounce  # noqa: E402
+except ImportError:
+    pounce = None
 
 BLOCK_M = 128
 
@@ -89,6 +104,51 @@ def check_eager_moe():
     return err
 
 
+def same_process(x, ids, w, w13, w2, I, dense, args):
+    """pounce.moe and the eager MoE, forward and forward + backward (gradients of x, the router weights,
+    w13 and w2), interleaved with each other and the dense GEMM in this process. FLOPs: 6 routes H I
+    forward, 12 routes H I backward."""
+    layer = pounce.Layer(x.shape[1], I, w13.shape[0], ids.shape[1])
+    dy = torch.randn_like(x)
+    leaves = [t.detach().requires_grad_() for t in (x, w, w13, w2)]
+
+    def pounce_forward():
+        return pounce.moe(x, ids, w, w13, w2, layer=layer)
+
+    def eager_forward():
+        return eager_moe(x, ids, w, w13, w2, I)
+
+    def pounce_train():
+        for t in leaves:
+            t.grad = None  # fresh gradients each time: no accumulation pass timed
+        xx, ww, a, b = leaves
+        pounce.moe(xx, ids, ww, a, b, layer=layer).backward(dy)
+
+    def eager_train():
+        for t in leaves:
+            t.grad = None
+        xx, ww, a, b = leaves
+        eager_moe(xx, ids, ww, a, b, I).backward(dy)
+
+    with torch.no_grad():
+        err = (pounce_forward().float() - eager_forward().float()).norm() / eager_forward().float().norm()
+    pf, ef, pt, et, dn = time_interleaved([pounce_forward, eager_forward, pounce_train, eager_train, dense],
+                                          args.warmup, args.reps)
+    layer.check_device_errors()
+    flops = 6 * x.shape[0] * ids.shape[1] * x.shape[1] * I
+    for t, f in ((pf, flops), (ef, flops), (pt, 3 * flops), (et, 3 * flops)):
+        t["tflops"] = f / (t["median_ms"] * 1e-3) / 1e12
+    out = {"pounce_forward": pf, "eager_forward": ef, "pounce_forward_backward": pt, "eager_forward_backward": et,
+           "forward_speedup": ef["median_ms"] / pf["median_ms"],
+           "forward_backward_speedup": et["median_ms"] / pt["median_ms"],
+           "y_relative_l2_pounce_vs_eager": float(err), "dense_ms": dn["median_ms"]}
+    print(f"  same process: pounce forward {pf['median_ms']:.3f} ms, eager {ef['median_ms']:.3f} ms "
+          f"({out['forward_speedup']:.2f}x); forward + backward pounce {pt['median_ms']:.3f} ms, eager "
+          f"{et['median_ms']:.3f} ms ({out['forward_backward_speedup']:.2f}x); y relative L2 {err:.2e}", flush=True)
+    layer.close()
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--bench-json", required=True)
@@ -150,9 +210,12 @@ def main():
         g1["speedup_over_cublas_loop"] = l1["median_ms"] / g1["median_ms"]
         g2["speedup_over_cublas_loop"] = l2["median_ms"] / g2["median_ms"]
         del pool, hidden
-        shapes.append({"shape": s["shape"], "grouped_mm_gemm1_gate_up": g1, "grouped_mm_gemm2_down": g2,
-                       "cublas_loop_gemm1_gate_up": l1, "cublas_loop_gemm2_down": l2,
-                       "eager_forward": fwd, "interleaved_dense_tflops": dense_rate})
+        entry = {"shape": s["shape"], "grouped_mm_gemm1_gate_up": g1, "grouped_mm_gemm2_down": g2,
+                 "cublas_loop_gemm1_gate_up": l1, "cublas_loop_gemm2_down": l2,
+                 "eager_forward": fwd, "interleaved_dense_tflops": dense_rate}
+        if pounce is not None:
+            entry["same_process"] = same_process(x, ids, w, w13, w2, I, dense, args)
+        shapes.append(entry)
         print(f"{s['shape']:18s} _grouped_mm GEMM1 {g1['median_ms']:7.3f} ms {g1['tflops']:6.1f} TFLOP/s "
               f"({g1['fraction_of_interleaved_dense']:.3f} of dense, {g1['speedup_over_cublas_loop']:.3f}x cuBLAS loop) | "
               f"GEMM2 {g2['median_ms']:7.3f} ms {g2['tflops']:6.1f} ({g2['fraction_of_interleaved_dense']:.3f}, "
