@@ -81,6 +81,8 @@ def main():
               f"{um / fm:.2f}x / {udm / fm:.2f}x | {gemms_ms} | {best / fm:.2f}x | "
               f"{via_dense} | {via_loop} | {l2:.1e} |")
 
+    backward_table(bench, torch)
+
     for s in bench["shapes"]:
         if "fused_sweeps" not in s:
             continue
@@ -98,6 +100,41 @@ def main():
                     continue
                 ms = e["timing"]["median_ms"]
                 print(f"| {name} | {e['impl']} | {ms:.3f} | {e['tflops']:.0f} | {e['tflops'] / dense:.3f} | {u / ms:.2f}x |")
+
+
+def backward_table(bench, torch):
+    """The backward (pounce's chain on one GPU) beside the fused forward, its GEMMs as fractions of the
+    dense GEMM timed beside them, and the same-process comparison with PyTorch when torch_baselines ran it."""
+    shapes = [s for s in bench["shapes"] if "backward" in s]
+    if not shapes:
+        return
+    print("\nBackward on one GPU (pounce's chain: it plans again and recomputes GEMM1; FLOPs 12 routes H I, the "
+          "recomputed GEMM not counted). GEMMs: TFLOP/s and fraction of the dense GEMM timed beside them:\n")
+    print("| shape | backward ms | TFLOP/s | of dense | fused forward ms | forward + backward ms | backward rate / "
+          "forward rate | GEMM1 again | dgrad down | dgrad gate/up | wgrad down | wgrad gate/up |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for s in shapes:
+        b, f = rows(s["backward"]), rows(s["forward"]).get("pounce_fused")
+        chain, dense = b["pounce backward chain"], b[DENSE]["tflops"]
+        bm = chain["timing"]["median_ms"]
+        fm = f["timing"]["median_ms"] if f else float("nan")
+        ratio = chain["tflops"] / f["tflops"] if f else float("nan")
+        g = rows(s["backward_gemms"])
+        gd = g[DENSE]["tflops"]
+        cells = [f"{e['tflops']:.0f} ({e['tflops'] / gd:.2f})" for e in s["backward_gemms"] if e["impl"] != DENSE]
+        print(f"| {s['shape']} | {bm:.3f} | {chain['tflops']:.0f} | {chain['tflops'] / dense:.3f} | {fm:.3f} | "
+              f"{fm + bm:.3f} | {ratio:.2f} | " + " | ".join(cells) + " |")
+    same = [(s["shape"], torch[s["shape"]]["same_process"]) for s in bench["shapes"]
+            if "same_process" in torch.get(s["shape"], {})]
+    if same:
+        print("\npounce.moe against the eager PyTorch MoE in one process (torch_baselines.py, interleaved):\n")
+        print("| shape | pounce forward ms | eager forward ms | speed-up | pounce forward + backward ms | "
+              "eager forward + backward ms | speed-up |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for shape, p in same:
+            print(f"| {shape} | {p['pounce_forward']['median_ms']:.3f} | {p['eager_forward']['median_ms']:.3f} | "
+                  f"{p['forward_speedup']:.2f}x | {p['pounce_forward_backward']['median_ms']:.3f} | "
+                  f"{p['eager_forward_backward']['median_ms']:.3f} | {p['forward_backward_speedup']:.2f}x |")
 
 
 if __name__ == "__main__":
