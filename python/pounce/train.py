@@ -494,7 +494,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="sequences per step")
     p.add_argument("--steps", type=int, default=150, help="timed steps")
     p.add_argument("--warmup-steps", type=int, default=10, help="training steps before the timed ones")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate, after a linear ramp")
+    p.add_argument("--lr", type=float, default=6e-4, help="AdamW's learning rate, after a linear ramp")
     p.add_argument("--lr-ramp", type=int, default=10, help="steps of the learning rate's linear ramp")
     p.add_argument("--balance-weight", type=float, default=0.01, help="weight of the load-balancing loss")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batches")
