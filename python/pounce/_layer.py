@@ -188,27 +188,25 @@ class Layer:
 
     def backward(self, dy, x, topk_ids, topk_weights, w13, w2):
         """(dx, d_topk_weights, dw13, dw2) of a forward on these inputs, by pounce's backward on the current
-        stream: no host synchronization. The weight gradients come out in w13's dtype."""
+        stream: no host synchronization. The op has checked every tensor (bf16 x, dy, w13 and w2, fp32
+        topk_weights), so the gradients take their inputs' dtypes."""
         tokens = x.shape[0]
         with torch.cuda.device(x.device):
             self._ensure(tokens, x.device)
             self.check_device_errors(synchronize=False)
             self._set_weights(w13, w2)
             dx = torch.empty_like(x)
-            d_topk_weights = torch.empty(topk_weights.shape, dtype=torch.float32, device=x.device)
-            bf16 = w13.dtype == torch.bfloat16
-            dw13 = torch.empty(w13.shape, dtype=w13.dtype if bf16 else torch.float32, device=x.device)
-            dw2 = torch.empty(w2.shape, dtype=w2.dtype if bf16 else torch.float32, device=x.device)
+            d_topk_weights = torch.empty_like(topk_weights)
+            dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)  # bf16, as the op's inputs are
             io = _lib.RankIO(x.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), tokens, 0)
             grads = _lib.RankGrads(dy.data_ptr(), dx.data_ptr(), d_topk_weights.data_ptr(), dw13.data_ptr(), dw2.data_ptr())
-            mode = _lib.WEIGHT_GRAD_BF16 if bf16 else _lib.WEIGHT_GRAD_F32
             stream = torch.cuda.current_stream(x.device).cuda_stream
             _lib.check(
                 _lib.library().pounce_moe_backward(
-                    self._handle, 1, ctypes.byref(io), ctypes.byref(grads), mode, stream
+                    self._handle, 1, ctypes.byref(io), ctypes.byref(grads), _lib.WEIGHT_GRAD_BF16, stream
                 )
             )
-        return dx, d_topk_weights.to(topk_weights.dtype), dw13.to(w13.dtype), dw2.to(w2.dtype)
+        return dx, d_topk_weights, dw13, dw2
 
     # ---- public --------------------------------------------------------------------------------------
 

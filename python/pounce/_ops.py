@@ -127,6 +127,10 @@ def moe_backward(
     synchronizes with the host (per-expert loop)."""
     owner = Layer.get(layer)
     if owner.runs_backward(x):
+        check_inputs(x, topk_ids, topk_weights, w13, w2, owner, pointers=True)
+        if dy.dtype != x.dtype or dy.shape != x.shape or not dy.is_contiguous() or dy.data_ptr() % 16 != 0:
+            raise Error(f"pounce.moe backward: dy must be a contiguous, 16-byte aligned {x.dtype} tensor shaped "
+                        f"like x {tuple(x.shape)}; got {dy.dtype} {tuple(dy.shape)}")
         return owner.backward(dy, x, topk_ids, topk_weights, w13, w2)
     T, k = topk_ids.shape
     token = torch.arange(T, device=x.device).repeat_interleave(k)  # route (t, k) -> t, routes in (t, k) order

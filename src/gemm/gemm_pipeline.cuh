@@ -99,10 +99,9 @@ struct GemmOperands {
   // MN-major: [k rows, m or n], box 64 x kBlockK.
   const CUtensorMap* a;
   const CUtensorMap* b;
-  // bf16 [rows, out cols], box kStoreBoxCols x kStoreBoxRows; or (c_3d) [experts, m, n] bf16 or fp32,
+  // bf16 [rows, out cols], box kStoreBoxCols x kStoreBoxRows; k-grouped: [experts, m, n] bf16 or fp32,
   // box 128 bytes x kStoreBoxRows x 1.
   const CUtensorMap* c;
-  bool c_3d;
   Epilogue epilogue;
   const float* row_scale;  // optional, indexed by C row
   // Optional per-m-block completion counters: each consumer adds 1 once its half of a tile is in global
@@ -179,12 +178,13 @@ __device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float lo, float h
 // acc[4j + {2,3}] (second row). With gate/up interleaved in groups of 8, chunk 2i is gate and chunk
 // 2i + 1 the matching up: SwiGLU needs no data exchange between threads.
 // Outputs leave in boxes one swizzle row (128 bytes) wide: 64 bf16 or 32 fp32 columns.
-template <Epilogue kEpilogue, bool kMayBeEmpty = false>
+// A k-grouped tile (kKGrouped) writes its expert's matrix of a 3-D C, and may have no K slices.
+template <Epilogue kEpilogue, bool kKGrouped = false>
 __device__ void store_tile(const float (&acc)[128], SharedStorage& s, const GemmOperands& op, const TileInfo& tile,
                            int consumer, int thread) {
   // A k-grouped tile without K slices (an expert without rows) stores zeros; its accumulators hold stale
   // values. Selecting here rather than clearing them first keeps ptxas from spilling (measured: ~3 KB).
-  const bool empty = kMayBeEmpty && tile.k_blocks == 0;
+  const bool empty = kKGrouped && tile.k_blocks == 0;
   const auto value = [&](int i) { return empty ? 0.0f : acc[i]; };
   constexpr bool kF32 = kEpilogue == Epilogue::kStoreF32 || kEpilogue == Epilogue::kAddF32;
   constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
@@ -241,9 +241,9 @@ __device__ void store_tile(const float (&acc)[128], SharedStorage& s, const Gemm
     ptx::named_barrier_sync(barrier, 128);
     if (thread == 0) {
       const int32_t col = tile.n_block * kOutCols + box * kBoxCols;
-      if (!op.c_3d)
+      if constexpr (!kKGrouped)
         ptx::tma_store_2d(op.c, s.c[consumer][store_slot], col, out_row);
-      else if (kEpilogue == Epilogue::kAddF32)
+      else if constexpr (kEpilogue == Epilogue::kAddF32)
         ptx::tma_reduce_add_3d(op.c, s.c[consumer][store_slot], col, out_row, tile.c_expert);
       else
         ptx::tma_store_3d(op.c, s.c[consumer][store_slot], col, out_row, tile.c_expert);

@@ -399,8 +399,20 @@ int64_t FusedLayer::device_bytes() const {
 }
 
 void FusedLayer::check_device_errors() {
-  if (backward_) backward_->check_device_errors();
-  if (!errors_.has_error()) return;
+  // The backward's record is read (and cleared) first, but raised only after the forward's has been
+  // handled: the forward's counters must be reset whichever of the two failed.
+  std::string backward_error;
+  if (backward_) {
+    try {
+      backward_->check_device_errors();
+    } catch (const Error& e) {
+      backward_error = e.what();
+    }
+  }
+  if (!errors_.has_error()) {
+    if (!backward_error.empty()) throw Error(backward_error);
+    return;
+  }
   // The record is read before anything else: after a trap the context is gone and every CUDA call fails.
   const std::string what = errors_.describe();
   const cudaError_t synced = cudaDeviceSynchronize();

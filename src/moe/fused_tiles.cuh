@@ -30,10 +30,8 @@ class FusedTiles {
     n_blocks_[0] = n_blocks(2 * p.intermediate);
     n_blocks_[1] = n_blocks(p.hidden);
     if (threadIdx.x == 0) {
-      ops[0] = {&maps.x_ring, &maps.w13[lr], &maps.h_ring_store, false, gemm::Epilogue::kSwiGLU,
-                nullptr,      rs.gemm1_done};
-      ops[1] = {&maps.h_ring_load,      &maps.w2[lr], &maps.out_ring_store, false,
-                gemm::Epilogue::kStore, nullptr,      rs.gemm2_done};
+      ops[0] = {&maps.x_ring, &maps.w13[lr], &maps.h_ring_store, gemm::Epilogue::kSwiGLU, nullptr, rs.gemm1_done};
+      ops[1] = {&maps.h_ring_load, &maps.w2[lr], &maps.out_ring_store, gemm::Epilogue::kStore, nullptr, rs.gemm2_done};
     }
   }
 
