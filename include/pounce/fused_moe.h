@@ -98,14 +98,23 @@ class FusedMoe {
   // it can be captured in a CUDA graph. Throws on bad host-visible input (shapes, null or misaligned
   // pointers, calls in the wrong order). Bad routing ids are found on the device: check_device_errors()
   // reports them, and y is left untouched.
-  void forward(std::span<const RankIO> ranks, cudaStream_t stream);
-  void forward(const RankIO& rank, cudaStream_t stream) { forward(std::span(&rank, 1), stream); }
+  // keep_for_backward (a training forward; one rank for now): the forward also keeps what its backward
+  // needs, the gate/up rows before SwiGLU (2I bf16 per routed row) beside its schedule and x rows, so
+  // that backward neither plans again nor recomputes GEMM1. The first such forward allocates them: run
+  // one before capturing a graph.
+  void forward(std::span<const RankIO> ranks, cudaStream_t stream, bool keep_for_backward = false);
+  void forward(const RankIO& rank, cudaStream_t stream, bool keep_for_backward = false) {
+    forward(std::span(&rank, 1), stream, keep_for_backward);
+  }
 
   // Enqueues the backward of a forward on the same inputs (the forward's RankIO, whose y is not read):
-  // dx, the router-weight gradients and the weight gradients of every rank on this GPU. Needs no state
-  // of the forward: it plans again and recomputes the gate/up rows. No host synchronization.
-  // Today it runs as a chain of pounce kernels, for one rank (config.ranks == 1); more ranks throw. The
-  // first backward allocates its buffers: run one before capturing a graph.
+  // dx, the router-weight gradients and the weight gradients of every rank on this GPU. No host
+  // synchronization. It starts from what the forward kept when that forward is the layer's latest, kept
+  // its rows, and ran on these same inputs and weights; otherwise it replays the forward's planning and
+  // GEMM1 (correct, slower: last_backward_replayed() says which ran). Inputs changed in place since
+  // their forward are not detected. Today it runs as a chain of pounce kernels, for one rank
+  // (config.ranks == 1); more ranks throw. The first backward allocates its buffers: run one before
+  // capturing a graph.
   void backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
                 cudaStream_t stream);
   void backward(const RankIO& forward_input, const RankGrads& grads, WeightGradOutput mode, cudaStream_t stream) {
@@ -130,6 +139,8 @@ class FusedMoe {
   // Device memory the layer allocated on this GPU (ring, schedule, counters, combine slots; after the
   // first backward, the backward's buffers too), weights and the caller's tensors not included.
   int64_t device_bytes() const;
+  // Whether the latest backward had to replay its forward (nothing kept for it; see backward()).
+  bool last_backward_replayed() const;
 
  private:
   friend struct moe::LayerTesting;

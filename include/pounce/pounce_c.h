@@ -15,7 +15,7 @@ extern "C" {
 #endif
 
 /* Raised whenever a struct below changes layout; bindings compare it with pounce_abi_version(). */
-#define POUNCE_C_ABI_VERSION 2
+#define POUNCE_C_ABI_VERSION 3
 #define POUNCE_NCCL_UNIQUE_ID_BYTES 128
 
 enum {
@@ -81,6 +81,7 @@ typedef struct pounce_moe_info {
   int64_t max_m_blocks;
   int64_t device_bytes; /* device memory the layer allocated on this GPU (not weights, not the caller's tensors) */
   int32_t in_place;     /* 1: one rank whose ring holds every routed row, nothing is combined */
+  int32_t last_backward_replayed; /* 1: the latest backward found nothing kept and replayed its forward */
 } pounce_moe_info;
 
 typedef struct pounce_moe pounce_moe; /* a layer: pounce::FusedMoe, and the NCCL communicator it owns, if any */
@@ -110,8 +111,9 @@ int pounce_moe_create_nccl(const pounce_config* config, const pounce_options* op
 int pounce_moe_set_weights(pounce_moe* layer, int n, const void* const* w13, const void* const* w2);
 
 /* Enqueues one forward of the n = ranks_on_this_gpu ranks on this GPU on `stream` (a cudaStream_t; NULL
- * is the default stream). No host synchronization. */
-int pounce_moe_forward(pounce_moe* layer, int n, const pounce_rank_io* ios, void* stream);
+ * is the default stream). No host synchronization. keep_for_backward = 1: a training forward, which keeps
+ * what its backward needs (pounce::FusedMoe::forward). */
+int pounce_moe_forward(pounce_moe* layer, int n, const pounce_rank_io* ios, int keep_for_backward, void* stream);
 
 /* Enqueues the backward of a forward on the same inputs (its pounce_rank_io, y unused) for the n ranks on
  * this GPU (pounce::FusedMoe::backward: one rank for now). `weight_grad_output` is a

@@ -162,8 +162,9 @@ class Layer:
 
     # ---- used by the ops -----------------------------------------------------------------------------
 
-    def forward(self, x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
-        """y = the MoE of x, enqueued on the current stream (the body of pounce::moe_forward)."""
+    def forward(self, x, topk_ids, topk_weights, w13, w2, keep: bool = False) -> torch.Tensor:
+        """y = the MoE of x, enqueued on the current stream (the body of pounce::moe_forward); `keep`: keep
+        the gate/up rows for this forward's backward (one rank only)."""
         tokens = x.shape[0]
         with torch.cuda.device(x.device):
             self._ensure(tokens, x.device)
@@ -179,7 +180,7 @@ class Layer:
                     _address(x, t0), _address(topk_ids, t0), _address(topk_weights, t0), t1 - t0, _address(y, t0)
                 )
             stream = torch.cuda.current_stream(x.device).cuda_stream
-            _lib.check(_lib.library().pounce_moe_forward(self._handle, self.virtual_ranks, ios, stream))
+            _lib.check(_lib.library().pounce_moe_forward(self._handle, self.virtual_ranks, ios, int(keep), stream))
         return y
 
     def runs_backward(self, x: torch.Tensor) -> bool:
@@ -231,6 +232,7 @@ class Layer:
         _lib.check(_lib.library().pounce_moe_get_info(self._handle, ctypes.byref(info)))
         result = {name: getattr(info, name) for name, _ in _lib.Info._fields_}
         result["in_place"] = bool(result["in_place"])
+        result["last_backward_replayed"] = bool(result["last_backward_replayed"])
         result["max_tokens_per_rank"] = self._sized_for
         return result
 

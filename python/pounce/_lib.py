@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 NCCL_UNIQUE_ID_BYTES = 128
 
 
@@ -77,6 +77,7 @@ class Info(ctypes.Structure):
         ("max_m_blocks", ctypes.c_int64),
         ("device_bytes", ctypes.c_int64),
         ("in_place", ctypes.c_int32),
+        ("last_backward_replayed", ctypes.c_int32),
     ]
 
 
@@ -94,7 +95,7 @@ _SIGNATURES = {
         ctypes.POINTER(_P),
     ],
     "pounce_moe_set_weights": [_P, ctypes.c_int, ctypes.POINTER(_P), ctypes.POINTER(_P)],
-    "pounce_moe_forward": [_P, ctypes.c_int, ctypes.POINTER(RankIO), _P],
+    "pounce_moe_forward": [_P, ctypes.c_int, ctypes.POINTER(RankIO), ctypes.c_int, _P],
     "pounce_moe_backward": [_P, ctypes.c_int, ctypes.POINTER(RankIO), ctypes.POINTER(RankGrads), ctypes.c_int, _P],
     "pounce_moe_check_device_errors": [_P],
     "pounce_moe_get_info": [_P, ctypes.POINTER(Info)],

@@ -45,16 +45,19 @@ def check_inputs(x, topk_ids, topk_weights, w13, w2, layer: Layer, *, pointers: 
 
 
 @torch.library.custom_op("pounce::moe_forward", mutates_args=())
-def moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, layer: int) -> Tensor:
+def moe_forward(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, layer: int, keep: bool = False
+) -> Tensor:
     """y [T, H] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), by the fused kernel on the
-    current CUDA stream."""
+    current CUDA stream. keep: a training forward; where pounce runs the backward (one rank on one GPU)
+    the layer keeps the gate/up rows for it, so the backward does not recompute them."""
     owner = Layer.get(layer)
     check_inputs(x, topk_ids, topk_weights, w13, w2, owner, pointers=True)
-    return owner.forward(x, topk_ids, topk_weights, w13, w2)
+    return owner.forward(x, topk_ids, topk_weights, w13, w2, keep=keep and owner.runs_backward(x))
 
 
 @moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w13, w2, layer):
+def _(x, topk_ids, topk_weights, w13, w2, layer, keep=False):
     check_inputs(x, topk_ids, topk_weights, w13, w2, Layer.get(layer), pointers=False)
     return torch.empty_like(x)
 
@@ -166,7 +169,7 @@ def _(dy, x, topk_ids, topk_weights, w13, w2, layer):
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w13, w2, layer = inputs
+    x, topk_ids, topk_weights, w13, w2, layer, _ = inputs
     ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2)
     ctx.layer = layer
 
@@ -176,7 +179,7 @@ def _backward(ctx, dy):
     dx, d_topk_weights, dw13, dw2 = torch.ops.pounce.moe_backward(
         dy.contiguous(), x, topk_ids, topk_weights, w13, w2, ctx.layer
     )
-    return dx, None, d_topk_weights, dw13, dw2, None
+    return dx, None, d_topk_weights, dw13, dw2, None, None
 
 
 moe_forward.register_autograd(_backward, setup_context=_setup_context)

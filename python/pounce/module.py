@@ -58,7 +58,9 @@ def moe(
             layer = _shared_layers[key] = Layer(*shape, group, virtual_ranks=virtual_ranks)
     if topk_ids.dtype == torch.int64:
         topk_ids = topk_ids.to(torch.int32)
-    return torch.ops.pounce.moe_forward(x, topk_ids, topk_weights, w13, w2, layer.key)
+    # A forward that autograd will differentiate keeps what its backward needs (the gate/up rows).
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2))
+    return torch.ops.pounce.moe_forward(x, topk_ids, topk_weights, w13, w2, layer.key, keep)
 
 
 class MoE(nn.Module):

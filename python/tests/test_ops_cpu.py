@@ -100,7 +100,7 @@ def test_c_errors_arrive_as_pounce_error_with_the_library_message():
     assert issubclass(pounce.Error, RuntimeError)
     lib = pounce._lib.library()
     with pytest.raises(pounce.Error, match="layer is NULL"):
-        pounce._lib.check(lib.pounce_moe_forward(None, 0, None, None))
+        pounce._lib.check(lib.pounce_moe_forward(None, 0, None, 0, None))
     with pytest.raises(pounce.Error, match="out is NULL"):
         pounce._lib.check(lib.pounce_moe_get_info(ctypes.c_void_p(), None))
     assert pounce._lib.default_options().wait_timeout_ns == 5_000_000_000

@@ -429,10 +429,12 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   }
 
   if (o.backward) {
-    // The backward on one GPU: pounce's chain (it plans again and recomputes GEMM1 from x; those FLOPs
-    // are not counted: backward FLOPs = 12 routes H I), and each of its GEMMs alone. Its dx is checked
-    // against its own first run on the same token set (the test suite checks the chain against the
-    // host reference; no GPU baseline of the backward exists yet).
+    // The backward on one GPU (FLOPs: 12 routes H I; a replay's GEMM1 is not counted), two ways:
+    //   kept:   the layer's backward after a training forward, from the rows that forward kept (its
+    //           schedule, its ring's x rows, the gate/up rows its GEMM1 stored): no planning, no GEMM1;
+    //   replay: pounce's backward chain alone, planning again and recomputing GEMM1 from x;
+    // then forward + backward both ways. dx is checked against the replay's first run on the same
+    // token set (the test suite checks both against the host reference).
     moe::BackwardChain chain(one_rank);
     std::vector<DeviceBuffer<__nv_bfloat16>> dy, dx_first;
     for (int i = 0; i < kSets; ++i) {
@@ -442,19 +444,64 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     }
     DeviceBuffer<__nv_bfloat16> dx(T * H);
     DeviceBuffer<float> d_topk(T * k), dw13(E * 2 * I * H), dw2(E * H * I);
-    const auto backward = [&](int set, __nv_bfloat16* into) {
+    const auto replay = [&](int set, __nv_bfloat16* into) {
       chain.run({x[set].data(), d_ids.data(), d_weights.data(), T, dy[set].data(), w13.data(), w2.data()},
-                {into, d_topk.data(), dw13.data(), dw2.data(), WeightGradOutput::kF32}, stream);
+                {into, d_topk.data(), dw13.data(), dw2.data(), WeightGradOutput::kF32}, nullptr, stream);
     };
-    for (int i = 0; i < kSets; ++i) backward(i, dx_first[i].data());
+    for (int i = 0; i < kSets; ++i) replay(i, dx_first[i].data());
+    const auto layer_backward = [&](int set) {
+      const RankIO io{x[set].data(), d_ids.data(), d_weights.data(), T, nullptr};
+      fused.backward(io, {dy[set].data(), dx.data(), d_topk.data(), dw13.data(), dw2.data()}, WeightGradOutput::kF32,
+                     stream);
+    };
+    const auto training_forward = [&](int set) {
+      const RankIO io{x[set].data(), d_ids.data(), d_weights.data(), T, y_fused.data()};
+      fused.forward(io, stream, /*keep_for_backward=*/true);
+    };
+    // The kept backward is timed on set 0 alone: what a forward keeps is valid until the next forward.
+    training_forward(0);
     const double routes = double(plan.routes), backward_flops = 12.0 * routes * double(H) * double(I);
-    const Output dx_check{
-        dx.data(), [&](int rep) { return dx_first[rep % kSets].data(); }, T, H, nullptr, "the chain's own first run"};
+    const auto dx_check = [&](const char* reference) {
+      return Output{dx.data(), [&](int rep) { return dx_first[rep % kSets].data(); }, T, H, nullptr, reference};
+    };
+    const Output dx_set0{dx.data(), [&](int) { return dx_first[0].data(); }, T, H, nullptr, "the replay's first run"};
     result["backward"] =
         compare(s.name, "backward", backward_flops,
-                {{"pounce backward chain", Role::kPounce, [&](int rep) { backward(rep % kSets, dx.data()); }, dx_check},
+                {{"pounce backward, replay (plans, recomputes GEMM1)", Role::kUnfused,
+                  [&](int rep) { replay(rep % kSets, dx.data()); }, dx_check("the replay's own first run")},
+                 {"pounce backward, from the kept forward", Role::kFused, [&](int) { layer_backward(0); }, dx_set0},
                  dense_reference},
                 o, dense_tflops, report, stream);
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (fused.last_backward_replayed())
+      report.failures.push_back(s.name + ", backward: the kept backward replayed (its forward was not the latest)");
+    const double forward_flops = 6.0 * routes * double(H) * double(I);
+    result["forward_backward"] = compare(s.name, "forward + backward", forward_flops + backward_flops,
+                                         {{"pounce fused forward + backward replay", Role::kUnfused,
+                                           [&](int rep) {
+                                             fused_forward(fused, rep % kSets, y_fused.data());
+                                             layer_backward(rep % kSets);
+                                           },
+                                           dx_check("the replay chain's first run")},
+                                          {"pounce fused training forward + backward from it", Role::kFused,
+                                           [&](int rep) {
+                                             training_forward(rep % kSets);
+                                             layer_backward(rep % kSets);
+                                           },
+                                           dx_check("the replay chain's first run")},
+                                          dense_reference},
+                                         o, dense_tflops, report, stream);
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (fused.last_backward_replayed())
+      report.failures.push_back(s.name + ", forward + backward: the training forward's backward replayed");
+    // Memory either way beyond the forward's own buffers: the kept gate/up rows, or the replay's x and
+    // gate/up rows (both hold the backward's other buffers alike).
+    const int64_t capacity = chain.capacity_rows();
+    result["backward_memory"] = {{"capacity_rows", capacity},
+                                 {"kept_bytes", capacity * 2 * I * 2},
+                                 {"replay_bytes", capacity * (H + 2 * I) * 2},
+                                 {"kept_bytes_per_token", double(capacity * 2 * I * 2) / double(T)},
+                                 {"layer_device_bytes", fused.device_bytes()}};
     std::vector<Candidate> gemms;
     const std::pair<const char*, moe::BackwardGemm> kinds[] = {
         {"GEMM1 again (gate/up)", moe::BackwardGemm::kGateUp},

@@ -163,7 +163,7 @@ int pounce_moe_set_weights(pounce_moe* layer, int n, const void* const* w13, con
   });
 }
 
-int pounce_moe_forward(pounce_moe* layer, int n, const pounce_rank_io* ios, void* stream) {
+int pounce_moe_forward(pounce_moe* layer, int n, const pounce_rank_io* ios, int keep_for_backward, void* stream) {
   return guarded([&] {
     pounce::FusedMoe& moe = layer_of(layer);
     POUNCE_REQUIRE(n >= 0 && (n == 0 || ios != nullptr), "forward: n = ", n, " with an array of n pounce_rank_io");
@@ -172,7 +172,7 @@ int pounce_moe_forward(pounce_moe* layer, int n, const pounce_rank_io* ios, void
       ranks[r] = {static_cast<const __nv_bfloat16*>(ios[r].x), ios[r].topk_ids, ios[r].topk_weights, ios[r].tokens,
                   static_cast<__nv_bfloat16*>(ios[r].y)};
     }
-    moe.forward(ranks, static_cast<cudaStream_t>(stream));
+    moe.forward(ranks, static_cast<cudaStream_t>(stream), keep_for_backward != 0);
   });
 }
 
@@ -216,7 +216,8 @@ int pounce_moe_get_info(const pounce_moe* layer, pounce_moe_info* out) {
             .ring_blocks = moe.ring_blocks(),
             .max_m_blocks = moe.max_m_blocks(),
             .device_bytes = moe.device_bytes(),
-            .in_place = moe.in_place() ? 1 : 0};
+            .in_place = moe.in_place() ? 1 : 0,
+            .last_backward_replayed = moe.last_backward_replayed() ? 1 : 0};
   });
 }
 

@@ -45,7 +45,7 @@ TEST(CApi, NullArgumentsAreNamed) {
   EXPECT_STREQ(pounce_last_error(), "config is NULL");
   EXPECT_EQ(pounce_moe_create(&config, nullptr, nullptr), POUNCE_ERROR);
   EXPECT_STREQ(pounce_last_error(), "out is NULL");
-  EXPECT_EQ(pounce_moe_forward(nullptr, 0, nullptr, nullptr), POUNCE_ERROR);
+  EXPECT_EQ(pounce_moe_forward(nullptr, 0, nullptr, 0, nullptr), POUNCE_ERROR);
   EXPECT_STREQ(pounce_last_error(), "layer is NULL");
   EXPECT_EQ(pounce_moe_set_weights(nullptr, 0, nullptr, nullptr), POUNCE_ERROR);
   EXPECT_EQ(pounce_moe_check_device_errors(nullptr), POUNCE_ERROR);
@@ -102,7 +102,7 @@ TEST(CApi, ValidConfigMakesALayerOrSaysWhyNot) {
   EXPECT_GT(info.device_bytes, 0);
   // Forward before set_weights, and a wrong rank count: named, and the layer stays usable.
   pounce_rank_io ios[2] = {};
-  EXPECT_EQ(pounce_moe_forward(layer, 2, ios, nullptr), POUNCE_ERROR);
+  EXPECT_EQ(pounce_moe_forward(layer, 2, ios, 0, nullptr), POUNCE_ERROR);
   EXPECT_THAT(pounce_last_error(), HasSubstr("call set_weights first"));
   const void* w[1] = {nullptr};
   EXPECT_EQ(pounce_moe_set_weights(layer, 1, w, w), POUNCE_ERROR);

@@ -55,6 +55,7 @@ struct TileInfo {
   int32_t m_block;   // index of the tile's completion counter (GemmOperands::done)
   int32_t k_blocks;  // K slices; 0 gives C = 0 (kAddF32: C unchanged)
   int32_t valid;     // 0: no more tiles (queue drained, or the producer gave up): consumers exit
+  int32_t keep_row;  // kSwiGLU with GemmOperands::keep: first row of the kept gate/up rows
 };
 
 // Every TMA tile starts on a 1024-byte boundary: the 128-byte swizzle pattern repeats every 8 rows
@@ -108,6 +109,9 @@ struct GemmOperands {
   // memory (so a finished m-block has kConsumerWarpgroups * n-blocks arrivals). Without them stores
   // stay asynchronous.
   uint32_t* done;
+  // kSwiGLU only, optional: bf16 [rows, n] (store box) that also receives the tile before SwiGLU, at
+  // TileInfo::keep_row: the gate/up rows a training forward keeps for the backward.
+  const CUtensorMap* keep;
 };
 
 // Waits inside the CTA must outlast the producer's readiness wait, which they may sit behind.
@@ -173,30 +177,38 @@ __device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float lo, float h
   ptx::st_shared_b32(addr + 4, __float_as_uint(hi));
 }
 
+// Where store_tile writes a tile: the C map (or the keep map), its first row and column, its expert
+// (3-D C only), and an optional per-row scale.
+struct StoreTarget {
+  const CUtensorMap* map;
+  const float* row_scale;
+  int32_t row, col, expert;
+};
+
 // Accumulator fragment of wgmma m64nN: warp w of the warpgroup holds rows 16w + lane/4 and that + 8;
 // for 8-column chunk j it holds columns 8j + 2*(lane%4) + {0,1} in acc[4j + {0,1}] (first row) and
 // acc[4j + {2,3}] (second row). With gate/up interleaved in groups of 8, chunk 2i is gate and chunk
 // 2i + 1 the matching up: SwiGLU needs no data exchange between threads.
 // Outputs leave in boxes one swizzle row (128 bytes) wide: 64 bf16 or 32 fp32 columns.
-// A k-grouped tile (kKGrouped) writes its expert's matrix of a 3-D C, and may have no K slices.
+// A k-grouped tile (kKGrouped) writes its expert's matrix of a 3-D C; `empty` (no K slices) stores zeros.
 template <Epilogue kEpilogue, bool kKGrouped = false>
-__device__ void store_tile(const float (&acc)[128], SharedStorage& s, const GemmOperands& op, const TileInfo& tile,
-                           int consumer, int thread) {
-  // A k-grouped tile without K slices (an expert without rows) stores zeros; its accumulators hold stale
-  // values. Selecting here rather than clearing them first keeps ptxas from spilling (measured: ~3 KB).
-  const bool empty = kKGrouped && tile.k_blocks == 0;
-  const auto value = [&](int i) { return empty ? 0.0f : acc[i]; };
+__device__ void store_tile(const float (&acc)[128], SharedStorage& s, const StoreTarget& to, bool empty, int consumer,
+                           int thread) {
+  const bool zeros = kKGrouped && empty;
+  const auto value = [&](int i) { return zeros ? 0.0f : acc[i]; };
   constexpr bool kF32 = kEpilogue == Epilogue::kStoreF32 || kEpilogue == Epilogue::kAddF32;
   constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
   constexpr int kBoxCols = kF32 ? 32 : kStoreBoxCols;
   constexpr int kBoxes = kOutCols / kBoxCols;
+  // Boxes alternate between the store slots; an even count leaves the next call starting on a free slot.
+  static_assert(kBoxes % kStoreSlots == 0, "a tile's boxes must fill whole rounds of the store slots");
   const int warp = thread / 32, lane = thread % 32;
   const int row = warp * 16 + lane / 4;  // within this consumer's 64 rows; the second row is row + 8
-  const int32_t out_row = tile.c_row + consumer * kRowsPerConsumer;
+  const int32_t out_row = to.row + consumer * kRowsPerConsumer;
   float scale_lo = 1.0f, scale_hi = 1.0f;
-  if (!kF32 && op.row_scale != nullptr) {
-    scale_lo = op.row_scale[out_row + row];
-    scale_hi = op.row_scale[out_row + row + 8];
+  if (!kF32 && to.row_scale != nullptr) {
+    scale_lo = to.row_scale[out_row + row];
+    scale_hi = to.row_scale[out_row + row + 8];
   }
   const uint32_t barrier = kEpilogueBarrierBase + consumer;
 
@@ -240,13 +252,13 @@ __device__ void store_tile(const float (&acc)[128], SharedStorage& s, const Gemm
     ptx::fence_proxy_async_shared();  // st.shared (generic proxy) before the TMA store reads (async proxy)
     ptx::named_barrier_sync(barrier, 128);
     if (thread == 0) {
-      const int32_t col = tile.n_block * kOutCols + box * kBoxCols;
+      const int32_t col = to.col + box * kBoxCols;
       if constexpr (!kKGrouped)
-        ptx::tma_store_2d(op.c, s.c[consumer][store_slot], col, out_row);
+        ptx::tma_store_2d(to.map, s.c[consumer][store_slot], col, out_row);
       else if constexpr (kEpilogue == Epilogue::kAddF32)
-        ptx::tma_reduce_add_3d(op.c, s.c[consumer][store_slot], col, out_row, tile.c_expert);
+        ptx::tma_reduce_add_3d(to.map, s.c[consumer][store_slot], col, out_row, to.expert);
       else
-        ptx::tma_store_3d(op.c, s.c[consumer][store_slot], col, out_row, tile.c_expert);
+        ptx::tma_store_3d(to.map, s.c[consumer][store_slot], col, out_row, to.expert);
       ptx::bulk_commit_group();
     }
   }
@@ -325,20 +337,30 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
     run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, stage, phase, pending_done, pipe_site, consumer, thread);
     if (thread == 0) release_done(pending_done);  // a tile of at most kDoneLagSlices K slices
 
+    const bool swiglu = kKind == TileKind::kForward && op.epilogue == Epilogue::kSwiGLU;
+    const StoreTarget to{op.c, op.row_scale, tile.c_row, tile.n_block * (swiglu ? kBlockN / 2 : kBlockN),
+                         tile.c_expert};
     if constexpr (kKind == TileKind::kForward) {
-      if (op.epilogue == Epilogue::kSwiGLU)
-        store_tile<Epilogue::kSwiGLU>(acc, s, op, tile, consumer, thread);
-      else
-        store_tile<Epilogue::kStore>(acc, s, op, tile, consumer, thread);
+      if (swiglu) {
+        store_tile<Epilogue::kSwiGLU>(acc, s, to, false, consumer, thread);
+        if (op.keep != nullptr)
+          store_tile<Epilogue::kStore>(acc, s, {op.keep, nullptr, tile.keep_row, tile.n_block * kBlockN, 0}, false,
+                                       consumer, thread);
+      } else {
+        store_tile<Epilogue::kStore>(acc, s, to, false, consumer, thread);
+      }
     } else if constexpr (kKind == TileKind::kDataGrad) {
-      store_tile<Epilogue::kStore>(acc, s, op, tile, consumer, thread);
+      store_tile<Epilogue::kStore>(acc, s, to, false, consumer, thread);
     } else {
+      // An expert without rows stores zeros; its accumulators hold stale values. Selecting in the store
+      // rather than clearing them first keeps ptxas from spilling (measured: ~3 KB).
+      const bool empty = tile.k_blocks == 0;
       if (op.epilogue == Epilogue::kAddF32)
-        store_tile<Epilogue::kAddF32, true>(acc, s, op, tile, consumer, thread);
+        store_tile<Epilogue::kAddF32, true>(acc, s, to, empty, consumer, thread);
       else if (op.epilogue == Epilogue::kStoreF32)
-        store_tile<Epilogue::kStoreF32, true>(acc, s, op, tile, consumer, thread);
+        store_tile<Epilogue::kStoreF32, true>(acc, s, to, empty, consumer, thread);
       else
-        store_tile<Epilogue::kStore, true>(acc, s, op, tile, consumer, thread);
+        store_tile<Epilogue::kStore, true>(acc, s, to, empty, consumer, thread);
     }
     if (thread == 0 && op.done != nullptr) pending_done = op.done + tile.m_block;
   }

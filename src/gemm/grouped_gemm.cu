@@ -75,7 +75,8 @@ class QueueTiles {
               n_block,
               m_block,
               k_blocks,
-              1};
+              1,
+              0};
       return true;
     } else {
       return next_m_grouped(tile, info);
@@ -100,7 +101,7 @@ class QueueTiles {
     const pipeline::OperandOrigin b = kKind == TileKind::kForward
                                           ? pipeline::OperandOrigin{t.expert * p_.n + t.n_block * kBlockN, 0}
                                           : pipeline::OperandOrigin{t.expert * p_.k, t.n_block * kBlockN};
-    info = {0, {t.m_block * kBlockM, 0}, b, t.m_block * kBlockM, 0, t.n_block, t.m_block, p_.k / kBlockK, 1};
+    info = {0, {t.m_block * kBlockM, 0}, b, t.m_block * kBlockM, 0, t.n_block, t.m_block, p_.k / kBlockK, 1, 0};
     return true;
   }
 
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                         const __grid_constant__ CUtensorMap c_map, const KernelParams p) {
   extern __shared__ uint8_t smem_raw[];
-  const GemmOperands op{&a_map, &b_map, &c_map, p.epilogue, p.row_scale, nullptr};
+  const GemmOperands op{&a_map, &b_map, &c_map, p.epilogue, p.row_scale, nullptr, nullptr};
   QueueTiles<kKind> tiles(p, op);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, pipeline::pipeline_timeout_ns(p.wait_timeout_ns)};
   pipeline::run_gemm_cta(pipeline::shared_storage(smem_raw), tiles, pipe_site, [] {});

@@ -15,6 +15,7 @@ struct FusedMaps {             // CUtensorMap is 64-byte aligned
   CUtensorMap h_ring_store;    // GEMM1 C [ring rows, I], store box
   CUtensorMap h_ring_load;     // GEMM2 A [ring rows, I], load box
   CUtensorMap out_ring_store;  // GEMM2 C [ring rows, H], store box
+  CUtensorMap gate_up_kept;    // GEMM1 before SwiGLU [launch ranks * capacity rows, 2I], store box (training)
   CUtensorMap w13[kMaxRanks];  // [launch rank]: GEMM1 B [E/P * 2I, H]
   CUtensorMap w2[kMaxRanks];   // [launch rank]: GEMM2 B [E/P * H, I]
 };

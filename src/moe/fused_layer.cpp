@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <optional>
 
 #include "common/device_pointer.h"
 #include "common/gpu.h"
@@ -224,7 +225,9 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   minibatch_starts_ = DeviceBuffer<int32_t>(L * (capacity_.max_m_blocks + 2));
   sizes_ = DeviceBuffer<planner::DeviceScheduleSizes>(L);
   topk_tables_ = DeviceBuffer<const int32_t*>(L * P);
-  route_row_ = DeviceBuffer<int32_t>(p.in_place ? config.max_tokens_per_rank * config.topk : 0);
+  // One rank: the row of every route, for the sums in place and for a kept forward's backward.
+  route_row_ = DeviceBuffer<int32_t>(P == 1 ? std::max<int64_t>(config.max_tokens_per_rank * config.topk, 1) : 0);
+  route_row_.fill_bytes(0);  // entries of routes a bad id left out stay inside the row buffers
   const CounterLayout layout{capacity_.max_m_blocks};
   counters_ = DeviceBuffer<uint32_t>(L * layout.words());
   const int64_t ring_rows = L * ring * kBlockM;
@@ -254,7 +257,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
     rs.gemm2_done = c + layout.gemm2_done();
     rs.combined = c + layout.combined();
     rs.control = c + layout.control();
-    rs.route_row = route_row_.data();  // in place only (one rank)
+    rs.route_row = route_row_.data();  // one rank only
   }
   CUDA_CHECK(cudaMemset(counters_.data(), 0, counters_.bytes()));
   epoch_ = DeviceBuffer<uint32_t>(1);
@@ -281,6 +284,7 @@ void FusedLayer::reset_counters() {
   CUDA_CHECK(cudaMemset(epoch_.data(), 0, epoch_.bytes()));
   CUDA_CHECK(cudaDeviceSynchronize());  // cleared before a forward on any stream reads them
   forwards_ = 0;
+  kept_from_ = {};
 }
 
 void FusedLayer::set_weights(std::span<const ExpertWeights> ranks) {
@@ -313,7 +317,7 @@ void FusedLayer::check_io(const RankIO& io, int r) const {
   require_device_tensor(io.y, T * H * 2, device_, "y", r);
 }
 
-void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream) {
+void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream, bool keep_for_backward) {
   POUNCE_REQUIRE(has_weights_, "FusedMoe::forward: call set_weights first");
   int device = -1;
   CUDA_CHECK(cudaGetDevice(&device));
@@ -366,8 +370,40 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream) {
       params_.peers.topk_ids[r] = io.topk_ids;
     }
   }
+  if (keep_for_backward) {
+    POUNCE_REQUIRE(config_.ranks == 1, "FusedMoe::forward: keep_for_backward with ", config_.ranks,
+                   " ranks; the backward runs one rank on one GPU for now");
+    if (gate_up_kept_.size() == 0) {
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+      POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone,
+                     "FusedMoe::forward: the first forward that keeps its rows for the backward allocates them, "
+                     "which a CUDA graph capture cannot: run one before capturing");
+      gate_up_kept_ = DeviceBuffer<__nv_bfloat16>(capacity_.max_padded_rows * 2 * config_.intermediate);
+      maps_.gate_up_kept =
+          gemm::make_bf16_tensor_map(gate_up_kept_.data(), 2 * config_.intermediate, capacity_.max_padded_rows,
+                                     gemm::kStoreBoxCols, gemm::kStoreBoxRows);
+    }
+  }
+  params_.keep_gate_up = keep_for_backward;
   ++forwards_;
+  kept_from_ = keep_for_backward ? KeptFrom{forwards_, ranks[0], weights_} : KeptFrom{};
   launch_fused_moe(params_, maps_, stream);
+}
+
+// What the latest forward kept, when it was a training forward on these inputs and the current weights.
+std::optional<KeptForward> FusedLayer::kept_forward_of(const RankIO& in) const {
+  const RankIO& kept = kept_from_.io;
+  if (kept_from_.forward == 0 || kept_from_.forward != forwards_ || kept.x != in.x || kept.topk_ids != in.topk_ids ||
+      kept.topk_weights != in.topk_weights || kept.tokens != in.tokens || kept_from_.weights.w13 != weights_.w13 ||
+      kept_from_.weights.w2 != weights_.w2)
+    return std::nullopt;
+  return KeptForward{expert_offsets_.data(),
+                     row_token_.data(),
+                     row_k_.data(),
+                     route_row_.data(),
+                     params_.in_place ? x_ring_.data() : nullptr,  // in place the ring holds every row, in order
+                     gate_up_kept_.data()};
 }
 
 void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads,
@@ -384,8 +420,10 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
   if (!backward_) backward_ = std::make_unique<BackwardChain>(config_);
   const RankIO& in = forward_inputs[0];
   const RankGrads& g = grads[0];
+  const std::optional<KeptForward> kept = kept_forward_of(in);
   backward_->run({in.x, in.topk_ids, in.topk_weights, in.tokens, g.dy, weights_.w13, weights_.w2},
-                 {g.dx, g.d_topk_weights, g.dw13, g.dw2, mode}, stream);
+                 {g.dx, g.d_topk_weights, g.dw13, g.dw2, mode}, kept ? &*kept : nullptr, stream);
+  last_backward_replayed_ = !kept;
 }
 
 int64_t FusedLayer::device_bytes() const {
@@ -393,7 +431,7 @@ int64_t FusedLayer::device_bytes() const {
   for (size_t b : {chunk_counts_.bytes(), expert_routes_.bytes(), expert_offsets_.bytes(), row_source_rank_.bytes(),
                    row_token_.bytes(), row_k_.bytes(), minibatch_starts_.bytes(), sizes_.bytes(), topk_tables_.bytes(),
                    route_row_.bytes(), counters_.bytes(), x_ring_.bytes(), h_ring_.bytes(), out_ring_.bytes(),
-                   peer_words_.bytes(), token_counts_.bytes(), slots_.bytes()})
+                   gate_up_kept_.bytes(), peer_words_.bytes(), token_counts_.bytes(), slots_.bytes()})
     bytes += int64_t(b);
   return bytes;
 }

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -45,7 +46,7 @@ class FusedLayer {
   ~FusedLayer();
 
   void set_weights(std::span<const ExpertWeights> ranks);
-  void forward(std::span<const RankIO> ranks, cudaStream_t stream);
+  void forward(std::span<const RankIO> ranks, cudaStream_t stream, bool keep_for_backward);
   void backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
                 cudaStream_t stream);
   void check_device_errors();
@@ -61,6 +62,7 @@ class FusedLayer {
   int64_t max_m_blocks() const { return capacity_.max_m_blocks; }
   int ranks_on_this_gpu() const { return params_.launch_ranks; }
   int64_t device_bytes() const;
+  bool last_backward_replayed() const { return last_backward_replayed_; }
 
   // Fault injection for tests (moe/layer_testing.h): this rank's CTAs move no rows.
   void stall_rank(int rank) { params_.stall_rank = rank; }
@@ -70,6 +72,7 @@ class FusedLayer {
   void check_io(const RankIO& io, int rank) const;
   static void check_same_config_on_every_rank(const EpConfig& config, const FusedMoeOptions& options, ncclComm_t comm);
   void reset_counters();
+  std::optional<KeptForward> kept_forward_of(const RankIO& in) const;
 
   EpConfig config_;
   planner::Capacity capacity_;
@@ -94,6 +97,16 @@ class FusedLayer {
   int64_t slot_elems_ = 0;                   // per rank: combine slots [T_max, k, H]; 0 in place (setup)
   std::unique_ptr<BackwardChain> backward_;  // made on the first backward
   ExpertWeights weights_{};                  // one rank's, for the backward
+  // A training forward's gate/up rows before SwiGLU, [capacity rows, 2I] (made by the first one), and
+  // which forward they belong to: the backward uses them only for the latest forward, on the same
+  // inputs and weights; otherwise it replays.
+  DeviceBuffer<__nv_bfloat16> gate_up_kept_;
+  struct KeptFrom {
+    uint32_t forward = 0;  // forwards_ at that forward; 0: nothing kept
+    RankIO io;
+    ExpertWeights weights;
+  } kept_from_;
+  bool last_backward_replayed_ = false;
   std::unique_ptr<comm::NcclWindow> window_;
   int64_t window_bytes_ = 0;
   __nv_bfloat16* window_x_[2][kMaxRanks] = {};  // [forward parity][rank]

@@ -16,7 +16,9 @@ FusedMoe::FusedMoe(FusedMoe&&) noexcept = default;
 FusedMoe& FusedMoe::operator=(FusedMoe&&) noexcept = default;
 
 void FusedMoe::set_weights(std::span<const ExpertWeights> ranks) { layer_->set_weights(ranks); }
-void FusedMoe::forward(std::span<const RankIO> ranks, cudaStream_t stream) { layer_->forward(ranks, stream); }
+void FusedMoe::forward(std::span<const RankIO> ranks, cudaStream_t stream, bool keep_for_backward) {
+  layer_->forward(ranks, stream, keep_for_backward);
+}
 void FusedMoe::backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
                         cudaStream_t stream) {
   layer_->backward(forward_inputs, grads, mode, stream);
@@ -33,5 +35,6 @@ int64_t FusedMoe::ring_blocks() const { return layer_->ring_blocks(); }
 bool FusedMoe::in_place() const { return layer_->in_place(); }
 int64_t FusedMoe::max_m_blocks() const { return layer_->max_m_blocks(); }
 int64_t FusedMoe::device_bytes() const { return layer_->device_bytes(); }
+bool FusedMoe::last_backward_replayed() const { return layer_->last_backward_replayed(); }
 
 }  // namespace pounce

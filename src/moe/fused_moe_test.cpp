@@ -8,6 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "baseline/cublas_moe.h"
@@ -643,36 +644,137 @@ TEST(FusedMoe, ExactZeroRouterWeights) {
     for (int64_t i = 0; i < H; ++i) ASSERT_EQ(y[7 * H + i] & 0x7FFF, 0) << "token 7 has only zero weights";
 }
 
-// The public backward, after a forward on the same layer, against the host reference: every gradient.
-// More ranks are refused by name (the backward runs one rank for now).
-TEST(FusedMoe, BackwardMatchesHostReference) {
+// The gradients of one backward of a one-rank layer, in host memory.
+struct Gradients {
+  std::vector<uint16_t> dx;
+  std::vector<float> d_topk, dw13, dw2;
+  bool operator==(const Gradients&) const = default;
+};
+
+// Runs the public backward of p's rank 0 on poisoned outputs and downloads what it wrote.
+Gradients run_backward(FusedMoe& layer, const Problem& p, const DeviceBuffer<uint16_t>& d_dy) {
+  const EpConfig& c = p.config;
+  const int64_t T = p.tokens[0], H = c.hidden, I = c.intermediate, E = c.experts, k = c.topk;
+  DeviceBuffer<uint16_t> d_dx(T * H);
+  DeviceBuffer<float> d_topk(T * k), dw13(E * 2 * I * H), dw2(E * H * I);
+  for (auto* b : {&d_topk, &dw13, &dw2}) b->fill_bytes(0xFF);
+  d_dx.fill_bytes(0xFF);
+  layer.backward(p.io()[0], {bf16(d_dy), bf16(d_dx), d_topk.data(), dw13.data(), dw2.data()}, WeightGradOutput::kF32,
+                 nullptr);
+  const cudaError_t synced = cudaDeviceSynchronize();
+  layer.check_device_errors();
+  CUDA_CHECK(synced);
+  return {d_dx.download(), d_topk.download(), dw13.download(), dw2.download()};
+}
+
+// Every gradient against the host reference: dx over the tensor and token by token, the router-weight
+// gradients, and each expert's weight gradients on their own (an expert nobody chose gets exact zeros).
+void expect_gradients(const Gradients& got, const reference::MoeGradients& want, const EpConfig& c) {
+  const int64_t H = c.hidden, I = c.intermediate;
+  std::vector<float> dx;
+  for (uint16_t b : got.dx) dx.push_back(formats::bf16_to_float(b));
+  if (!dx.empty()) {
+    EXPECT_LT(testing::relative_l2_error(dx, want.dx), 2e-2);
+    EXPECT_LT(testing::worst_token_error(dx, want.dx, H), 5e-2);
+    EXPECT_LT(testing::relative_l2_error(got.d_topk, want.d_topk_weights), 2e-2);
+  }
+  for (int64_t e = 0; e < c.experts; ++e) {
+    const auto slice = [](const auto& v, int64_t at, int64_t n) {
+      return std::vector(v.begin() + at, v.begin() + at + n);
+    };
+    const auto got13 = slice(got.dw13, e * 2 * I * H, 2 * I * H), got2 = slice(got.dw2, e * H * I, H * I);
+    const auto want13 = slice(want.dw13, e * 2 * I * H, 2 * I * H), want2 = slice(want.dw2, e * H * I, H * I);
+    if (std::all_of(want13.begin(), want13.end(), [](double v) { return v == 0; })) {
+      EXPECT_TRUE(std::all_of(got13.begin(), got13.end(), [](float v) { return v == 0; })) << "expert " << e;
+      continue;
+    }
+    EXPECT_LT(testing::relative_l2_error(got13, want13), 2e-2) << "dW13 of expert " << e;
+    EXPECT_LT(testing::relative_l2_error(got2, want2), 2e-2) << "dW2 of expert " << e;
+  }
+}
+
+class FusedMoeBackwardTest : public ::testing::TestWithParam<Case> {};
+
+// Training forwards and the backward from what they kept, against the host reference, on one layer
+// whose routing, inputs and router weights (some exactly zero) change every round; then the same
+// backward replayed (after a forward that kept nothing) must give the same bits.
+TEST_P(FusedMoeBackwardTest, FromKeptForwardMatchesReferenceAndReplay) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
-  Problem p = make_problem(rng, Case{1, 400, 256, 128, 8, 4, RoutingPattern::kZipf});
+  const Case c = GetParam();
+  Problem p = make_problem(rng, c);
+  FusedMoeOptions options;
+  if (c.ring_blocks == kMinRing) options.minibatch_rows = 128, options.ring_blocks = 2;
+  FusedMoe layer(p.config, options);
+  p.load_weights(layer);
+  const int64_t T = p.tokens[0], H = p.config.hidden, I = p.config.intermediate, E = p.config.experts,
+                k = p.config.topk;
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    if (round > 0) {
+      p.x[0] = testing::random_bf16_values(rng, T * H);
+      p.ids[0] = reference::synthetic_topk_ids(c.pattern, T, int(E), int(k), rng);
+      p.weights[0] = reference::synthetic_topk_weights(T, int(k), rng);
+      for (int64_t route = round; route < T * k; route += 3) p.weights[0][route] = 0.0f;
+      p.d_x[0].upload(testing::to_bf16_bits(p.x[0]));
+      p.d_ids[0].upload(p.ids[0]);
+      p.d_weights[0].upload(p.weights[0]);
+    }
+    const auto dy = testing::random_bf16_values(rng, T * H);
+    const DeviceBuffer<uint16_t> d_dy(testing::to_bf16_bits(dy));
+    const auto want = reference::moe_backward({T, H, I, E, k}, {p.x[0], p.ids[0], p.weights[0], p.w13, p.w2}, dy);
+
+    p.poison_outputs();
+    layer.forward(p.io()[0], nullptr, /*keep_for_backward=*/true);
+    const cudaError_t synced = cudaDeviceSynchronize();
+    layer.check_device_errors();
+    CUDA_CHECK(synced);
+    expect_matches(p.outputs(), reference_forward(p), H);
+    const Gradients kept = run_backward(layer, p, d_dy);
+    EXPECT_FALSE(layer.last_backward_replayed());
+    expect_gradients(kept, want, p.config);
+    // Again from the same kept rows: the backward does not consume them.
+    EXPECT_TRUE(run_backward(layer, p, d_dy) == kept);
+
+    layer.forward(p.io()[0], nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const Gradients replayed = run_backward(layer, p, d_dy);
+    EXPECT_TRUE(layer.last_backward_replayed());
+    EXPECT_TRUE(replayed == kept) << "the kept and the replayed backward differ";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(OneRank, FusedMoeBackwardTest,
+                         ::testing::Values(Case{1, 400, 256, 128, 8, 4, RoutingPattern::kZipf},
+                                           Case{1, 333, 384, 192, 16, 6, RoutingPattern::kUniform, kMinRing},
+                                           Case{1, 700, 256, 128, 8, 4, RoutingPattern::kOneExpert},
+                                           Case{1, 257, 128, 64, 16, 3, RoutingPattern::kHalfEmpty},
+                                           Case{1, 97, 128, 128, 16, 12, RoutingPattern::kUniform},  // k > 8
+                                           Case{1, 1, 128, 64, 4, 1, RoutingPattern::kUniform},
+                                           Case{1, 0, 128, 64, 4, 2, RoutingPattern::kUniform}),
+                         testing::NameFromPrintTo());
+
+// What the backward uses depends on the forward it follows: a later forward on other inputs makes the
+// backward of the earlier one replay (and still be right). A kept forward at more ranks, and a backward
+// at more ranks, are refused by name.
+TEST(FusedMoe, BackwardReplaysWhenItsForwardIsNotTheLatest) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, Case{1, 300, 256, 128, 8, 4, RoutingPattern::kZipf});
+  Problem other = make_problem(rng, Case{1, 200, 256, 128, 8, 4, RoutingPattern::kUniform});
   const int64_t T = p.tokens[0], H = p.config.hidden, I = p.config.intermediate, E = p.config.experts,
                 k = p.config.topk;
   FusedMoe layer(p.config);
   p.load_weights(layer);
-  run_and_expect_reference(layer, p);
-
   const auto dy = testing::random_bf16_values(rng, T * H);
-  const auto want = reference::moe_backward({T, H, I, E, k}, {p.x[0], p.ids[0], p.weights[0], p.w13, p.w2}, dy);
-  DeviceBuffer<uint16_t> d_dy(testing::to_bf16_bits(dy)), d_dx(T * H);
-  DeviceBuffer<float> d_topk(T * k), dw13(E * 2 * I * H), dw2(E * H * I);
-  for (auto* b : {&d_topk, &dw13, &dw2}) b->fill_bytes(0xFF);
-  d_dx.fill_bytes(0xFF);
-  const RankGrads grads{bf16(d_dy), bf16(d_dx), d_topk.data(), dw13.data(), dw2.data()};
-  layer.backward(p.io()[0], grads, WeightGradOutput::kF32, nullptr);
-  const cudaError_t synced = cudaDeviceSynchronize();
-  layer.check_device_errors();
-  CUDA_CHECK(synced);
-  std::vector<float> dx;
-  for (uint16_t b : d_dx.download()) dx.push_back(formats::bf16_to_float(b));
-  EXPECT_LT(testing::relative_l2_error(dx, want.dx), 2e-2);
-  EXPECT_LT(testing::worst_token_error(dx, want.dx, H), 5e-2);
-  EXPECT_LT(testing::relative_l2_error(d_topk.download(), want.d_topk_weights), 2e-2);
-  EXPECT_LT(testing::relative_l2_error(dw13.download(), want.dw13), 2e-2);
-  EXPECT_LT(testing::relative_l2_error(dw2.download(), want.dw2), 2e-2);
+  const DeviceBuffer<uint16_t> d_dy(testing::to_bf16_bits(dy));
+  layer.forward(p.io()[0], nullptr, /*keep_for_backward=*/true);
+  layer.forward(other.io()[0], nullptr, /*keep_for_backward=*/true);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const Gradients got = run_backward(layer, p, d_dy);
+  EXPECT_TRUE(layer.last_backward_replayed());
+  expect_gradients(got, reference::moe_backward({T, H, I, E, k}, {p.x[0], p.ids[0], p.weights[0], p.w13, p.w2}, dy),
+                   p.config);
 
   Problem two = make_problem(rng, Case{2, 40, 128, 64, 8, 2, RoutingPattern::kUniform});
   FusedMoe layer2(two.config);
@@ -681,13 +783,19 @@ TEST(FusedMoe, BackwardMatchesHostReference) {
   const std::vector<RankGrads> none(2);
   testing::expect_error([&] { layer2.backward(io, none, WeightGradOutput::kF32, nullptr); },
                         "the backward runs one rank on one GPU for now");
+  testing::expect_error([&] { layer2.forward(io, nullptr, /*keep_for_backward=*/true); },
+                        "keep_for_backward with 2 ranks");
 }
 
 // A forward and a backward captured once in a CUDA graph and replayed on new data in the same buffers:
 // every replay is a new forward (the forward number lives on the device), y matches the host reference
-// and the gradients are the bits a direct backward gives.
-TEST(FusedMoe, ForwardAndBackwardReplayInACudaGraph) {
+// and the gradients are the bits a direct backward gives. Both a training forward (the backward from
+// its kept rows) and a plain one (the backward replays it).
+class FusedMoeGraphTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(FusedMoeGraphTest, ForwardAndBackwardReplayInACudaGraph) {
   POUNCE_REQUIRE_HOPPER();
+  const bool keep = GetParam();
   auto rng = testing::fresh_rng();
   Problem p = make_problem(rng, Case{1, 300, 256, 128, 8, 4, RoutingPattern::kZipf});
   const int64_t T = p.tokens[0], H = p.config.hidden, I = p.config.intermediate, E = p.config.experts,
@@ -700,16 +808,17 @@ TEST(FusedMoe, ForwardAndBackwardReplayInACudaGraph) {
   const RankIO io = p.io()[0];
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  layer.forward(io, stream);  // the first backward allocates; neither may happen inside the capture
+  layer.forward(io, stream, keep);  // the first backward (and kept forward) allocates: not inside a capture
   layer.backward(io, grads, WeightGradOutput::kF32, stream);
   CUDA_CHECK(cudaStreamSynchronize(stream));
 
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  layer.forward(io, stream);
+  layer.forward(io, stream, keep);
   layer.backward(io, grads, WeightGradOutput::kF32, stream);
   CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  EXPECT_EQ(layer.last_backward_replayed(), !keep);
   CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 3; ++replay) {
     SCOPED_TRACE("replay " + std::to_string(replay));
@@ -726,9 +835,10 @@ TEST(FusedMoe, ForwardAndBackwardReplayInACudaGraph) {
     const auto graph_dx = d_dx.download();
     const auto graph_dw13 = dw13.download(), graph_dw2 = dw2.download();
     const auto graph_dtopk = d_topk.download();
-    layer.backward(io, grads, WeightGradOutput::kF32, stream);
+    layer.backward(io, grads, WeightGradOutput::kF32, stream);  // from the rows the replay kept, if it kept
     CUDA_CHECK(cudaStreamSynchronize(stream));
     layer.check_device_errors();
+    EXPECT_EQ(layer.last_backward_replayed(), !keep);
     EXPECT_EQ(d_dx.download(), graph_dx);
     EXPECT_EQ(d_topk.download(), graph_dtopk);
     EXPECT_EQ(dw13.download(), graph_dw13);
@@ -738,6 +848,9 @@ TEST(FusedMoe, ForwardAndBackwardReplayInACudaGraph) {
   CUDA_CHECK(cudaGraphDestroy(graph));
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
+
+INSTANTIATE_TEST_SUITE_P(Forwards, FusedMoeGraphTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Training" : "Plain"; });
 
 }  // namespace
 }  // namespace pounce::moe

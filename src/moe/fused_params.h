@@ -108,6 +108,9 @@ struct FusedParams {
   // 1: one rank whose ring holds every m-block. Nothing needs combining: the sums read GEMM2's rows in
   // the ring, and communication CTAs run GEMM tiles once every row is dispatched.
   int32_t in_place;
+  // 1: a training forward: GEMM1 also stores its tiles before SwiGLU (FusedMaps::gate_up_kept) for the
+  // backward, in schedule order.
+  int32_t keep_gate_up;
   __nv_bfloat16* x_ring;    // [launch_ranks * ring_blocks * 128, H]
   __nv_bfloat16* h_ring;    // [..., I]
   __nv_bfloat16* out_ring;  // [..., H]

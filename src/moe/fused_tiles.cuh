@@ -30,8 +30,15 @@ class FusedTiles {
     n_blocks_[0] = n_blocks(2 * p.intermediate);
     n_blocks_[1] = n_blocks(p.hidden);
     if (threadIdx.x == 0) {
-      ops[0] = {&maps.x_ring, &maps.w13[lr], &maps.h_ring_store, gemm::Epilogue::kSwiGLU, nullptr, rs.gemm1_done};
-      ops[1] = {&maps.h_ring_load, &maps.w2[lr], &maps.out_ring_store, gemm::Epilogue::kStore, nullptr, rs.gemm2_done};
+      ops[0] = {&maps.x_ring,
+                &maps.w13[lr],
+                &maps.h_ring_store,
+                gemm::Epilogue::kSwiGLU,
+                nullptr,
+                rs.gemm1_done,
+                p.keep_gate_up ? &maps.gate_up_kept : nullptr};
+      ops[1] = {&maps.h_ring_load, &maps.w2[lr], &maps.out_ring_store, gemm::Epilogue::kStore, nullptr,
+                rs.gemm2_done,     nullptr};
     }
   }
 
@@ -53,7 +60,9 @@ class FusedTiles {
     const int32_t n = gemm == 0 ? 2 * p_.intermediate : p_.hidden;
     const int32_t row = int32_t(ring_row(p_, lr_, m_block, 0));
     const int32_t k_blocks = (gemm == 0 ? p_.hidden : p_.intermediate) / kBlockK;
-    info = {gemm, {row, 0}, {expert * n + n_block * kBlockN, 0}, row, 0, n_block, m_block, k_blocks, 1};
+    // Kept gate/up rows sit in schedule order (the ring's rows are reused), one capacity of rows per rank.
+    const int32_t keep_row = int32_t(lr_ * p_.capacity_rows + int64_t(m_block) * kBlockM);
+    info = {gemm, {row, 0}, {expert * n + n_block * kBlockN, 0}, row, 0, n_block, m_block, k_blocks, 1, keep_row};
     return true;
   }
 

@@ -15,9 +15,7 @@ BackwardChain::BackwardChain(const EpConfig& config) : config_(config), planner_
   const int64_t H = config.hidden, I = config.intermediate;
   ids_table_ = DeviceBuffer<const int32_t*>(1);
   token_count_ = DeviceBuffer<int32_t>(1);
-  x_rows_ = DeviceBuffer<__nv_bfloat16>(rows_ * H);
   dy_rows_ = DeviceBuffer<__nv_bfloat16>(rows_ * H);
-  h13_ = DeviceBuffer<__nv_bfloat16>(rows_ * 2 * I);
   da_ = DeviceBuffer<__nv_bfloat16>(rows_ * I);
   dgu_ = DeviceBuffer<__nv_bfloat16>(rows_ * 2 * I);
   wa_ = DeviceBuffer<__nv_bfloat16>(rows_ * I);
@@ -28,7 +26,8 @@ BackwardChain::BackwardChain(const EpConfig& config) : config_(config), planner_
 
 BackwardChain::~BackwardChain() = default;
 
-void BackwardChain::run(const BackwardInputs& in, const BackwardOutputs& out, cudaStream_t stream) {
+void BackwardChain::run(const BackwardInputs& in, const BackwardOutputs& out, const KeptForward* kept,
+                        cudaStream_t stream) {
   const int64_t T = in.tokens, H = config_.hidden, I = config_.intermediate, E = config_.experts, k = config_.topk;
   POUNCE_REQUIRE(T >= 0 && T <= config_.max_tokens_per_rank, "MoE backward: ", T,
                  " tokens, outside [0, max_tokens_per_rank = ", config_.max_tokens_per_rank, "]");
@@ -48,21 +47,33 @@ void BackwardChain::run(const BackwardInputs& in, const BackwardOutputs& out, cu
   if (out.mode == WeightGradOutput::kBf16 && dw_scratch_.size() == 0)
     dw_scratch_ = DeviceBuffer<float>(E * 2 * I * H + E * H * I);
 
-  // Schedule, then every route's rows.
-  backward::set_plan_inputs(ids_table_.data(), token_count_.data(), in.topk_ids, int32_t(T), stream);
-  planner_.plan(0, ids_table_.data(), token_count_.data(), stream);
-  backward::gather_route_rows(in.x, in.dy, in.topk_weights, planner_.row_token(), planner_.row_k(), rows_, H, k,
-                              x_rows_.data(), dy_rows_.data(), row_weight_.data(), stream);
-
   last_in_ = in;
-  // GEMM1 again (the forward's gate/up rows before SwiGLU), then the data gradients.
-  gemm(BackwardGemm::kGateUp, nullptr, gemm::Epilogue::kStore, stream);
+  // A replay plans again, gathers the x rows and recomputes the gate/up rows in the chain's own buffers;
+  // a kept forward may still need its x rows gathered (its ring did not hold them all).
+  const bool gather_x = kept == nullptr || kept->x_rows == nullptr;
+  if (gather_x && x_rows_.size() == 0) x_rows_ = DeviceBuffer<__nv_bfloat16>(rows_ * H);
+  if (kept == nullptr && h13_.size() == 0) h13_ = DeviceBuffer<__nv_bfloat16>(rows_ * 2 * I);
+  if (kept != nullptr) {
+    rows_in_use_ = *kept;
+  } else {
+    backward::set_plan_inputs(ids_table_.data(), token_count_.data(), in.topk_ids, int32_t(T), stream);
+    planner_.plan(0, ids_table_.data(), token_count_.data(), stream);
+    rows_in_use_ = {
+        planner_.expert_offsets(), planner_.row_token(), planner_.row_k(), planner_.route_row(), nullptr, h13_.data()};
+  }
+  if (gather_x) rows_in_use_.x_rows = x_rows_.data();
+  const KeptForward& f = rows_in_use_;
+  // Every route's dy rows and router weights.
+  backward::gather_route_rows(in.x, in.dy, in.topk_weights, f.row_token, f.row_k, rows_, H, k,
+                              gather_x ? x_rows_.data() : nullptr, dy_rows_.data(), row_weight_.data(), stream);
+
+  if (kept == nullptr) gemm(BackwardGemm::kGateUp, nullptr, gemm::Epilogue::kStore, stream);
   gemm(BackwardGemm::kDataDown, nullptr, gemm::Epilogue::kStore, stream);
-  backward::swiglu_backward_rows(h13_.data(), da_.data(), row_weight_.data(), rows_, I, dgu_.data(), wa_.data(),
+  backward::swiglu_backward_rows(f.gate_up_rows, da_.data(), row_weight_.data(), rows_, I, dgu_.data(), wa_.data(),
                                  route_dot_.data(), stream);
   gemm(BackwardGemm::kDataGateUp, nullptr, gemm::Epilogue::kStore, stream);
-  backward::combine_gradients(dx_rows_.data(), route_dot_.data(), planner_.route_row(), T, k, H, out.dx,
-                              out.d_topk_weights, stream);
+  backward::combine_gradients(dx_rows_.data(), route_dot_.data(), f.route_row, T, k, H, out.dx, out.d_topk_weights,
+                              stream);
 
   // Weight gradients: reductions over each expert's rows, in fp32 (bf16 output converts afterwards).
   const bool bf16 = out.mode == WeightGradOutput::kBf16;
@@ -88,6 +99,8 @@ int64_t BackwardChain::device_bytes() const {
 
 void BackwardChain::run_gemm(BackwardGemm which, cudaStream_t stream) {
   POUNCE_REQUIRE(last_in_.w13 != nullptr, "MoE backward: run_gemm needs an earlier run()");
+  POUNCE_REQUIRE(which != BackwardGemm::kGateUp || h13_.size() > 0,
+                 "MoE backward: GEMM1 again needs an earlier replay (a run without a kept forward)");
   const int64_t E = config_.experts, H = config_.hidden, I = config_.intermediate;
   if (dw_scratch_.size() == 0) dw_scratch_ = DeviceBuffer<float>(E * 2 * I * H + E * H * I);
   gemm(which, dw_scratch_.data(), gemm::Epilogue::kStoreF32, stream);
@@ -95,7 +108,7 @@ void BackwardChain::run_gemm(BackwardGemm which, cudaStream_t stream) {
 
 void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue epilogue, cudaStream_t stream) {
   const int64_t E = config_.experts, H = config_.hidden, I = config_.intermediate;
-  const int32_t* offsets = planner_.expert_offsets();
+  const int32_t* offsets = rows_in_use_.expert_offsets;
   const auto m_grouped = [&](const __nv_bfloat16* a, const __nv_bfloat16* b, gemm::Major b_major, int64_t n, int64_t k,
                              __nv_bfloat16* c) {
     gemm::GroupedGemmArgs g;
@@ -125,7 +138,7 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
   };
   switch (which) {
     case BackwardGemm::kGateUp:
-      return m_grouped(x_rows_.data(), last_in_.w13, gemm::Major::kK, 2 * I, H, h13_.data());
+      return m_grouped(rows_in_use_.x_rows, last_in_.w13, gemm::Major::kK, 2 * I, H, h13_.data());
     case BackwardGemm::kDataDown:
       return m_grouped(dy_rows_.data(), last_in_.w2, gemm::Major::kMN, I, H, da_.data());
     case BackwardGemm::kDataGateUp:
@@ -133,7 +146,7 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
     case BackwardGemm::kWeightDown:
       return k_grouped(dy_rows_.data(), H, wa_.data(), I);
     case BackwardGemm::kWeightGateUp:
-      return k_grouped(dgu_.data(), 2 * I, x_rows_.data(), H);
+      return k_grouped(dgu_.data(), 2 * I, rows_in_use_.x_rows, H);
   }
 }
 

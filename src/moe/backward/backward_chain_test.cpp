@@ -98,7 +98,7 @@ TEST_P(BackwardChainTest, MatchesHostReference) {
   const auto run = [&] {
     for (auto* b : {&d_dw, &dw13, &dw2}) b->fill_bytes(0xFF);
     d_dx.fill_bytes(0xFF);
-    chain.run(in, out, nullptr);
+    chain.run(in, out, nullptr, nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
     chain.check_device_errors();
   };
@@ -135,7 +135,8 @@ TEST_P(BackwardChainTest, MatchesHostReference) {
   EXPECT_EQ(dw2.download(), g2);
   dw13.upload(g13);
   dw2.upload(g2);
-  chain.run(in, {out.dx, out.d_topk_weights, dw13.data(), dw2.data(), WeightGradOutput::kAccumulateF32}, nullptr);
+  chain.run(in, {out.dx, out.d_topk_weights, dw13.data(), dw2.data(), WeightGradOutput::kAccumulateF32}, nullptr,
+            nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   chain.check_device_errors();
   std::vector<float> twice13 = g13, twice2 = g2;
@@ -144,7 +145,7 @@ TEST_P(BackwardChainTest, MatchesHostReference) {
   EXPECT_EQ(dw13.download(), twice13) << "accumulating adds exactly the same gradient once more";
   EXPECT_EQ(dw2.download(), twice2);
   DeviceBuffer<uint16_t> b13(E * 2 * I * H), b2(E * H * I);
-  chain.run(in, {out.dx, out.d_topk_weights, b13.data(), b2.data(), WeightGradOutput::kBf16}, nullptr);
+  chain.run(in, {out.dx, out.d_topk_weights, b13.data(), b2.data(), WeightGradOutput::kBf16}, nullptr, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   chain.check_device_errors();
   EXPECT_LT(testing::relative_l2_error(bf16_floats(b13), g13), 1e-2);
@@ -169,9 +170,10 @@ TEST(BackwardChain, RejectsBadInputByName) {
   BackwardChain chain(config);
   DeviceBuffer<uint16_t> x(16 * 128);
   BackwardInputs in{bf16(x), nullptr, nullptr, 17, bf16(x), nullptr, nullptr};
-  testing::expect_error([&] { chain.run(in, {}, nullptr); }, "17 tokens, outside [0, max_tokens_per_rank = 16]");
+  testing::expect_error([&] { chain.run(in, {}, nullptr, nullptr); },
+                        "17 tokens, outside [0, max_tokens_per_rank = 16]");
   in.tokens = 4;
-  testing::expect_error([&] { chain.run(in, {}, nullptr); }, "rank 0's topk_ids is a null pointer");
+  testing::expect_error([&] { chain.run(in, {}, nullptr, nullptr); }, "rank 0's topk_ids is a null pointer");
   EpConfig two = config;
   two.ranks = 2;
   testing::expect_error([&] { BackwardChain bad(two); }, "it runs one rank on one GPU");

@@ -26,7 +26,7 @@ __global__ void gather_kernel(const uint4* x, const uint4* dy, const float* topk
     const int32_t t = row_token[r];
     if (threadIdx.x == 0) row_weight[r] = t >= 0 ? topk_weights[t * topk + row_k[r]] : 0.0f;
     for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
-      x_rows[r * vecs + v] = t >= 0 ? x[t * vecs + v] : zero;
+      if (x_rows != nullptr) x_rows[r * vecs + v] = t >= 0 ? x[t * vecs + v] : zero;
       dy_rows[r * vecs + v] = t >= 0 ? dy[t * vecs + v] : zero;
     }
   }

@@ -16,7 +16,8 @@ void set_plan_inputs(const int32_t** ids_table, int32_t* token_count, const int3
                      cudaStream_t stream);
 
 // For every schedule row r < rows: x_rows[r] = x[token], dy_rows[r] = dy[token], row_weight[r] =
-// topk_weights[token, k]; padding rows (token -1) and rows past the schedule get zeros.
+// topk_weights[token, k]; padding rows (token -1) and rows past the schedule get zeros. x_rows may be
+// null (the rows are there already: a kept forward's).
 void gather_route_rows(const __nv_bfloat16* x, const __nv_bfloat16* dy, const float* topk_weights,
                        const int32_t* row_token, const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk,
                        __nv_bfloat16* x_rows, __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream);
