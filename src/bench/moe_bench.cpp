@@ -488,13 +488,13 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                                          {{"pounce fused forward + backward replay", Role::kUnfused,
                                            [&](int rep) {
                                              fused_forward(fused, rep % kSets, y_fused.data());
-                                             layer_backward(rep % kSets);
+                                             layer_backward(rep % kSets, false);
                                            },
                                            dx_check("the replay chain's first run")},
                                           {"pounce fused training forward + backward from it", Role::kFused,
                                            [&](int rep) {
                                              training_forward(rep % kSets);
-                                             layer_backward(rep % kSets);
+                                             layer_backward(rep % kSets, true);
                                            },
                                            dx_check("the replay chain's first run")},
                                           dense_reference},
