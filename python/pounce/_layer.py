@@ -164,7 +164,7 @@ class Layer:
 
     def forward(self, x, topk_ids, topk_weights, w13, w2, keep: bool = False) -> torch.Tensor:
         """y = the MoE of x, enqueued on the current stream (the body of pounce::moe_forward); `keep`: keep
-        the gate/up rows for this forward's backward (one rank only)."""
+        the gate/up rows for this forward's backward (on one GPU)."""
         tokens = x.shape[0]
         with torch.cuda.device(x.device):
             self._ensure(tokens, x.device)
@@ -184,14 +184,16 @@ class Layer:
         return y
 
     def runs_backward(self, x: torch.Tensor) -> bool:
-        """Whether the C++ layer computes the backward of this input: one rank on one GPU, today."""
-        return x.is_cuda and self.group is None and self.virtual_ranks == 1
+        """Whether the C++ layer computes the backward of this input: on one GPU (one rank or virtual
+        ranks), today."""
+        return x.is_cuda and self.group is None
 
     def backward(self, dy, x, topk_ids, topk_weights, w13, w2):
         """(dx, d_topk_weights, dw13, dw2) of a forward on these inputs, by pounce's backward on the current
-        stream: no host synchronization. The op has checked every tensor (bf16 x, dy, w13 and w2, fp32
+        stream: no host synchronization. It starts from the rows the forward kept when that forward was this
+        layer's latest, on these tensors. The op has checked every tensor (bf16 x, dy, w13 and w2, fp32
         topk_weights), so the gradients take their inputs' dtypes."""
-        tokens = x.shape[0]
+        tokens, n = x.shape[0], self.virtual_ranks
         with torch.cuda.device(x.device):
             self._ensure(tokens, x.device)
             self.check_device_errors(synchronize=False)
@@ -199,13 +201,22 @@ class Layer:
             dx = torch.empty_like(x)
             d_topk_weights = torch.empty_like(topk_weights)
             dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)  # bf16, as the op's inputs are
-            io = _lib.RankIO(x.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), tokens, 0)
-            grads = _lib.RankGrads(dy.data_ptr(), dx.data_ptr(), d_topk_weights.data_ptr(), dw13.data_ptr(), dw2.data_ptr())
+            chunk = self._tokens_per_rank(tokens)
+            ios, grads = (_lib.RankIO * n)(), (_lib.RankGrads * n)()
+            dw13_ranks, dw2_ranks = dw13.chunk(n), dw2.chunk(n)
+            for r in range(n):
+                t0, t1 = min(r * chunk, tokens), min((r + 1) * chunk, tokens)
+                ios[r] = _lib.RankIO(_address(x, t0), _address(topk_ids, t0), _address(topk_weights, t0), t1 - t0, 0)
+                grads[r] = _lib.RankGrads(
+                    _address(dy, t0),
+                    _address(dx, t0),
+                    _address(d_topk_weights, t0),
+                    dw13_ranks[r].data_ptr(),
+                    dw2_ranks[r].data_ptr(),
+                )
             stream = torch.cuda.current_stream(x.device).cuda_stream
             _lib.check(
-                _lib.library().pounce_moe_backward(
-                    self._handle, 1, ctypes.byref(io), ctypes.byref(grads), _lib.WEIGHT_GRAD_BF16, stream
-                )
+                _lib.library().pounce_moe_backward(self._handle, n, ios, grads, _lib.WEIGHT_GRAD_BF16, stream)
             )
         return dx, d_topk_weights, dw13, dw2
 

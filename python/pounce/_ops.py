@@ -1,5 +1,5 @@
 """The custom ops: pounce::moe_forward (the fused kernel through the C ABI) and pounce::moe_backward
-(pounce's backward kernels at one rank on one GPU, otherwise PyTorch), with their fake (meta)
+(pounce's backward kernels on one GPU, across GPUs PyTorch), with their fake (meta)
 implementations and the autograd formula joining them.
 
 The layer is passed as an int, the key of a pounce Layer, so the ops stay opaque to torch.compile and
@@ -49,8 +49,8 @@ def moe_forward(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, layer: int, keep: bool = False
 ) -> Tensor:
     """y [T, H] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), by the fused kernel on the
-    current CUDA stream. keep: a training forward; where pounce runs the backward (one rank on one GPU)
-    the layer keeps the gate/up rows for it, so the backward does not recompute them."""
+    current CUDA stream. keep: a training forward; where pounce runs the backward (on one GPU) the layer
+    keeps the gate/up rows for it, so the backward does not recompute them."""
     owner = Layer.get(layer)
     check_inputs(x, topk_ids, topk_weights, w13, w2, owner, pointers=True)
     return owner.forward(x, topk_ids, topk_weights, w13, w2, keep=keep and owner.runs_backward(x))
@@ -63,9 +63,8 @@ def _(x, topk_ids, topk_weights, w13, w2, layer, keep=False):
 
 
 # ---- backward ----------------------------------------------------------------------------------------
-# One rank on one GPU: pounce's backward (libpounce: a chain of its kernels, no host synchronization).
-# Virtual ranks and process groups: the PyTorch backward below, until the fused backward kernel covers
-# them.
+# On one GPU (one rank or virtual ranks): pounce's backward (libpounce: a chain of its kernels, no host
+# synchronization). Process groups: the PyTorch backward below, until pounce's covers ranks across GPUs.
 
 
 def _split_w13_rows(gu: Tensor) -> Tuple[Tensor, Tensor]:
@@ -124,8 +123,8 @@ def _exchange(rows: Tensor, send: list, recv: list, group) -> Tensor:
 def moe_backward(
     dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, layer: int
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, d_topk_weights, dw13, dw2) of pounce::moe_forward. One rank on one GPU: pounce's backward
-    kernels. Otherwise in PyTorch with fp32 accumulation: across GPUs each route's x and dy rows travel
+    """(dx, d_topk_weights, dw13, dw2) of pounce::moe_forward. On one GPU: pounce's backward kernels.
+    Across GPUs in PyTorch with fp32 accumulation: across GPUs each route's x and dy rows travel
     to its expert's rank and its dx share and router-weight gradient back (all_to_all); this path
     synchronizes with the host (per-expert loop)."""
     owner = Layer.get(layer)

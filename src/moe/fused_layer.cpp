@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <optional>
 
 #include "common/device_pointer.h"
 #include "common/gpu.h"
@@ -302,7 +301,7 @@ void FusedLayer::set_weights(std::span<const ExpertWeights> ranks) {
     maps.w2[lr] = gemm::make_bf16_tensor_map(ranks[lr].w2, I, E * H, kBlockK, kBlockN);
   }
   maps_ = maps;
-  weights_ = ranks[0];
+  std::copy(ranks.begin(), ranks.end(), weights_.begin());
   has_weights_ = true;
 }
 
@@ -371,58 +370,90 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream, boo
     }
   }
   if (keep_for_backward) {
-    POUNCE_REQUIRE(config_.ranks == 1, "FusedMoe::forward: keep_for_backward with ", config_.ranks,
-                   " ranks; the backward runs one rank on one GPU for now");
+    POUNCE_REQUIRE(!window_ || config_.ranks == 1,
+                   "FusedMoe::forward: keep_for_backward on a layer across GPUs; its backward runs on one GPU "
+                   "(virtual ranks) for now");
     if (gate_up_kept_.size() == 0) {
       cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
       CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
       POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone,
                      "FusedMoe::forward: the first forward that keeps its rows for the backward allocates them, "
                      "which a CUDA graph capture cannot: run one before capturing");
-      gate_up_kept_ = DeviceBuffer<__nv_bfloat16>(capacity_.max_padded_rows * 2 * config_.intermediate);
-      maps_.gate_up_kept =
-          gemm::make_bf16_tensor_map(gate_up_kept_.data(), 2 * config_.intermediate, capacity_.max_padded_rows,
-                                     gemm::kStoreBoxCols, gemm::kStoreBoxRows);
+      const int64_t rows = L * capacity_.max_padded_rows;
+      gate_up_kept_ = DeviceBuffer<__nv_bfloat16>(rows * 2 * config_.intermediate);
+      maps_.gate_up_kept = gemm::make_bf16_tensor_map(gate_up_kept_.data(), 2 * config_.intermediate, rows,
+                                                      gemm::kStoreBoxCols, gemm::kStoreBoxRows);
     }
   }
   params_.keep_gate_up = keep_for_backward;
   ++forwards_;
-  kept_from_ = keep_for_backward ? KeptFrom{forwards_, ranks[0], weights_} : KeptFrom{};
+  kept_from_ = {};
+  if (keep_for_backward) {
+    kept_from_.forward = forwards_;
+    std::copy(ranks.begin(), ranks.end(), kept_from_.io.begin());
+    kept_from_.weights = weights_;
+  }
   launch_fused_moe(params_, maps_, stream);
 }
 
-// What the latest forward kept, when it was a training forward on these inputs and the current weights.
-std::optional<KeptForward> FusedLayer::kept_forward_of(const RankIO& in) const {
-  const RankIO& kept = kept_from_.io;
-  if (kept_from_.forward == 0 || kept_from_.forward != forwards_ || kept.x != in.x || kept.topk_ids != in.topk_ids ||
-      kept.topk_weights != in.topk_weights || kept.tokens != in.tokens || kept_from_.weights.w13 != weights_.w13 ||
-      kept_from_.weights.w2 != weights_.w2)
-    return std::nullopt;
-  return KeptForward{expert_offsets_.data(),
-                     row_token_.data(),
-                     row_k_.data(),
-                     route_row_.data(),
-                     params_.in_place ? x_ring_.data() : nullptr,  // in place the ring holds every row, in order
-                     gate_up_kept_.data()};
+// Whether the latest forward kept its rows, on these inputs and the current weights.
+bool FusedLayer::kept_forward_matches(std::span<const RankIO> inputs) const {
+  if (kept_from_.forward == 0 || kept_from_.forward != forwards_) return false;
+  for (size_t lr = 0; lr < inputs.size(); ++lr) {
+    const RankIO &kept = kept_from_.io[lr], &in = inputs[lr];
+    if (kept.x != in.x || kept.topk_ids != in.topk_ids || kept.topk_weights != in.topk_weights ||
+        kept.tokens != in.tokens || kept_from_.weights[lr].w13 != weights_[lr].w13 ||
+        kept_from_.weights[lr].w2 != weights_[lr].w2)
+      return false;
+  }
+  return true;
+}
+
+// What the latest forward kept for one rank of this launch: its schedule, its gate/up rows, and, in
+// place, its x rows (the ring holds every row, in schedule order).
+KeptForward FusedLayer::kept_rows(int lr) const {
+  const int64_t rows = capacity_.max_padded_rows, E = config_.local_experts();
+  return {expert_offsets_.data() + lr * (E + 1),
+          row_source_rank_.data() + lr * rows,
+          row_token_.data() + lr * rows,
+          row_k_.data() + lr * rows,
+          config_.ranks == 1 ? route_row_.data() : nullptr,
+          params_.in_place ? x_ring_.data() : nullptr,
+          gate_up_kept_.data() + lr * rows * 2 * config_.intermediate};
 }
 
 void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads,
                           WeightGradOutput mode, cudaStream_t stream) {
-  POUNCE_REQUIRE(config_.ranks == 1, "FusedMoe::backward: ", config_.ranks,
-                 " ranks; the backward runs one rank on one GPU for now");
+  POUNCE_REQUIRE(!window_ || config_.ranks == 1, "FusedMoe::backward: ", config_.ranks,
+                 " ranks across GPUs; the backward runs on one GPU (virtual ranks) for now");
   POUNCE_REQUIRE(has_weights_, "FusedMoe::backward: call set_weights first");
-  POUNCE_REQUIRE(forward_inputs.size() == 1 && grads.size() == 1, "FusedMoe::backward: got ", forward_inputs.size(),
-                 " ranks' forward inputs and ", grads.size(), " ranks' gradients, the layer has 1 rank");
+  const int L = params_.launch_ranks;
+  POUNCE_REQUIRE(int64_t(forward_inputs.size()) == L && int64_t(grads.size()) == L, "FusedMoe::backward: got ",
+                 forward_inputs.size(), " ranks' forward inputs and ", grads.size(),
+                 " ranks' gradients, the layer has ", L, L == 1 ? " rank" : " ranks");
   int device = -1;
   CUDA_CHECK(cudaGetDevice(&device));
   POUNCE_REQUIRE(device == device_, "FusedMoe::backward: the layer lives on GPU ", device_, ", the current device is ",
                  device, " (cudaSetDevice first)");
-  if (!backward_) backward_ = std::make_unique<BackwardChain>(config_);
-  const RankIO& in = forward_inputs[0];
-  const RankGrads& g = grads[0];
-  const std::optional<KeptForward> kept = kept_forward_of(in);
-  backward_->run({in.x, in.topk_ids, in.topk_weights, in.tokens, g.dy, weights_.w13, weights_.w2},
-                 {g.dx, g.d_topk_weights, g.dw13, g.dw2, mode}, kept ? &*kept : nullptr, stream);
+  if (!backward_) {
+    // More ranks: dx rows travel back through the forward's combine slots, free once it is done.
+    std::vector<__nv_bfloat16*> slots;
+    if (config_.ranks > 1) slots.assign(params_.peers.slots, params_.peers.slots + config_.ranks);
+    backward_ = std::make_unique<BackwardChain>(config_, slots);
+  }
+  std::vector<BackwardSource> sources(L);
+  for (int lr = 0; lr < L; ++lr) {
+    const RankIO& in = forward_inputs[lr];
+    const RankGrads& g = grads[lr];
+    sources[lr] = {in.x, in.topk_ids, in.topk_weights, in.tokens, g.dy, g.dx, g.d_topk_weights};
+  }
+  const bool kept = kept_forward_matches(forward_inputs);
+  for (int lr = 0; lr < L; ++lr) {
+    const KeptForward rows = kept_rows(lr);
+    const ExpertGradients experts{weights_[lr].w13, weights_[lr].w2, grads[lr].dw13, grads[lr].dw2, mode};
+    backward_->run(params_.first_rank + lr, sources, experts, kept ? &rows : nullptr, stream);
+  }
+  backward_->finish(sources, stream);
   last_backward_replayed_ = !kept;
 }
 

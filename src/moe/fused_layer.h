@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -72,7 +73,8 @@ class FusedLayer {
   void check_io(const RankIO& io, int rank) const;
   static void check_same_config_on_every_rank(const EpConfig& config, const FusedMoeOptions& options, ncclComm_t comm);
   void reset_counters();
-  std::optional<KeptForward> kept_forward_of(const RankIO& in) const;
+  bool kept_forward_matches(std::span<const RankIO> inputs) const;
+  KeptForward kept_rows(int launch_rank) const;
 
   EpConfig config_;
   planner::Capacity capacity_;
@@ -94,17 +96,17 @@ class FusedLayer {
   DeviceBuffer<uint32_t> peer_words_;  // per rank: arrivals [T_max], start flags [P]
   DeviceBuffer<int32_t> token_counts_;
   DeviceBuffer<__nv_bfloat16> slots_;
-  int64_t slot_elems_ = 0;                   // per rank: combine slots [T_max, k, H]; 0 in place (setup)
-  std::unique_ptr<BackwardChain> backward_;  // made on the first backward
-  ExpertWeights weights_{};                  // one rank's, for the backward
-  // A training forward's gate/up rows before SwiGLU, [capacity rows, 2I] (made by the first one), and
-  // which forward they belong to: the backward uses them only for the latest forward, on the same
-  // inputs and weights; otherwise it replays.
+  int64_t slot_elems_ = 0;                          // per rank: combine slots [T_max, k, H]; 0 in place (setup)
+  std::unique_ptr<BackwardChain> backward_;         // made on the first backward
+  std::array<ExpertWeights, kMaxRanks> weights_{};  // [launch rank], for the backward
+  // A training forward's gate/up rows before SwiGLU, [launch ranks * capacity rows, 2I] (made by the
+  // first one), and which forward they belong to: the backward uses them only for the latest forward,
+  // on the same inputs and weights; otherwise it replays.
   DeviceBuffer<__nv_bfloat16> gate_up_kept_;
   struct KeptFrom {
     uint32_t forward = 0;  // forwards_ at that forward; 0: nothing kept
-    RankIO io;
-    ExpertWeights weights;
+    std::array<RankIO, kMaxRanks> io{};
+    std::array<ExpertWeights, kMaxRanks> weights{};
   } kept_from_;
   bool last_backward_replayed_ = false;
   std::unique_ptr<comm::NcclWindow> window_;

@@ -644,27 +644,66 @@ TEST(FusedMoe, ExactZeroRouterWeights) {
     for (int64_t i = 0; i < H; ++i) ASSERT_EQ(y[7 * H + i] & 0x7FFF, 0) << "token 7 has only zero weights";
 }
 
-// The gradients of one backward of a one-rank layer, in host memory.
+// The gradients of one backward of every rank, in host memory, concatenated in rank order (tokens, and
+// experts: the whole layer's weight gradients).
 struct Gradients {
   std::vector<uint16_t> dx;
   std::vector<float> d_topk, dw13, dw2;
   bool operator==(const Gradients&) const = default;
 };
 
-// Runs the public backward of p's rank 0 on poisoned outputs and downloads what it wrote.
-Gradients run_backward(FusedMoe& layer, const Problem& p, const DeviceBuffer<uint16_t>& d_dy) {
+template <typename T>
+void append(std::vector<T>& to, const std::vector<T>& from) {
+  to.insert(to.end(), from.begin(), from.end());
+}
+
+// Runs the public backward of every rank of p on poisoned outputs and downloads what it wrote.
+Gradients run_backward(FusedMoe& layer, const Problem& p, const std::vector<DeviceBuffer<uint16_t>>& d_dy) {
   const EpConfig& c = p.config;
-  const int64_t T = p.tokens[0], H = c.hidden, I = c.intermediate, E = c.experts, k = c.topk;
-  DeviceBuffer<uint16_t> d_dx(T * H);
-  DeviceBuffer<float> d_topk(T * k), dw13(E * 2 * I * H), dw2(E * H * I);
-  for (auto* b : {&d_topk, &dw13, &dw2}) b->fill_bytes(0xFF);
-  d_dx.fill_bytes(0xFF);
-  layer.backward(p.io()[0], {bf16(d_dy), bf16(d_dx), d_topk.data(), dw13.data(), dw2.data()}, WeightGradOutput::kF32,
-                 nullptr);
+  const int P = c.ranks;
+  const int64_t H = c.hidden, I = c.intermediate, E = c.local_experts(), k = c.topk;
+  std::vector<DeviceBuffer<uint16_t>> dx;
+  std::vector<DeviceBuffer<float>> d_topk, dw13, dw2;
+  std::vector<RankGrads> grads;
+  for (int r = 0; r < P; ++r) {
+    const int64_t T = p.tokens[r];
+    dx.emplace_back(T * H);
+    d_topk.emplace_back(T * k);
+    dw13.emplace_back(E * 2 * I * H);
+    dw2.emplace_back(E * H * I);
+    for (auto* b : {&d_topk[r], &dw13[r], &dw2[r]}) b->fill_bytes(0xFF);
+    dx[r].fill_bytes(0xFF);
+    grads.push_back({bf16(d_dy[r]), bf16(dx[r]), d_topk[r].data(), dw13[r].data(), dw2[r].data()});
+  }
+  layer.backward(p.io(), grads, WeightGradOutput::kF32, nullptr);
   const cudaError_t synced = cudaDeviceSynchronize();
   layer.check_device_errors();
   CUDA_CHECK(synced);
-  return {d_dx.download(), d_topk.download(), dw13.download(), dw2.download()};
+  Gradients got;
+  for (int r = 0; r < P; ++r) {
+    append(got.dx, dx[r].download());
+    append(got.d_topk, d_topk[r].download());
+    append(got.dw13, dw13[r].download());
+    append(got.dw2, dw2[r].download());
+  }
+  return got;
+}
+
+// The host reference's gradients of every rank's tokens, concatenated in rank order.
+reference::MoeGradients reference_backward(const Problem& p, const std::vector<std::vector<float>>& dy) {
+  const EpConfig& c = p.config;
+  std::vector<float> x, weights, all_dy;
+  std::vector<int32_t> ids;
+  int64_t T = 0;
+  for (int r = 0; r < c.ranks; ++r) {
+    append(x, p.x[r]);
+    append(ids, p.ids[r]);
+    append(weights, p.weights[r]);
+    append(all_dy, dy[r]);
+    T += p.tokens[r];
+  }
+  return reference::moe_backward({T, c.hidden, c.intermediate, c.experts, c.topk}, {x, ids, weights, p.w13, p.w2},
+                                 all_dy);
 }
 
 // Every gradient against the host reference: dx over the tensor and token by token, the router-weight
@@ -707,25 +746,29 @@ TEST_P(FusedMoeBackwardTest, FromKeptForwardMatchesReferenceAndReplay) {
   if (c.ring_blocks == kMinRing) options.minibatch_rows = 128, options.ring_blocks = 2;
   FusedMoe layer(p.config, options);
   p.load_weights(layer);
-  const int64_t T = p.tokens[0], H = p.config.hidden, I = p.config.intermediate, E = p.config.experts,
-                k = p.config.topk;
+  const int64_t H = p.config.hidden;
   for (int round = 0; round < 3; ++round) {
     SCOPED_TRACE("round " + std::to_string(round));
-    if (round > 0) {
-      p.x[0] = testing::random_bf16_values(rng, T * H);
-      p.ids[0] = reference::synthetic_topk_ids(c.pattern, T, int(E), int(k), rng);
-      p.weights[0] = reference::synthetic_topk_weights(T, int(k), rng);
-      for (int64_t route = round; route < T * k; route += 3) p.weights[0][route] = 0.0f;
-      p.d_x[0].upload(testing::to_bf16_bits(p.x[0]));
-      p.d_ids[0].upload(p.ids[0]);
-      p.d_weights[0].upload(p.weights[0]);
+    std::vector<std::vector<float>> dy;
+    std::vector<DeviceBuffer<uint16_t>> d_dy;
+    for (int r = 0; r < c.ranks; ++r) {
+      const int64_t T = p.tokens[r];
+      if (round > 0) {
+        p.x[r] = testing::random_bf16_values(rng, T * H);
+        p.ids[r] = reference::synthetic_topk_ids(c.pattern, T, c.experts, c.topk, rng);
+        p.weights[r] = reference::synthetic_topk_weights(T, c.topk, rng);
+        for (int64_t route = round; route < T * c.topk; route += 3) p.weights[r][route] = 0.0f;
+        p.d_x[r].upload(testing::to_bf16_bits(p.x[r]));
+        p.d_ids[r].upload(p.ids[r]);
+        p.d_weights[r].upload(p.weights[r]);
+      }
+      dy.push_back(testing::random_bf16_values(rng, T * H));
+      d_dy.emplace_back(testing::to_bf16_bits(dy.back()));
     }
-    const auto dy = testing::random_bf16_values(rng, T * H);
-    const DeviceBuffer<uint16_t> d_dy(testing::to_bf16_bits(dy));
-    const auto want = reference::moe_backward({T, H, I, E, k}, {p.x[0], p.ids[0], p.weights[0], p.w13, p.w2}, dy);
+    const auto want = reference_backward(p, dy);
 
     p.poison_outputs();
-    layer.forward(p.io()[0], nullptr, /*keep_for_backward=*/true);
+    layer.forward(p.io(), nullptr, /*keep_for_backward=*/true);
     const cudaError_t synced = cudaDeviceSynchronize();
     layer.check_device_errors();
     CUDA_CHECK(synced);
@@ -736,7 +779,7 @@ TEST_P(FusedMoeBackwardTest, FromKeptForwardMatchesReferenceAndReplay) {
     // Again from the same kept rows: the backward does not consume them.
     EXPECT_TRUE(run_backward(layer, p, d_dy) == kept);
 
-    layer.forward(p.io()[0], nullptr);
+    layer.forward(p.io(), nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
     const Gradients replayed = run_backward(layer, p, d_dy);
     EXPECT_TRUE(layer.last_backward_replayed());
@@ -744,47 +787,90 @@ TEST_P(FusedMoeBackwardTest, FromKeptForwardMatchesReferenceAndReplay) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(OneRank, FusedMoeBackwardTest,
+INSTANTIATE_TEST_SUITE_P(VirtualRanks, FusedMoeBackwardTest,
                          ::testing::Values(Case{1, 400, 256, 128, 8, 4, RoutingPattern::kZipf},
                                            Case{1, 333, 384, 192, 16, 6, RoutingPattern::kUniform, kMinRing},
                                            Case{1, 700, 256, 128, 8, 4, RoutingPattern::kOneExpert},
                                            Case{1, 257, 128, 64, 16, 3, RoutingPattern::kHalfEmpty},
                                            Case{1, 97, 128, 128, 16, 12, RoutingPattern::kUniform},  // k > 8
                                            Case{1, 1, 128, 64, 4, 1, RoutingPattern::kUniform},
-                                           Case{1, 0, 128, 64, 4, 2, RoutingPattern::kUniform}),
+                                           Case{1, 0, 128, 64, 4, 2, RoutingPattern::kUniform},
+                                           Case{2, 129, 256, 192, 16, 4, RoutingPattern::kZipf, kMinRing},
+                                           Case{2, 0, 128, 64, 8, 2, RoutingPattern::kUniform},
+                                           Case{3, 211, 256, 128, 12, 3, RoutingPattern::kOneExpert},
+                                           Case{4, 64, 256, 64, 16, 9, RoutingPattern::kHalfEmpty},
+                                           Case{8, 77, 192, 128, 32, 5, RoutingPattern::kZipf},
+                                           Case{8, 1, 128, 64, 8, 1, RoutingPattern::kUniform}),
                          testing::NameFromPrintTo());
 
+// Virtual ranks give every gradient with the bits of one rank that holds all their tokens and experts:
+// each route's work is the same, and an expert's rows come in the same order (source rank, token, k),
+// so even the weight gradients sum them alike.
+TEST(FusedMoe, BackwardOnVirtualRanksHasTheBitsOfOneRank) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem many = make_problem(rng, Case{4, 150, 256, 128, 16, 4, RoutingPattern::kZipf});
+  const int64_t H = many.config.hidden;
+  Problem one;
+  one.config = many.config;
+  one.config.ranks = 1;
+  one.tokens = {0};
+  one.x.resize(1), one.ids.resize(1), one.weights.resize(1);
+  std::vector<std::vector<float>> dy_many, dy_one(1);
+  std::vector<DeviceBuffer<uint16_t>> d_dy_many, d_dy_one;
+  for (int r = 0; r < many.config.ranks; ++r) {
+    one.tokens[0] += many.tokens[r];
+    append(one.x[0], many.x[r]);
+    append(one.ids[0], many.ids[r]);
+    append(one.weights[0], many.weights[r]);
+    dy_many.push_back(testing::random_bf16_values(rng, many.tokens[r] * H));
+    d_dy_many.emplace_back(testing::to_bf16_bits(dy_many.back()));
+    append(dy_one[0], dy_many.back());
+  }
+  one.config.max_tokens_per_rank = one.tokens[0];
+  one.w13 = many.w13, one.w2 = many.w2;
+  one.d_x.emplace_back(testing::to_bf16_bits(one.x[0]));
+  one.d_ids.emplace_back(one.ids[0]);
+  one.d_weights.emplace_back(one.weights[0]);
+  one.d_y.emplace_back(one.tokens[0] * H);
+  one.d_w13.emplace_back(testing::to_bf16_bits(one.w13));
+  one.d_w2.emplace_back(testing::to_bf16_bits(one.w2));
+  d_dy_one.emplace_back(testing::to_bf16_bits(dy_one[0]));
+
+  FusedMoe layer_many(many.config), layer_one(one.config);
+  many.load_weights(layer_many);
+  one.load_weights(layer_one);
+  for (bool keep : {true, false}) {
+    SCOPED_TRACE(keep ? "from kept forwards" : "replayed");
+    layer_many.forward(many.io(), nullptr, keep);
+    layer_one.forward(one.io(), nullptr, keep);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const Gradients got_many = run_backward(layer_many, many, d_dy_many),
+                    got_one = run_backward(layer_one, one, d_dy_one);
+    EXPECT_EQ(layer_many.last_backward_replayed(), !keep);
+    EXPECT_TRUE(got_many == got_one);
+    expect_gradients(got_many, reference_backward(one, dy_one), one.config);
+  }
+}
+
 // What the backward uses depends on the forward it follows: a later forward on other inputs makes the
-// backward of the earlier one replay (and still be right). A kept forward at more ranks, and a backward
-// at more ranks, are refused by name.
+// backward of the earlier one replay (and still be right).
 TEST(FusedMoe, BackwardReplaysWhenItsForwardIsNotTheLatest) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
   Problem p = make_problem(rng, Case{1, 300, 256, 128, 8, 4, RoutingPattern::kZipf});
   Problem other = make_problem(rng, Case{1, 200, 256, 128, 8, 4, RoutingPattern::kUniform});
-  const int64_t T = p.tokens[0], H = p.config.hidden, I = p.config.intermediate, E = p.config.experts,
-                k = p.config.topk;
   FusedMoe layer(p.config);
   p.load_weights(layer);
-  const auto dy = testing::random_bf16_values(rng, T * H);
-  const DeviceBuffer<uint16_t> d_dy(testing::to_bf16_bits(dy));
-  layer.forward(p.io()[0], nullptr, /*keep_for_backward=*/true);
-  layer.forward(other.io()[0], nullptr, /*keep_for_backward=*/true);
+  const std::vector<std::vector<float>> dy{testing::random_bf16_values(rng, p.tokens[0] * p.config.hidden)};
+  std::vector<DeviceBuffer<uint16_t>> d_dy;
+  d_dy.emplace_back(testing::to_bf16_bits(dy[0]));
+  layer.forward(p.io(), nullptr, /*keep_for_backward=*/true);
+  layer.forward(other.io(), nullptr, /*keep_for_backward=*/true);
   CUDA_CHECK(cudaDeviceSynchronize());
   const Gradients got = run_backward(layer, p, d_dy);
   EXPECT_TRUE(layer.last_backward_replayed());
-  expect_gradients(got, reference::moe_backward({T, H, I, E, k}, {p.x[0], p.ids[0], p.weights[0], p.w13, p.w2}, dy),
-                   p.config);
-
-  Problem two = make_problem(rng, Case{2, 40, 128, 64, 8, 2, RoutingPattern::kUniform});
-  FusedMoe layer2(two.config);
-  two.load_weights(layer2);
-  const auto io = two.io();
-  const std::vector<RankGrads> none(2);
-  testing::expect_error([&] { layer2.backward(io, none, WeightGradOutput::kF32, nullptr); },
-                        "the backward runs one rank on one GPU for now");
-  testing::expect_error([&] { layer2.forward(io, nullptr, /*keep_for_backward=*/true); },
-                        "keep_for_backward with 2 ranks");
+  expect_gradients(got, reference_backward(p, dy), p.config);
 }
 
 // A forward and a backward captured once in a CUDA graph and replayed on new data in the same buffers:

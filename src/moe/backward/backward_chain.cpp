@@ -8,13 +8,15 @@
 
 namespace pounce::moe {
 
-BackwardChain::BackwardChain(const EpConfig& config) : config_(config), planner_(config, kBlockM) {
+BackwardChain::BackwardChain(const EpConfig& config, std::span<__nv_bfloat16* const> slots)
+    : config_(config), slots_(slots.begin(), slots.end()), planner_(config, kBlockM) {
   check_config(config);
-  POUNCE_REQUIRE(config.ranks == 1, "MoE backward chain: ", config.ranks, " ranks; it runs one rank on one GPU");
+  POUNCE_REQUIRE(config.ranks == 1 || int(slots.size()) == config.ranks, "MoE backward: ", config.ranks,
+                 " ranks need every rank's dx slots, got ", slots.size());
   rows_ = planner_.capacity().max_padded_rows;
   const int64_t H = config.hidden, I = config.intermediate;
-  ids_table_ = DeviceBuffer<const int32_t*>(1);
-  token_count_ = DeviceBuffer<int32_t>(1);
+  ids_table_ = DeviceBuffer<const int32_t*>(config.ranks);
+  token_count_ = DeviceBuffer<int32_t>(config.ranks);
   dy_rows_ = DeviceBuffer<__nv_bfloat16>(rows_ * H);
   da_ = DeviceBuffer<__nv_bfloat16>(rows_ * I);
   dgu_ = DeviceBuffer<__nv_bfloat16>(rows_ * 2 * I);
@@ -28,26 +30,50 @@ BackwardChain::~BackwardChain() = default;
 
 void BackwardChain::run(const BackwardInputs& in, const BackwardOutputs& out, const KeptForward* kept,
                         cudaStream_t stream) {
-  const int64_t T = in.tokens, H = config_.hidden, I = config_.intermediate, E = config_.experts, k = config_.topk;
-  POUNCE_REQUIRE(T >= 0 && T <= config_.max_tokens_per_rank, "MoE backward: ", T,
-                 " tokens, outside [0, max_tokens_per_rank = ", config_.max_tokens_per_rank, "]");
+  POUNCE_REQUIRE(config_.ranks == 1, "MoE backward: the one-rank run of a layer of ", config_.ranks, " ranks");
+  const BackwardSource source{in.x, in.topk_ids, in.topk_weights, in.tokens, in.dy, out.dx, out.d_topk_weights};
+  run(0, std::span(&source, 1), {in.w13, in.w2, out.dw13, out.dw2, out.mode}, kept, stream);
+}
+
+void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts,
+                        const KeptForward* kept, cudaStream_t stream) {
+  const int P = config_.ranks;
+  const int64_t H = config_.hidden, I = config_.intermediate, E = config_.local_experts(), k = config_.topk;
+  POUNCE_REQUIRE(rank >= 0 && rank < P, "MoE backward: rank ", rank, " of ", P);
+  POUNCE_REQUIRE(int(sources.size()) == P, "MoE backward: got ", sources.size(),
+                 " source ranks' tensors, the layer has ", P);
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  require_device_tensor(in.x, T * H * 2, device, "x", 0);
-  require_device_tensor(in.topk_ids, T * k * 4, device, "topk_ids", 0);
-  require_device_tensor(in.topk_weights, T * k * 4, device, "topk_weights", 0);
-  require_device_tensor(in.dy, T * H * 2, device, "dy", 0);
-  require_device_tensor(in.w13, E * 2 * I * H * 2, device, "w13", 0);
-  require_device_tensor(in.w2, E * H * I * 2, device, "w2", 0);
-  require_device_tensor(out.dx, T * H * 2, device, "dx", 0);
-  require_device_tensor(out.d_topk_weights, T * k * 4, device, "d_topk_weights", 0);
-  const int64_t dw_bytes = out.mode == WeightGradOutput::kBf16 ? 2 : 4;
-  require_device_tensor(out.dw13, E * 2 * I * H * dw_bytes, device, "dw13", 0);
-  require_device_tensor(out.dw2, E * H * I * dw_bytes, device, "dw2", 0);
-  if (out.mode == WeightGradOutput::kBf16 && dw_scratch_.size() == 0)
+  backward::RouteSources from{};
+  backward::RouteTargets to{};
+  for (int s = 0; s < P; ++s) {
+    const BackwardSource& src = sources[s];
+    const int64_t T = src.tokens;
+    POUNCE_REQUIRE(T >= 0 && T <= config_.max_tokens_per_rank, "MoE backward: rank ", s, " has ", T,
+                   " tokens, outside [0, max_tokens_per_rank = ", config_.max_tokens_per_rank, "]");
+    require_device_tensor(src.x, T * H * 2, device, "x", s);
+    require_device_tensor(src.topk_ids, T * k * 4, device, "topk_ids", s);
+    require_device_tensor(src.topk_weights, T * k * 4, device, "topk_weights", s);
+    require_device_tensor(src.dy, T * H * 2, device, "dy", s);
+    require_device_tensor(src.dx, T * H * 2, device, "dx", s);
+    require_device_tensor(src.d_topk_weights, T * k * 4, device, "d_topk_weights", s);
+    from.topk_ids[s] = src.topk_ids;
+    from.tokens[s] = int32_t(T);
+    from.x[s] = src.x;
+    from.dy[s] = src.dy;
+    from.topk_weights[s] = src.topk_weights;
+    to.slots[s] = P > 1 ? slots_[s] : nullptr;
+    to.d_topk_weights[s] = src.d_topk_weights;
+  }
+  require_device_tensor(experts.w13, E * 2 * I * H * 2, device, "w13", rank);
+  require_device_tensor(experts.w2, E * H * I * 2, device, "w2", rank);
+  const int64_t dw_bytes = experts.mode == WeightGradOutput::kBf16 ? 2 : 4;
+  require_device_tensor(experts.dw13, E * 2 * I * H * dw_bytes, device, "dw13", rank);
+  require_device_tensor(experts.dw2, E * H * I * dw_bytes, device, "dw2", rank);
+  if (experts.mode == WeightGradOutput::kBf16 && dw_scratch_.size() == 0)
     dw_scratch_ = DeviceBuffer<float>(E * 2 * I * H + E * H * I);
 
-  last_in_ = in;
+  last_experts_ = experts;
   // A replay plans again, gathers the x rows and recomputes the gate/up rows in the chain's own buffers;
   // a kept forward may still need its x rows gathered (its ring did not hold them all).
   const bool gather_x = kept == nullptr || kept->x_rows == nullptr;
@@ -56,15 +82,20 @@ void BackwardChain::run(const BackwardInputs& in, const BackwardOutputs& out, co
   if (kept != nullptr) {
     rows_in_use_ = *kept;
   } else {
-    backward::set_plan_inputs(ids_table_.data(), token_count_.data(), in.topk_ids, int32_t(T), stream);
-    planner_.plan(0, ids_table_.data(), token_count_.data(), stream);
-    rows_in_use_ = {
-        planner_.expert_offsets(), planner_.row_token(), planner_.row_k(), planner_.route_row(), nullptr, h13_.data()};
+    backward::set_plan_inputs(ids_table_.data(), token_count_.data(), from, P, stream);
+    planner_.plan(rank, ids_table_.data(), token_count_.data(), stream);
+    rows_in_use_ = {planner_.expert_offsets(),
+                    planner_.row_source_rank(),
+                    planner_.row_token(),
+                    planner_.row_k(),
+                    planner_.route_row(),
+                    nullptr,
+                    h13_.data()};
   }
   if (gather_x) rows_in_use_.x_rows = x_rows_.data();
   const KeptForward& f = rows_in_use_;
   // Every route's dy rows and router weights.
-  backward::gather_route_rows(in.x, in.dy, in.topk_weights, f.row_token, f.row_k, rows_, H, k,
+  backward::gather_route_rows(from, f.row_source_rank, f.row_token, f.row_k, rows_, H, k,
                               gather_x ? x_rows_.data() : nullptr, dy_rows_.data(), row_weight_.data(), stream);
 
   if (kept == nullptr) gemm(BackwardGemm::kGateUp, nullptr, gemm::Epilogue::kStore, stream);
@@ -72,21 +103,34 @@ void BackwardChain::run(const BackwardInputs& in, const BackwardOutputs& out, co
   backward::swiglu_backward_rows(f.gate_up_rows, da_.data(), row_weight_.data(), rows_, I, dgu_.data(), wa_.data(),
                                  route_dot_.data(), stream);
   gemm(BackwardGemm::kDataGateUp, nullptr, gemm::Epilogue::kStore, stream);
-  backward::combine_gradients(dx_rows_.data(), route_dot_.data(), f.route_row, T, k, H, out.dx, out.d_topk_weights,
-                              stream);
+  if (P == 1)
+    backward::combine_gradients(dx_rows_.data(), route_dot_.data(), f.route_row, sources[0].tokens, k, H, sources[0].dx,
+                                sources[0].d_topk_weights, stream);
+  else
+    backward::scatter_route_rows(dx_rows_.data(), route_dot_.data(), f.row_source_rank, f.row_token, f.row_k, rows_, H,
+                                 k, to, stream);
 
   // Weight gradients: reductions over each expert's rows, in fp32 (bf16 output converts afterwards).
-  const bool bf16 = out.mode == WeightGradOutput::kBf16;
-  float* dw13_f32 = bf16 ? dw_scratch_.data() : static_cast<float*>(out.dw13);
-  float* dw2_f32 = bf16 ? dw_scratch_.data() + E * 2 * I * H : static_cast<float*>(out.dw2);
+  const bool bf16 = experts.mode == WeightGradOutput::kBf16;
+  float* dw13_f32 = bf16 ? dw_scratch_.data() : static_cast<float*>(experts.dw13);
+  float* dw2_f32 = bf16 ? dw_scratch_.data() + E * 2 * I * H : static_cast<float*>(experts.dw2);
   const gemm::Epilogue epilogue =
-      out.mode == WeightGradOutput::kAccumulateF32 ? gemm::Epilogue::kAddF32 : gemm::Epilogue::kStoreF32;
+      experts.mode == WeightGradOutput::kAccumulateF32 ? gemm::Epilogue::kAddF32 : gemm::Epilogue::kStoreF32;
   gemm(BackwardGemm::kWeightDown, dw2_f32, epilogue, stream);
   gemm(BackwardGemm::kWeightGateUp, dw13_f32, epilogue, stream);
   if (bf16) {
-    backward::f32_to_bf16(dw13_f32, E * 2 * I * H, static_cast<__nv_bfloat16*>(out.dw13), stream);
-    backward::f32_to_bf16(dw2_f32, E * H * I, static_cast<__nv_bfloat16*>(out.dw2), stream);
+    backward::f32_to_bf16(dw13_f32, E * 2 * I * H, static_cast<__nv_bfloat16*>(experts.dw13), stream);
+    backward::f32_to_bf16(dw2_f32, E * H * I, static_cast<__nv_bfloat16*>(experts.dw2), stream);
   }
+}
+
+void BackwardChain::finish(std::span<const BackwardSource> sources, cudaStream_t stream) {
+  if (config_.ranks == 1) return;  // run() summed them
+  POUNCE_REQUIRE(int(sources.size()) == config_.ranks, "MoE backward: got ", sources.size(),
+                 " source ranks' tensors, the layer has ", config_.ranks);
+  for (int s = 0; s < config_.ranks; ++s)
+    backward::combine_gradients(slots_[s], nullptr, nullptr, sources[s].tokens, config_.topk, config_.hidden,
+                                sources[s].dx, nullptr, stream);
 }
 
 int64_t BackwardChain::device_bytes() const {
@@ -98,16 +142,16 @@ int64_t BackwardChain::device_bytes() const {
 }
 
 void BackwardChain::run_gemm(BackwardGemm which, cudaStream_t stream) {
-  POUNCE_REQUIRE(last_in_.w13 != nullptr, "MoE backward: run_gemm needs an earlier run()");
+  POUNCE_REQUIRE(last_experts_.w13 != nullptr, "MoE backward: run_gemm needs an earlier run()");
   POUNCE_REQUIRE(which != BackwardGemm::kGateUp || h13_.size() > 0,
                  "MoE backward: GEMM1 again needs an earlier replay (a run without a kept forward)");
-  const int64_t E = config_.experts, H = config_.hidden, I = config_.intermediate;
+  const int64_t E = config_.local_experts(), H = config_.hidden, I = config_.intermediate;
   if (dw_scratch_.size() == 0) dw_scratch_ = DeviceBuffer<float>(E * 2 * I * H + E * H * I);
   gemm(which, dw_scratch_.data(), gemm::Epilogue::kStoreF32, stream);
 }
 
 void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue epilogue, cudaStream_t stream) {
-  const int64_t E = config_.experts, H = config_.hidden, I = config_.intermediate;
+  const int64_t E = config_.local_experts(), H = config_.hidden, I = config_.intermediate;
   const int32_t* offsets = rows_in_use_.expert_offsets;
   const auto m_grouped = [&](const __nv_bfloat16* a, const __nv_bfloat16* b, gemm::Major b_major, int64_t n, int64_t k,
                              __nv_bfloat16* c) {
@@ -138,11 +182,11 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
   };
   switch (which) {
     case BackwardGemm::kGateUp:
-      return m_grouped(rows_in_use_.x_rows, last_in_.w13, gemm::Major::kK, 2 * I, H, h13_.data());
+      return m_grouped(rows_in_use_.x_rows, last_experts_.w13, gemm::Major::kK, 2 * I, H, h13_.data());
     case BackwardGemm::kDataDown:
-      return m_grouped(dy_rows_.data(), last_in_.w2, gemm::Major::kMN, I, H, da_.data());
+      return m_grouped(dy_rows_.data(), last_experts_.w2, gemm::Major::kMN, I, H, da_.data());
     case BackwardGemm::kDataGateUp:
-      return m_grouped(dgu_.data(), last_in_.w13, gemm::Major::kMN, H, 2 * I, dx_rows_.data());
+      return m_grouped(dgu_.data(), last_experts_.w13, gemm::Major::kMN, H, 2 * I, dx_rows_.data());
     case BackwardGemm::kWeightDown:
       return k_grouped(dy_rows_.data(), H, wa_.data(), I);
     case BackwardGemm::kWeightGateUp:

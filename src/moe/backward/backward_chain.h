@@ -1,13 +1,15 @@
-// The backward of the MoE layer on one GPU for one rank, as a chain of pounce kernels. From a kept
-// forward (KeptForward: its schedule, x rows and gate/up rows before SwiGLU) it gathers each route's dy
-// rows; otherwise it replays: plans the routing on the GPU, gathers x and dy rows and recomputes GEMM1.
-// Then the four grouped GEMMs of the backward around the SwiGLU backward:
+// The backward of the MoE layer on one GPU, as a chain of pounce kernels, one rank's experts at a time.
+// From a kept forward (KeptForward: its schedule, x rows and gate/up rows before SwiGLU) it gathers each
+// route's dy rows; otherwise it replays: plans the routing on the GPU, gathers x and dy rows and
+// recomputes GEMM1. Then the four grouped GEMMs of the backward around the SwiGLU backward:
 //   da    = dy_rows . W2[e]                        (m-grouped, W2 read N-major)
 //   dgu, wa, route dots  = SwiGLU backward (moe/backward/backward_kernels.h)
 //   dx_rows = dgu . W13[e]                         (m-grouped, W13 read N-major)
 //   dW2[e]  = dy_rows[e]^T . wa[e],  dW13[e] = dgu[e]^T . x_rows[e]      (k-grouped, fp32)
-// and the combine of dx rows and route dots back to token order. No host synchronization: a forward and
-// this backward can be captured in one CUDA graph. Deterministic: every sum runs in a fixed order.
+// and the way back to token order: at one rank each token sums its dx rows; with more ranks (virtual
+// ranks on this GPU) each dx row goes to its source rank's [token, k] slot and, once every rank's
+// experts are done, finish() sums each token's slots. No host synchronization: a forward and this
+// backward can be captured in one CUDA graph. Deterministic: every sum runs in a fixed order.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,6 +17,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
+#include <vector>
 
 #include "common/device_buffer.h"
 #include "gemm/grouped_gemm.h"
@@ -24,6 +28,27 @@
 
 namespace pounce::moe {
 
+// One source rank's tensors in a backward: the forward's inputs, dy, and where its gradients go.
+struct BackwardSource {
+  const __nv_bfloat16* x = nullptr;     // [tokens, H], the forward's input
+  const int32_t* topk_ids = nullptr;    // [tokens, k]
+  const float* topk_weights = nullptr;  // [tokens, k]
+  int64_t tokens = 0;
+  const __nv_bfloat16* dy = nullptr;  // [tokens, H]
+  __nv_bfloat16* dx = nullptr;        // [tokens, H]
+  float* d_topk_weights = nullptr;    // [tokens, k]
+};
+
+// One rank's experts: their weights and where their gradients go.
+struct ExpertGradients {
+  const __nv_bfloat16* w13 = nullptr;  // [E/P, 2I, H]
+  const __nv_bfloat16* w2 = nullptr;   // [E/P, H, I]
+  void* dw13 = nullptr;                // [E/P, 2I, H] bf16 or fp32 (see mode)
+  void* dw2 = nullptr;                 // [E/P, H, I]
+  WeightGradOutput mode = WeightGradOutput::kF32;
+};
+
+// One rank's whole backward (config.ranks == 1), in the shape of its forward's call.
 struct BackwardInputs {
   const __nv_bfloat16* x = nullptr;     // [tokens, H], the forward's input
   const int32_t* topk_ids = nullptr;    // [tokens, k]
@@ -45,10 +70,11 @@ struct BackwardOutputs {
 // What a training forward kept for its backward (moe/fused_layer.h), all in device memory, rows in the
 // forward's schedule order (expert-contiguous, padded to m-blocks).
 struct KeptForward {
-  const int32_t* expert_offsets = nullptr;      // [E + 1], padded
+  const int32_t* expert_offsets = nullptr;      // [E/P + 1], padded
+  const int32_t* row_source_rank = nullptr;     // [capacity rows]
   const int32_t* row_token = nullptr;           // [capacity rows], -1 for padding
   const int32_t* row_k = nullptr;               // [capacity rows]
-  const int32_t* route_row = nullptr;           // [tokens, k]: the row of every route
+  const int32_t* route_row = nullptr;           // one rank: [tokens, k], the row of every route
   const __nv_bfloat16* x_rows = nullptr;        // [capacity rows, H]; null: gathered again from x
   const __nv_bfloat16* gate_up_rows = nullptr;  // [capacity rows, 2I], GEMM1 before SwiGLU
 };
@@ -64,14 +90,24 @@ enum class BackwardGemm {
 
 class BackwardChain {
  public:
-  // config.ranks must be 1. Buffers are sized for config.max_tokens_per_rank once.
-  explicit BackwardChain(const EpConfig& config);
+  // Buffers are sized for one rank's worst case of config once. More ranks: slots[s] is source rank s's
+  // [max_tokens_per_rank, k, H] buffer for the dx rows of its routes (the fused layer's combine slots,
+  // free once its forward is done).
+  explicit BackwardChain(const EpConfig& config, std::span<__nv_bfloat16* const> slots = {});
   ~BackwardChain();
 
-  // Enqueues the whole backward on `stream`, from `kept` when given (it must belong to a forward on
-  // these inputs), else by replaying the forward's planning and GEMM1. Throws on host-visible bad input;
-  // bad routing ids are found on the device and reported by check_device_errors() (that backward's
-  // outputs are garbage).
+  // Enqueues the backward of rank `rank`'s experts on `stream`: every route that came to them from the
+  // P sources (sources[s] is rank s's), from `kept` when given (it must belong to a forward on these
+  // inputs), else by replaying the forward's planning and GEMM1. One rank: writes the source's dx and
+  // router-weight gradients. More ranks: writes the router-weight gradients of the routes to this rank
+  // and their dx rows into the slots; finish() sums them once every rank has run. Throws on
+  // host-visible bad input; bad routing ids are found on the device and reported by
+  // check_device_errors() (that backward's outputs are garbage).
+  void run(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts, const KeptForward* kept,
+           cudaStream_t stream);
+  // More ranks: each source's dx from its slots, after run() of every rank.
+  void finish(std::span<const BackwardSource> sources, cudaStream_t stream);
+  // One rank (config.ranks == 1): run() and finish() in the forward's terms.
   void run(const BackwardInputs& in, const BackwardOutputs& out, const KeptForward* kept, cudaStream_t stream);
   void check_device_errors();
 
@@ -91,7 +127,8 @@ class BackwardChain {
   void gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue epilogue, cudaStream_t stream);
 
   EpConfig config_;
-  BackwardInputs last_in_;
+  std::vector<__nv_bfloat16*> slots_;  // [source rank], more ranks only
+  ExpertGradients last_experts_;
   KeptForward rows_in_use_;  // the last run's schedule and rows: kept, or the chain's own
   int64_t rows_ = 0;         // capacity: every row the schedule can hold
   planner::DevicePlanner planner_;

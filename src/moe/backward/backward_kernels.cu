@@ -12,23 +12,41 @@ constexpr int kVec = 8;  // bf16 per 16-byte access
 // Enough CTAs to fill an H200 several times over; kernels stride over the rest.
 int grid_for(int64_t items) { return int(std::clamp<int64_t>(items, 1, 132 * 16)); }
 
-__global__ void set_plan_inputs_kernel(const int32_t** ids_table, int32_t* token_count, const int32_t* topk_ids,
-                                       int32_t tokens) {
-  ids_table[0] = topk_ids;
-  *token_count = tokens;
+__global__ void set_plan_inputs_kernel(const int32_t** ids_table, int32_t* token_counts, const RouteSources sources,
+                                       int ranks) {
+  for (int s = 0; s < ranks; ++s) {
+    ids_table[s] = sources.topk_ids[s];
+    token_counts[s] = sources.tokens[s];
+  }
 }
 
-__global__ void gather_kernel(const uint4* x, const uint4* dy, const float* topk_weights, const int32_t* row_token,
+__global__ void gather_kernel(const RouteSources sources, const int32_t* row_source_rank, const int32_t* row_token,
                               const int32_t* row_k, int64_t rows, int64_t vecs, int64_t topk, uint4* x_rows,
                               uint4* dy_rows, float* row_weight) {
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int32_t t = row_token[r];
-    if (threadIdx.x == 0) row_weight[r] = t >= 0 ? topk_weights[t * topk + row_k[r]] : 0.0f;
+    const int32_t t = row_token[r], s = t >= 0 ? row_source_rank[r] : 0;
+    const uint4* x = reinterpret_cast<const uint4*>(sources.x[s]);
+    const uint4* dy = reinterpret_cast<const uint4*>(sources.dy[s]);
+    if (threadIdx.x == 0) row_weight[r] = t >= 0 ? sources.topk_weights[s][t * topk + row_k[r]] : 0.0f;
     for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
       if (x_rows != nullptr) x_rows[r * vecs + v] = t >= 0 ? x[t * vecs + v] : zero;
       dy_rows[r * vecs + v] = t >= 0 ? dy[t * vecs + v] : zero;
     }
+  }
+}
+
+__global__ void scatter_kernel(const uint4* dx_rows, const float* route_dot, const int32_t* row_source_rank,
+                               const int32_t* row_token, const int32_t* row_k, int64_t rows, int64_t vecs, int64_t topk,
+                               const RouteTargets targets) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int32_t t = row_token[r];
+    if (t < 0) continue;
+    const int32_t s = row_source_rank[r];
+    const int64_t slot = int64_t(t) * topk + row_k[r];
+    if (threadIdx.x == 0) targets.d_topk_weights[s][slot] = route_dot[r];
+    uint4* to = reinterpret_cast<uint4*>(targets.slots[s]) + slot * vecs;
+    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) to[v] = dx_rows[r * vecs + v];
   }
 }
 
@@ -84,13 +102,15 @@ __global__ void swiglu_backward_kernel(const uint4* h13, const uint4* da, const 
 
 __global__ void combine_kernel(const uint4* dx_rows, const float* route_dot, const int32_t* route_row, int64_t tokens,
                                int64_t topk, int64_t vecs, uint4* dx, float* d_topk_weights) {
+  const auto row_of = [&](int64_t route) { return route_row != nullptr ? int64_t(route_row[route]) : route; };
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    for (int64_t k = threadIdx.x; k < topk; k += blockDim.x)
-      d_topk_weights[t * topk + k] = route_dot[route_row[t * topk + k]];
+    if (route_dot != nullptr)
+      for (int64_t k = threadIdx.x; k < topk; k += blockDim.x)
+        d_topk_weights[t * topk + k] = route_dot[row_of(t * topk + k)];
     for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
       float acc[kVec] = {};
       for (int64_t k = 0; k < topk; ++k) {  // fixed k order: bitwise deterministic
-        const uint4 bits = dx_rows[route_row[t * topk + k] * vecs + v];
+        const uint4 bits = dx_rows[row_of(t * topk + k) * vecs + v];
         const __nv_bfloat162* d = reinterpret_cast<const __nv_bfloat162*>(&bits);
 #pragma unroll
         for (int p = 0; p < kVec / 2; ++p) {
@@ -118,19 +138,29 @@ __global__ void f32_to_bf16_kernel(const float4* in, int64_t quads, uint2* out) 
 
 }  // namespace
 
-void set_plan_inputs(const int32_t** ids_table, int32_t* token_count, const int32_t* topk_ids, int32_t tokens,
+void set_plan_inputs(const int32_t** ids_table, int32_t* token_counts, const RouteSources& sources, int ranks,
                      cudaStream_t stream) {
-  set_plan_inputs_kernel<<<1, 1, 0, stream>>>(ids_table, token_count, topk_ids, tokens);
+  set_plan_inputs_kernel<<<1, 1, 0, stream>>>(ids_table, token_counts, sources, ranks);
   CUDA_CHECK_LAUNCH();
 }
 
-void gather_route_rows(const __nv_bfloat16* x, const __nv_bfloat16* dy, const float* topk_weights,
-                       const int32_t* row_token, const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk,
-                       __nv_bfloat16* x_rows, __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream) {
+void gather_route_rows(const RouteSources& sources, const int32_t* row_source_rank, const int32_t* row_token,
+                       const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk, __nv_bfloat16* x_rows,
+                       __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream) {
   if (rows == 0) return;
-  gather_kernel<<<grid_for(rows), kThreads, 0, stream>>>(
-      reinterpret_cast<const uint4*>(x), reinterpret_cast<const uint4*>(dy), topk_weights, row_token, row_k, rows,
-      hidden / kVec, topk, reinterpret_cast<uint4*>(x_rows), reinterpret_cast<uint4*>(dy_rows), row_weight);
+  gather_kernel<<<grid_for(rows), kThreads, 0, stream>>>(sources, row_source_rank, row_token, row_k, rows,
+                                                         hidden / kVec, topk, reinterpret_cast<uint4*>(x_rows),
+                                                         reinterpret_cast<uint4*>(dy_rows), row_weight);
+  CUDA_CHECK_LAUNCH();
+}
+
+void scatter_route_rows(const __nv_bfloat16* dx_rows, const float* route_dot, const int32_t* row_source_rank,
+                        const int32_t* row_token, const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk,
+                        const RouteTargets& targets, cudaStream_t stream) {
+  if (rows == 0) return;
+  scatter_kernel<<<grid_for(rows), kThreads, 0, stream>>>(reinterpret_cast<const uint4*>(dx_rows), route_dot,
+                                                          row_source_rank, row_token, row_k, rows, hidden / kVec, topk,
+                                                          targets);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -8,19 +8,39 @@
 
 #include <cstdint>
 
+#include "pounce/config.h"
+
 namespace pounce::moe::backward {
 
-// Writes a one-rank planner input (its table of topk_ids pointers and its token count) in stream order,
-// from kernel arguments: a CUDA graph replays it with the values of its capture.
-void set_plan_inputs(const int32_t** ids_table, int32_t* token_count, const int32_t* topk_ids, int32_t tokens,
+// Every source rank's tensors a backward reads, by value (kernel arguments: a CUDA graph replays them
+// with the values of its capture).
+struct RouteSources {
+  const int32_t* topk_ids[kMaxRanks];
+  int32_t tokens[kMaxRanks];
+  const __nv_bfloat16* x[kMaxRanks];     // [tokens, H]
+  const __nv_bfloat16* dy[kMaxRanks];    // [tokens, H]
+  const float* topk_weights[kMaxRanks];  // [tokens, k]
+};
+
+// Where each route's results go on its source rank: its dx row into slot [token, k] (more ranks) and
+// its router-weight gradient.
+struct RouteTargets {
+  __nv_bfloat16* slots[kMaxRanks];   // [tokens, k, H]
+  float* d_topk_weights[kMaxRanks];  // [tokens, k]
+};
+
+// Writes the planner's inputs for `ranks` source ranks (their topk_ids pointers and token counts) in
+// stream order.
+void set_plan_inputs(const int32_t** ids_table, int32_t* token_counts, const RouteSources& sources, int ranks,
                      cudaStream_t stream);
 
-// For every schedule row r < rows: x_rows[r] = x[token], dy_rows[r] = dy[token], row_weight[r] =
-// topk_weights[token, k]; padding rows (token -1) and rows past the schedule get zeros. x_rows may be
-// null (the rows are there already: a kept forward's).
-void gather_route_rows(const __nv_bfloat16* x, const __nv_bfloat16* dy, const float* topk_weights,
-                       const int32_t* row_token, const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk,
-                       __nv_bfloat16* x_rows, __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream);
+// For every schedule row r < rows, route (s, t, j) = (row_source_rank, row_token, row_k):
+// x_rows[r] = x[s][t], dy_rows[r] = dy[s][t], row_weight[r] = topk_weights[s][t, j]; padding rows
+// (token -1) and rows past the schedule get zeros. x_rows may be null (the rows are there already: a
+// kept forward's).
+void gather_route_rows(const RouteSources& sources, const int32_t* row_source_rank, const int32_t* row_token,
+                       const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk, __nv_bfloat16* x_rows,
+                       __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream);
 
 // SwiGLU backward of every row, from the gate/up rows h13 [rows, 2I] (interleaved in groups of 8), the
 // unscaled da = dy . W2 [rows, I] and the route's weight w:
@@ -33,9 +53,16 @@ void swiglu_backward_rows(const __nv_bfloat16* h13, const __nv_bfloat16* da, con
                           cudaStream_t stream);
 
 // dx[t] = sum_k dx_rows[route_row[t, k]] (k in order, fp32) and d_topk_weights[t, k] =
-// route_dot[route_row[t, k]].
+// route_dot[route_row[t, k]]. Without route_row, dx_rows are the token's k slots [tokens, k, H] in
+// order; without route_dot, d_topk_weights is not written.
 void combine_gradients(const __nv_bfloat16* dx_rows, const float* route_dot, const int32_t* route_row, int64_t tokens,
                        int64_t topk, int64_t hidden, __nv_bfloat16* dx, float* d_topk_weights, cudaStream_t stream);
+
+// More ranks: every schedule row's dx row to slot [token, k] of its source rank and its route dot to
+// that rank's d_topk_weights; padding rows are skipped.
+void scatter_route_rows(const __nv_bfloat16* dx_rows, const float* route_dot, const int32_t* row_source_rank,
+                        const int32_t* row_token, const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk,
+                        const RouteTargets& targets, cudaStream_t stream);
 
 // Converts fp32 weight gradients to bf16 (the bf16 output mode).
 void f32_to_bf16(const float* in, int64_t count, __nv_bfloat16* out, cudaStream_t stream);
