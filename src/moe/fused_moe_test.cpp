@@ -798,7 +798,7 @@ INSTANTIATE_TEST_SUITE_P(VirtualRanks, FusedMoeBackwardTest,
                                            Case{2, 129, 256, 192, 16, 4, RoutingPattern::kZipf, kMinRing},
                                            Case{2, 0, 128, 64, 8, 2, RoutingPattern::kUniform},
                                            Case{3, 211, 256, 128, 12, 3, RoutingPattern::kOneExpert},
-                                           Case{4, 64, 256, 64, 16, 9, RoutingPattern::kHalfEmpty},
+                                           Case{4, 64, 256, 64, 32, 9, RoutingPattern::kHalfEmpty},
                                            Case{8, 77, 192, 128, 32, 5, RoutingPattern::kZipf},
                                            Case{8, 1, 128, 64, 8, 1, RoutingPattern::kUniform}),
                          testing::NameFromPrintTo());
