@@ -150,6 +150,7 @@ MoeGradients moe_backward(const MoeShape& shape, const MoeInputs& in, std::span<
   grad.dw13.assign(E * 2 * I * H, 0.0);
   grad.dw2.assign(E * H * I, 0.0);
   grad.d_topk_weights.assign(T * K, 0.0);
+  grad.d_topk_scale.assign(T * K, 0.0);
 
   RouteForward r;
   std::vector<double> da(I), dgu(2 * I);  // dgu is interleaved like the rows of W13
@@ -171,9 +172,10 @@ MoeGradients moe_backward(const MoeShape& shape, const MoeInputs& in, std::span<
         const double d = dyt[h];
         for (int64_t i = 0; i < I; ++i) da[i] += double(w2[h * I + i]) * d;
       }
-      double dw = 0;
-      for (int64_t i = 0; i < I; ++i) dw += da[i] * r.a[i];
+      double dw = 0, scale = 0;
+      for (int64_t i = 0; i < I; ++i) dw += da[i] * r.a[i], scale += std::abs(da[i] * r.a[i]);
       grad.d_topk_weights[route] = dw;
+      grad.d_topk_scale[route] = scale;
 
       double* dw2 = &grad.dw2[e * H * I];
       for (int64_t h = 0; h < H; ++h) {

@@ -60,6 +60,9 @@ struct MoeGradients {
   std::vector<double> dw13;            // [E, 2I, H], interleaved like w13
   std::vector<double> dw2;             // [E, H, I]
   std::vector<double> d_topk_weights;  // [T, k]
+  // [T, k]: sum_i |da_i a_i| of each route's dot <da, a>, what its rounding error scales with (the dot
+  // itself may cancel to nearly zero): measure router-weight gradients against it.
+  std::vector<double> d_topk_scale;
 };
 MoeGradients moe_backward(const MoeShape& shape, const MoeInputs& in, std::span<const float> dy);
 
