@@ -112,9 +112,6 @@ struct GemmOperands {
   // kSwiGLU only, optional: bf16 [rows, n] (store box) that also receives the tile before SwiGLU, at
   // TileInfo::keep_row: the gate/up rows a training forward keeps for the backward.
   const CUtensorMap* keep;
-  // k-grouped kStoreF32: C itself, [experts, c_rows, c_cols] fp32, written from registers.
-  float* c_f32;
-  int32_t c_rows, c_cols;
 };
 
 // Waits inside the CTA must outlast the producer's readiness wait, which they may sit behind.
@@ -267,32 +264,6 @@ __device__ void store_tile(const float (&acc)[128], SharedStorage& s, const Stor
   }
 }
 
-// A k-grouped tile's fp32 output straight from the accumulators to global memory (kStoreF32): each warp
-// store writes 8 rows x 32 contiguous bytes, whole sectors, and nothing waits for it, so the next tile's
-// mainloop starts at once. Through shared memory and TMA the consumers stalled on the staging slots for
-// every 8 KB of the tile's 128 KB (wgrad ran at ~0.92 of the dense GEMM). Clipped to the expert's matrix.
-__device__ __forceinline__ void store_tile_f32_direct(const float (&acc)[128], const GemmOperands& op,
-                                                      const TileInfo& tile, int consumer, int thread) {
-  const bool zeros = tile.k_blocks == 0;
-  const int warp = thread / 32, lane = thread % 32;
-  const int32_t first_row = tile.c_row + consumer * kRowsPerConsumer + warp * 16 + lane / 4;
-  const int32_t first_col = tile.n_block * kBlockN + 2 * (lane % 4);
-  float* expert = op.c_f32 + int64_t(tile.c_expert) * op.c_rows * op.c_cols;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int32_t row = first_row + 8 * half;
-    if (row >= op.c_rows) continue;
-    float* out = expert + int64_t(row) * op.c_cols;
-#pragma unroll
-    for (int chunk = 0; chunk < kBlockN / 8; ++chunk) {
-      const int32_t col = first_col + 8 * chunk;
-      if (col < op.c_cols)  // c_cols is even: a pair is in or out whole
-        *reinterpret_cast<float2*>(out + col) =
-            zeros ? make_float2(0.0f, 0.0f) : make_float2(acc[4 * chunk + 2 * half], acc[4 * chunk + 2 * half + 1]);
-    }
-  }
-}
-
 // Releases a finished tile's completion counter (consumer thread 0) once its stores have landed.
 // NOTES: the tile's readers (other CTAs' TMA loads, copy engines) acquire the counter. The stores must
 // have completed, not just read shared memory, and the async-proxy writes must be ordered before the
@@ -387,7 +358,7 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
       if (op.epilogue == Epilogue::kAddF32)
         store_tile<Epilogue::kAddF32, true>(acc, s, to, empty, consumer, thread);
       else if (op.epilogue == Epilogue::kStoreF32)
-        store_tile_f32_direct(acc, op, tile, consumer, thread);
+        store_tile<Epilogue::kStoreF32, true>(acc, s, to, empty, consumer, thread);
       else
         store_tile<Epilogue::kStore, true>(acc, s, to, empty, consumer, thread);
     }

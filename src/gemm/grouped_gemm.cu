@@ -31,7 +31,6 @@ struct KernelParams {
   const uint32_t* m_block_ready;
   uint32_t ready_target;
   int32_t band_m_blocks;
-  float* c_f32;  // k-grouped kStoreF32: C, written from registers
   uint32_t* ticket;
   DeviceErrorSink error;
   uint64_t wait_timeout_ns;
@@ -120,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                         const __grid_constant__ CUtensorMap c_map, const KernelParams p) {
   extern __shared__ uint8_t smem_raw[];
-  const GemmOperands op{&a_map, &b_map, &c_map, p.epilogue, p.row_scale, nullptr, nullptr, p.c_f32, p.m, p.n};
+  const GemmOperands op{&a_map, &b_map, &c_map, p.epilogue, p.row_scale, nullptr, nullptr};
   QueueTiles<kKind> tiles(p, op);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, pipeline::pipeline_timeout_ns(p.wait_timeout_ns)};
   pipeline::run_gemm_cta(pipeline::shared_storage(smem_raw), tiles, pipe_site, [] {});
@@ -221,7 +220,6 @@ void GroupedGemm::run_k_grouped(const KGroupedGemmArgs& args, cudaStream_t strea
   params.expert_offsets = args.expert_offsets;
   params.epilogue = args.epilogue;
   params.band_m_blocks = 1;
-  params.c_f32 = args.epilogue == Epilogue::kStoreF32 ? static_cast<float*>(args.c) : nullptr;
   params.ticket = ticket_.data();
   params.error = errors_.device_sink();
   params.wait_timeout_ns = args.wait_timeout_ns;
