@@ -103,27 +103,44 @@ def main():
 
 
 def backward_table(bench, torch):
-    """The backward (pounce's chain on one GPU) beside the fused forward, its GEMMs as fractions of the
-    dense GEMM timed beside them, and the same-process comparison with PyTorch when torch_baselines ran it."""
+    """The backward on one GPU, from a kept forward and replayed, beside the forward; its GEMMs beside a
+    per-expert cuBLAS loop and the dense GEMM timed with them; the same-process comparison with PyTorch
+    when torch_baselines ran it."""
     shapes = [s for s in bench["shapes"] if "backward" in s]
     if not shapes:
         return
-    print("\nBackward on one GPU (pounce's chain: it plans again and recomputes GEMM1; FLOPs 12 routes H I, the "
-          "recomputed GEMM not counted). GEMMs: TFLOP/s and fraction of the dense GEMM timed beside them:\n")
-    print("| shape | backward ms | TFLOP/s | of dense | fused forward ms | forward + backward ms | backward rate / "
-          "forward rate | GEMM1 again | dgrad down | dgrad gate/up | wgrad down | wgrad gate/up |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    kept_name, replay_name = "pounce backward, from the kept forward", "pounce backward, replay (plans, recomputes GEMM1)"
+    print("\nBackward on one GPU (FLOPs 12 routes H I; a replay's GEMM1 not counted). From the kept forward: after "
+          "a training forward, which keeps its gate/up rows; replay: plans again and recomputes GEMM1. Forward + "
+          "backward: the fused forward and the layer's backward, both ways, in one comparison:\n")
+    print("| shape | kept ms | TFLOP/s | of dense | replay ms | kept / replay | training forward ms | its cost | "
+          "forward + backward ms, kept / replay | backward rate / forward rate | kept bytes per token |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in shapes:
-        b, f = rows(s["backward"]), rows(s["forward"]).get("pounce_fused")
-        chain, dense = b["pounce backward chain"], b[DENSE]["tflops"]
-        bm = chain["timing"]["median_ms"]
-        fm = f["timing"]["median_ms"] if f else float("nan")
-        ratio = chain["tflops"] / f["tflops"] if f else float("nan")
-        g = rows(s["backward_gemms"])
-        gd = g[DENSE]["tflops"]
-        cells = [f"{e['tflops']:.0f} ({e['tflops'] / gd:.2f})" for e in s["backward_gemms"] if e["impl"] != DENSE]
-        print(f"| {s['shape']} | {bm:.3f} | {chain['tflops']:.0f} | {chain['tflops'] / dense:.3f} | {fm:.3f} | "
-              f"{fm + bm:.3f} | {ratio:.2f} | " + " | ".join(cells) + " |")
+        b, t, fb = rows(s["backward"]), rows(s["training_forward"]), rows(s["forward_backward"])
+        kept, replay, dense = b[kept_name], b[replay_name], b[DENSE]["tflops"]
+        km, rm = kept["timing"]["median_ms"], replay["timing"]["median_ms"]
+        plain, training = t["pounce fused forward"], t["pounce fused training forward (keeps gate/up)"]
+        fk = fb["pounce fused training forward + backward from it"]["timing"]["median_ms"]
+        fr = fb["pounce fused forward + backward replay"]["timing"]["median_ms"]
+        print(f"| {s['shape']} | {km:.3f} | {kept['tflops']:.0f} | {kept['tflops'] / dense:.3f} | {rm:.3f} | "
+              f"{rm / km:.2f}x | {training['timing']['median_ms']:.3f} | "
+              f"{training['timing']['median_ms'] / plain['timing']['median_ms'] - 1:+.1%} | {fk:.3f} / {fr:.3f} | "
+              f"{kept['tflops'] / training['tflops']:.2f} | {s['backward_memory']['kept_bytes_per_token']:.0f} |")
+    print("\nThe backward's GEMMs alone: TFLOP/s (fraction of the dense GEMM timed beside them), pounce / cuBLAS "
+          "per-expert loop:\n")
+    names = (("gemm1_again", "GEMM1 again"), ("dgrad_down", "dgrad down"), ("dgrad_gate_up", "dgrad gate/up"),
+             ("wgrad_down", "wgrad down"), ("wgrad_gate_up", "wgrad gate/up"))
+    print("| shape | " + " | ".join(n for _, n in names) + " |")
+    print("|---|" + "---:|" * len(names))
+    for s in shapes:
+        cells = []
+        for key, _ in names:
+            g = rows(s["backward_gemms"][key])
+            p, d = g["pounce"]["tflops"], g[DENSE]["tflops"]
+            c = g.get("cublas_loop")
+            cells.append(f"{p:.0f} ({p / d:.2f})" + (f", {p / c['tflops']:.2f}x" if c else ""))
+        print(f"| {s['shape']} | " + " | ".join(cells) + " |")
     same = [(s["shape"], torch[s["shape"]]["same_process"]) for s in bench["shapes"]
             if "same_process" in torch.get(s["shape"], {})]
     if same:

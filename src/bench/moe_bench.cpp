@@ -10,6 +10,7 @@
 #include <optional>
 #include <random>
 
+#include "baseline/cublas_backward.h"
 #include "baseline/cublas_moe.h"
 #include "baseline/pounce_unfused.h"
 #include "bench/bench.h"
@@ -510,24 +511,30 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                                  {"replay_bytes", capacity * (H + 2 * I) * 2},
                                  {"kept_bytes_per_token", double(capacity * 2 * I * 2) / double(T)},
                                  {"layer_device_bytes", fused.device_bytes()}};
-    std::vector<Candidate> gemms;
-    const std::pair<const char*, moe::BackwardGemm> kinds[] = {
-        {"GEMM1 again (gate/up)", moe::BackwardGemm::kGateUp},
-        {"dgrad down (dy W2)", moe::BackwardGemm::kDataDown},
-        {"dgrad gate/up (dgu W13)", moe::BackwardGemm::kDataGateUp},
-        {"wgrad down (dW2)", moe::BackwardGemm::kWeightDown},
-        {"wgrad gate/up (dW13)", moe::BackwardGemm::kWeightGateUp}};
-    for (const auto& [name, which] : kinds) {
+    // Each GEMM of the backward alone (on the chain's buffers of its last replay), beside one cuBLAS call
+    // per expert on the same schedule and the dense GEMM.
+    baseline::CublasBackwardGemms cublas_backward(dims, plan, w13.data(), w2.data(), stream);
+    Json gemms = Json::object();
+    const std::tuple<const char*, const char*, moe::BackwardGemm> kinds[] = {
+        {"gemm1_again", "GEMM1 again (gate/up)", moe::BackwardGemm::kGateUp},
+        {"dgrad_down", "dgrad down (dy W2)", moe::BackwardGemm::kDataDown},
+        {"dgrad_gate_up", "dgrad gate/up (dgu W13)", moe::BackwardGemm::kDataGateUp},
+        {"wgrad_down", "wgrad down (dW2)", moe::BackwardGemm::kWeightDown},
+        {"wgrad_gate_up", "wgrad gate/up (dW13)", moe::BackwardGemm::kWeightGateUp}};
+    for (const auto& [key, name, which] : kinds) {
       const bool gate_up = which == moe::BackwardGemm::kGateUp || which == moe::BackwardGemm::kDataGateUp ||
                            which == moe::BackwardGemm::kWeightGateUp;
-      gemms.push_back({name,
-                       Role::kPounce,
-                       [&chain, which = which, stream](int) { chain.run_gemm(which, stream); },
-                       {},
-                       (gate_up ? 4.0 : 2.0) * routes * double(H) * double(I)});
+      std::vector<Candidate> candidates;
+      if (which != moe::BackwardGemm::kGateUp)
+        candidates.push_back({"cublas_loop", Role::kBaseline,
+                              [&cublas_backward, which = which, stream](int) { cublas_backward.run(which, stream); }});
+      candidates.push_back(
+          {"pounce", Role::kPounce, [&chain, which = which, stream](int) { chain.run_gemm(which, stream); }});
+      candidates.push_back(dense_reference);
+      gemms[key] = compare(s.name, name, (gate_up ? 4.0 : 2.0) * routes * double(H) * double(I), candidates, o,
+                           dense_tflops, report, stream);
     }
-    gemms.push_back(dense_reference);
-    result["backward_gemms"] = compare(s.name, "backward GEMMs", 0, gemms, o, dense_tflops, report, stream);
+    result["backward_gemms"] = gemms;
     CUDA_CHECK(cudaStreamSynchronize(stream));
     chain.check_device_errors();
   }
