@@ -1,7 +1,8 @@
-// pounce::FusedMoe — the fused Mixture-of-Experts layer, forward. One persistent kernel per forward
+// pounce::FusedMoe — the fused Mixture-of-Experts layer. One persistent kernel per forward
 // plans the routing on the GPU, pulls token rows from their source ranks, runs GEMM1 + SwiGLU and GEMM2
 // on the compute SMs as rows arrive, pushes every output row back to its token's [token, k] slot and
-// sums y[t] = sum_k w[t, k] * out[t, k] in fixed k order (bitwise deterministic).
+// sums y[t] = sum_k w[t, k] * out[t, k] in fixed k order (bitwise deterministic). Its backward gives
+// every gradient, on one GPU, from what a training forward kept.
 //
 // Two ways to run an expert-parallel group of P ranks:
 //   virtual ranks: all P ranks on the current GPU, in one launch (P = 1 is the plain one-GPU layer);
@@ -98,23 +99,23 @@ class FusedMoe {
   // it can be captured in a CUDA graph. Throws on bad host-visible input (shapes, null or misaligned
   // pointers, calls in the wrong order). Bad routing ids are found on the device: check_device_errors()
   // reports them, and y is left untouched.
-  // keep_for_backward (a training forward; one rank for now): the forward also keeps what its backward
-  // needs, the gate/up rows before SwiGLU (2I bf16 per routed row) beside its schedule and x rows, so
-  // that backward neither plans again nor recomputes GEMM1. The first such forward allocates them: run
-  // one before capturing a graph.
+  // keep_for_backward (a training forward, on one GPU): the forward also keeps what its backward needs,
+  // the gate/up rows before SwiGLU (2I bf16 per routed row) beside its schedule, so that backward neither
+  // plans again nor recomputes GEMM1. The first such forward allocates them: run one before capturing a
+  // graph. A layer across GPUs refuses it (its backward does not exist yet).
   void forward(std::span<const RankIO> ranks, cudaStream_t stream, bool keep_for_backward = false);
   void forward(const RankIO& rank, cudaStream_t stream, bool keep_for_backward = false) {
     forward(std::span(&rank, 1), stream, keep_for_backward);
   }
 
   // Enqueues the backward of a forward on the same inputs (the forward's RankIO, whose y is not read):
-  // dx, the router-weight gradients and the weight gradients of every rank on this GPU. No host
-  // synchronization. It starts from what the forward kept when that forward is the layer's latest, kept
-  // its rows, and ran on these same inputs and weights; otherwise it replays the forward's planning and
-  // GEMM1 (correct, slower: last_backward_replayed() says which ran). Inputs changed in place since
-  // their forward are not detected. Today it runs as a chain of pounce kernels, for one rank
-  // (config.ranks == 1); more ranks throw. The first backward allocates its buffers: run one before
-  // capturing a graph.
+  // dx, the router-weight gradients and the weight gradients of every rank on this GPU (grads[r]: rank
+  // r's tokens and its experts' weight gradients). No host synchronization. It starts from what the
+  // forward kept when that forward is the layer's latest, kept its rows, and ran on these same inputs
+  // and weights; otherwise it replays the forward's planning and GEMM1 (correct, slower:
+  // last_backward_replayed() says which ran). Inputs changed in place since their forward are not
+  // detected. It runs on one GPU (one rank or virtual ranks) as a chain of pounce kernels; a layer across
+  // GPUs throws. The first backward allocates its buffers: run one before capturing a graph.
   void backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
                 cudaStream_t stream);
   void backward(const RankIO& forward_input, const RankGrads& grads, WeightGradOutput mode, cudaStream_t stream) {

@@ -1,5 +1,4 @@
 #include "baseline/cublas_backward.h"
-
 #include "bench/device_fill.h"
 #include "common/cuda_check.h"
 
@@ -18,7 +17,8 @@ CublasBackwardGemms::CublasBackwardGemms(const MoeDims& dims, const RoutingPlan&
   dw13_ = DeviceBuffer<float>(E * 2 * I * H);
   dw2_ = DeviceBuffer<float>(E * H * I);
   uint64_t seed = 900;
-  for (auto* b : {&x_rows_, &dy_rows_, &dgu_, &wa_}) bench::fill_random_bf16(b->data(), int64_t(b->size()), seed++, 1.0f, stream);
+  for (auto* b : {&x_rows_, &dy_rows_, &dgu_, &wa_})
+    bench::fill_random_bf16(b->data(), int64_t(b->size()), seed++, 1.0f, stream);
   CUBLAS_CHECK(cublasCreate(&handle_));
 }
 
