@@ -11,7 +11,8 @@ import pathlib
 import re
 
 JSONS = ["bench-uniform", "bench-zipf", "torch", "copy", "dispatch", "ep"]
-LOGS = ["pounce_tests_gpu", "pounce_experiment_tests", "pytest", "sanitizer", "bench", "copy", "dispatch", "ep"]
+LOGS = ["pounce_tests_gpu", "pounce_experiment_tests", "pytest", "sanitizer", "bench", "bench-zipf", "copy", "dispatch",
+        "ep", "torch"]
 
 
 def scrub(text):

@@ -2,27 +2,35 @@
 # The one GPU-machine job: build (ninja, all cores), run the GPU test suite, run the benchmarks and the
 # PyTorch baselines, and leave logs and JSON in OUTDIR. See CONTRIBUTING.md.
 #
-# usage: scripts/gpu_check.sh OUTDIR [--quick] [--sanitize] [--prebuilt]
+# usage: scripts/gpu_check.sh OUTDIR [--quick] [--sanitize] [--prebuilt] [--phases LIST]
 #   --quick     benchmarks at the default shape only (uniform routing), no PyTorch eager sweep
 #   --sanitize  also run small grouped-GEMM, unfused, fused-layer and planner tests under compute-sanitizer
 #               (memcheck, racecheck, synccheck)
 #   --prebuilt  use the binaries and libpounce.so in build/bin, built beforehand (here or on another
 #               machine with the same toolkit, then copied into build/bin) instead of building: saves the
 #               build's minutes
+#   --phases    a comma-separated subset of tests,sanitize,bench,zipf,movers,torch,train (default: all but
+#               train, sanitize only with --sanitize), to split one check over several shorter runs into
+#               the same OUTDIR; torch reads the bench phase's JSON there. train runs python -m pounce.train
+#               into OUTDIR/train.
 # The commit recorded in the JSON is $POUNCE_COMMIT, else `git rev-parse HEAD`.
 set -uo pipefail
 
-out=${1:?usage: scripts/gpu_check.sh OUTDIR [--quick] [--sanitize]}
+out=${1:?usage: scripts/gpu_check.sh OUTDIR [--quick] [--sanitize] [--prebuilt] [--phases LIST]}
 shift
-quick=0 sanitize=0 prebuilt=0
-for arg in "$@"; do
-  case $arg in
+quick=0 sanitize=0 prebuilt=0 phases=""
+while [ $# -gt 0 ]; do
+  case $1 in
     --quick) quick=1 ;;
     --sanitize) sanitize=1 ;;
     --prebuilt) prebuilt=1 ;;
-    *) echo "unknown option $arg" >&2; exit 2 ;;
+    --phases) phases=${2:?--phases needs a list}; shift ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
   esac
+  shift
 done
+[ -z "$phases" ] && phases=tests,bench,zipf,movers,torch && [ $sanitize = 1 ] && phases=$phases,sanitize
+has() { [[ ",$phases," == *",$1,"* ]]; }
 mkdir -p "$out"
 out=$(realpath "$out")
 
@@ -35,7 +43,7 @@ nccl_root=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/
 build=build-gpu
 if [ $prebuilt = 1 ]; then
   build=build
-  { nvidia-smi; echo "commit $POUNCE_COMMIT, prebuilt binaries, NCCL at run time: ${nccl_root:-<system>}"; } > "$out/build.log" 2>&1
+  { nvidia-smi; echo "commit $POUNCE_COMMIT, prebuilt binaries, NCCL at run time: ${nccl_root:-<system>}, phases $phases"; } >> "$out/build.log" 2>&1
 else
   {
     nvidia-smi
@@ -48,25 +56,27 @@ fi
 [ -n "$nccl_root" ] && export LD_LIBRARY_PATH="$nccl_root/lib:${LD_LIBRARY_PATH:-}"
 bin=$build/bin
 
-# The GPU suite, then the experiments' tests (their CPU half runs in CI too).
 status=0
-for suite in pounce_tests_gpu pounce_experiment_tests; do
-  timeout 600 "$bin/$suite" > "$out/$suite.log" 2>&1 || status=1
-  echo "$suite: $(grep -E '^\[  PASSED|^\[  FAILED  \] [0-9]+ test' "$out/$suite.log" | tr '\n' ' ')"
-  grep -E '^\[  FAILED  \] [A-Za-z]' "$out/$suite.log" || true
-done
-# The Python package's tests on this GPU, from the source tree over this build's libpounce.so (they
-# need PyTorch with CUDA and pytest).
-if python3 -c 'import pytest, torch' 2>/dev/null; then
-  lib=$(realpath "$bin/libpounce.so")
-  (cd python/tests && POUNCE_LIBRARY="$lib" timeout 300 python3 -m pytest -q -rs . > "$out/pytest.log" 2>&1) ||
-    status=1
-  echo "pytest: $(tail -1 "$out/pytest.log")"
-else
-  echo "pytest: skipped (no pytest or PyTorch here)" | tee "$out/pytest.log"
+if has tests; then
+  # The GPU suite, then the experiments' tests (their CPU half runs in CI too).
+  for suite in pounce_tests_gpu pounce_experiment_tests; do
+    timeout 600 "$bin/$suite" > "$out/$suite.log" 2>&1 || status=1
+    echo "$suite: $(grep -E '^\[  PASSED|^\[  FAILED  \] [0-9]+ test' "$out/$suite.log" | tr '\n' ' ')"
+    grep -E '^\[  FAILED  \] [A-Za-z]' "$out/$suite.log" || true
+  done
+  # The Python package's tests on this GPU, from the source tree over this build's libpounce.so (they
+  # need PyTorch with CUDA and pytest).
+  if python3 -c 'import pytest, torch' 2>/dev/null; then
+    lib=$(realpath "$bin/libpounce.so")
+    (cd python/tests && POUNCE_LIBRARY="$lib" timeout 300 python3 -m pytest -q -rs . > "$out/pytest.log" 2>&1) ||
+      status=1
+    echo "pytest: $(tail -1 "$out/pytest.log")"
+  else
+    echo "pytest: skipped (no pytest or PyTorch here)" | tee "$out/pytest.log"
+  fi
 fi
 
-if [ $sanitize = 1 ]; then
+if has sanitize; then
   # The grouped GEMM and unfused chain under all three tools; small fused-layer and device-planner cases
   # (one rank in place and combined, virtual ranks, top-k past 32) under memcheck and synccheck, and the
   # smallest fused case with the planner's under racecheck (the shared-memory hand-offs of planning, the
@@ -84,28 +94,44 @@ fi
 
 # Clocks, power and temperature once a second while the benchmarks run: sustained tensor-core load
 # lowers clocks, and the numbers should say so when it happens.
-nvidia-smi dmon -s pcu -d 1 > "$out/dmon.log" 2>&1 &
+nvidia-smi dmon -s pcu -d 1 >> "$out/dmon.log" 2>&1 &
 dmon=$!
-if [ $quick = 1 ]; then
-  timeout 400 "$bin/pounce_bench" --sweeps --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 || status=1
-else
-  timeout 400 "$bin/pounce_bench" --shapes all --sweeps --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 || status=1
-  timeout 300 "$bin/pounce_bench" --shapes all --routing zipf --reps 10 --json "$out/bench-zipf.json" >> "$out/bench.log" 2>&1 || status=1
+if has bench; then
+  if [ $quick = 1 ]; then
+    timeout 400 "$bin/pounce_bench" --sweeps --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 || status=1
+  else
+    timeout 400 "$bin/pounce_bench" --shapes all --sweeps --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 ||
+      status=1
+  fi
+  sed -n '/^shape /,$p' "$out/bench.log"
 fi
-sed -n '/^shape /,$p' "$out/bench.log"
-# The row movers (GB/s per comm CTA) and the dispatch-only pull-versus-push probe (virtual ranks on
-# GPU 0, and across GPUs over NCCL when there are several).
-timeout 120 "$bin/pounce_copy_bench" --json "$out/copy.json" > "$out/copy.log" 2>&1 || status=1
-timeout 300 "$bin/pounce_dispatch_bench" --json "$out/dispatch.json" > "$out/dispatch.log" 2>&1 || status=1
-cat "$out/dispatch.log"
-# Expert parallelism across GPUs, when the machine has several.
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  timeout 300 "$bin/pounce_ep_bench" --json "$out/ep.json" > "$out/ep.log" 2>&1 || status=1
-  cat "$out/ep.log"
+if has zipf && [ $quick = 0 ]; then
+  timeout 300 "$bin/pounce_bench" --shapes all --routing zipf --reps 10 --json "$out/bench-zipf.json" \
+    > "$out/bench-zipf.log" 2>&1 || status=1
+  sed -n '/^shape /,$p' "$out/bench-zipf.log"
 fi
-echo "== PyTorch baselines" >> "$out/bench.log"
-timeout 300 python3 scripts/torch_baselines.py --bench-json "$out/bench-uniform.json" --out "$out/torch.json" \
-  >> "$out/bench.log" 2>&1 || status=1
+if has movers; then
+  # The row movers (GB/s per comm CTA) and the dispatch-only pull-versus-push probe (virtual ranks on
+  # GPU 0, and across GPUs over NCCL when there are several).
+  timeout 120 "$bin/pounce_copy_bench" --json "$out/copy.json" > "$out/copy.log" 2>&1 || status=1
+  timeout 300 "$bin/pounce_dispatch_bench" --json "$out/dispatch.json" > "$out/dispatch.log" 2>&1 || status=1
+  cat "$out/dispatch.log"
+  # Expert parallelism across GPUs, when the machine has several.
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    timeout 300 "$bin/pounce_ep_bench" --json "$out/ep.json" > "$out/ep.log" 2>&1 || status=1
+    cat "$out/ep.log"
+  fi
+fi
+if has torch; then
+  timeout 300 python3 scripts/torch_baselines.py --bench-json "$out/bench-uniform.json" --out "$out/torch.json" \
+    > "$out/torch.log" 2>&1 || status=1
+  cat "$out/torch.log"
+fi
+if has train; then
+  # The training comparison (python -m pounce.train) over this build's library.
+  PYTHONPATH=python POUNCE_LIBRARY=$(realpath "$bin/libpounce.so") timeout 400 python3 -m pounce.train \
+    --out "$out/train" > "$out/train.log" 2>&1 || status=1
+  tail -20 "$out/train.log"
+fi
 kill $dmon 2>/dev/null
-sed -n '/== PyTorch baselines/,$p' "$out/bench.log"
 exit $status
