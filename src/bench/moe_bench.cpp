@@ -446,8 +446,8 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     DeviceBuffer<__nv_bfloat16> dx(T * H);
     DeviceBuffer<float> d_topk(T * k), dw13(E * 2 * I * H), dw2(E * H * I);
     const auto replay = [&](int set, __nv_bfloat16* into) {
-      chain.run({x[set].data(), d_ids.data(), d_weights.data(), T, dy[set].data(), w13.data(), w2.data()},
-                {into, d_topk.data(), dw13.data(), dw2.data(), WeightGradOutput::kF32}, nullptr, stream);
+      chain.run({x[set].data(), d_ids.data(), d_weights.data(), T, dy[set].data(), into, d_topk.data()},
+                {w13.data(), w2.data(), dw13.data(), dw2.data(), WeightGradOutput::kF32}, nullptr, stream);
     };
     for (int i = 0; i < kSets; ++i) replay(i, dx_first[i].data());
     int kept_replays = 0;  // backwards meant to start from a kept forward that replayed instead

@@ -28,13 +28,6 @@ BackwardChain::BackwardChain(const EpConfig& config, std::span<__nv_bfloat16* co
 
 BackwardChain::~BackwardChain() = default;
 
-void BackwardChain::run(const BackwardInputs& in, const BackwardOutputs& out, const KeptForward* kept,
-                        cudaStream_t stream) {
-  POUNCE_REQUIRE(config_.ranks == 1, "MoE backward: the one-rank run of a layer of ", config_.ranks, " ranks");
-  const BackwardSource source{in.x, in.topk_ids, in.topk_weights, in.tokens, in.dy, out.dx, out.d_topk_weights};
-  run(0, std::span(&source, 1), {in.w13, in.w2, out.dw13, out.dw2, out.mode}, kept, stream);
-}
-
 void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts,
                         const KeptForward* kept, cudaStream_t stream) {
   const int P = config_.ranks;

@@ -48,25 +48,6 @@ struct ExpertGradients {
   WeightGradOutput mode = WeightGradOutput::kF32;
 };
 
-// One rank's whole backward (config.ranks == 1), in the shape of its forward's call.
-struct BackwardInputs {
-  const __nv_bfloat16* x = nullptr;     // [tokens, H], the forward's input
-  const int32_t* topk_ids = nullptr;    // [tokens, k]
-  const float* topk_weights = nullptr;  // [tokens, k]
-  int64_t tokens = 0;
-  const __nv_bfloat16* dy = nullptr;   // [tokens, H]
-  const __nv_bfloat16* w13 = nullptr;  // [E, 2I, H]
-  const __nv_bfloat16* w2 = nullptr;   // [E, H, I]
-};
-
-struct BackwardOutputs {
-  __nv_bfloat16* dx = nullptr;      // [tokens, H]
-  float* d_topk_weights = nullptr;  // [tokens, k]
-  void* dw13 = nullptr;             // [E, 2I, H] bf16 or fp32 (see mode)
-  void* dw2 = nullptr;              // [E, H, I]
-  WeightGradOutput mode = WeightGradOutput::kF32;
-};
-
 // What a training forward kept for its backward (moe/fused_layer.h), all in device memory, rows in the
 // forward's schedule order (expert-contiguous, padded to m-blocks).
 struct KeptForward {
@@ -107,8 +88,10 @@ class BackwardChain {
            cudaStream_t stream);
   // More ranks: each source's dx from its slots, after run() of every rank.
   void finish(std::span<const BackwardSource> sources, cudaStream_t stream);
-  // One rank (config.ranks == 1): run() and finish() in the forward's terms.
-  void run(const BackwardInputs& in, const BackwardOutputs& out, const KeptForward* kept, cudaStream_t stream);
+  // One rank (config.ranks == 1): its whole backward.
+  void run(const BackwardSource& source, const ExpertGradients& experts, const KeptForward* kept, cudaStream_t stream) {
+    run(0, std::span(&source, 1), experts, kept, stream);
+  }
   void check_device_errors();
 
   // One GEMM alone on the buffers and weights of the last run (benchmarks); weight gradients go to fp32

@@ -72,9 +72,10 @@ TEST_P(BackwardChainTest, MatchesHostReference) {
   const EpConfig config{
       .ranks = 1, .experts = c.experts, .topk = c.topk, .hidden = H, .intermediate = I, .max_tokens_per_rank = T + 5};
   BackwardChain chain(config);
-  const BackwardInputs in{bf16(d_x), d_ids.data(), d_weights.data(), T, bf16(d_dy), bf16(d_w13), bf16(d_w2)};
-  const BackwardOutputs out{reinterpret_cast<__nv_bfloat16*>(d_dx.data()), d_dw.data(), dw13.data(), dw2.data(),
-                            WeightGradOutput::kF32};
+  const BackwardSource in{bf16(d_x),  d_ids.data(), d_weights.data(),
+                          T,          bf16(d_dy),   reinterpret_cast<__nv_bfloat16*>(d_dx.data()),
+                          d_dw.data()};
+  const ExpertGradients out{bf16(d_w13), bf16(d_w2), dw13.data(), dw2.data(), WeightGradOutput::kF32};
   const auto run = [&] {
     for (auto* b : {&d_dw, &dw13, &dw2}) b->fill_bytes(0xFF);
     d_dx.fill_bytes(0xFF);
@@ -115,8 +116,7 @@ TEST_P(BackwardChainTest, MatchesHostReference) {
   EXPECT_EQ(dw2.download(), g2);
   dw13.upload(g13);
   dw2.upload(g2);
-  chain.run(in, {out.dx, out.d_topk_weights, dw13.data(), dw2.data(), WeightGradOutput::kAccumulateF32}, nullptr,
-            nullptr);
+  chain.run(in, {out.w13, out.w2, dw13.data(), dw2.data(), WeightGradOutput::kAccumulateF32}, nullptr, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   chain.check_device_errors();
   std::vector<float> twice13 = g13, twice2 = g2;
@@ -125,7 +125,7 @@ TEST_P(BackwardChainTest, MatchesHostReference) {
   EXPECT_EQ(dw13.download(), twice13) << "accumulating adds exactly the same gradient once more";
   EXPECT_EQ(dw2.download(), twice2);
   DeviceBuffer<uint16_t> b13(E * 2 * I * H), b2(E * H * I);
-  chain.run(in, {out.dx, out.d_topk_weights, b13.data(), b2.data(), WeightGradOutput::kBf16}, nullptr, nullptr);
+  chain.run(in, {out.w13, out.w2, b13.data(), b2.data(), WeightGradOutput::kBf16}, nullptr, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   chain.check_device_errors();
   EXPECT_LT(testing::relative_l2_error(bf16_floats(b13), g13), 1e-2);
@@ -149,7 +149,7 @@ TEST(BackwardChain, RejectsBadInputByName) {
       .ranks = 1, .experts = 8, .topk = 2, .hidden = 128, .intermediate = 64, .max_tokens_per_rank = 16};
   BackwardChain chain(config);
   DeviceBuffer<uint16_t> x(16 * 128);
-  BackwardInputs in{bf16(x), nullptr, nullptr, 17, bf16(x), nullptr, nullptr};
+  BackwardSource in{bf16(x), nullptr, nullptr, 17, bf16(x), nullptr, nullptr};
   testing::expect_error([&] { chain.run(in, {}, nullptr, nullptr); },
                         "17 tokens, outside [0, max_tokens_per_rank = 16]");
   in.tokens = 4;
