@@ -113,9 +113,13 @@ class FusedMoe {
   // r's tokens and its experts' weight gradients). No host synchronization. It starts from what the
   // forward kept when that forward is the layer's latest, kept its rows, and ran on these same inputs
   // and weights; otherwise it replays the forward's planning and GEMM1 (correct, slower:
-  // last_backward_replayed() says which ran). Inputs changed in place since their forward are not
-  // detected. It runs on one GPU (one rank or virtual ranks) as a chain of pounce kernels; a layer across
-  // GPUs throws. The first backward allocates its buffers: run one before capturing a graph.
+  // last_backward_replayed() says which ran). A forward the host did not see in between (a CUDA graph
+  // replay) is caught on the device and reported by check_device_errors(); inputs changed in place since
+  // their forward are not detected. Keep each forward and its backward in order on one stream: the
+  // backward reads the forward's buffers (and with more ranks writes its combine slots). It runs on one
+  // GPU (one rank or virtual ranks) as a chain of pounce kernels; a layer across GPUs throws. The first
+  // backward allocates its buffers (a replay or bf16 weight gradients need more): run one of each kind
+  // before capturing a graph.
   void backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
                 cudaStream_t stream);
   void backward(const RankIO& forward_input, const RankGrads& grads, WeightGradOutput mode, cudaStream_t stream) {

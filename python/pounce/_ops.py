@@ -168,7 +168,7 @@ def _(dy, x, topk_ids, topk_weights, w13, w2, layer):
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w13, w2, layer, _ = inputs
+    x, topk_ids, topk_weights, w13, w2, layer = inputs[:6]
     ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2)
     ctx.layer = layer
 

@@ -42,6 +42,8 @@ static const char* role_name(uint32_t role) {
       return "rank sync";
     case DeviceRole::kTileGate:
       return "tile gate";
+    case DeviceRole::kBackward:
+      return "backward";
   }
   return "unknown role";
 }
@@ -141,6 +143,13 @@ std::string DeviceErrorSlot::describe() const {
       break;
     case WaitTarget::kTokenCount:
       out << int64_t(r.observed) << " tokens, outside [0, max_tokens_per_rank = " << r.expected << "]";
+      break;
+    case WaitTarget::kKeptForward:
+      out << "the backward was enqueued to start from the rows its training forward kept, but when it ran "
+          << "those rows were another forward's (a CUDA graph replayed a forward in between, or a forward "
+          << "ran on another stream): its gradients are wrong. Keep a forward and its backward in order on one "
+          << "stream, captured together or not at all [kept rows of forward " << r.observed << ", latest forward "
+          << r.expected << ", inputs " << (r.index ? "the same" : "others") << "]";
       break;
     case WaitTarget::kDistinctExperts:
       out << "token " << r.index << " lists expert " << r.observed << " twice (k " << r.expected << " and k "

@@ -28,6 +28,7 @@ enum class DeviceRole : uint32_t {
   kWeightedSum = 5,  // fused kernel: sums a completed token's k rows
   kRankSync = 6,     // fused kernel: barriers between phases
   kTileGate = 7,     // dispatch probe: waits where a GEMM producer would, timing the m-blocks' readiness
+  kBackward = 8,     // the backward's check of the rows a training forward kept
 };
 
 // What the reporter was waiting for, or checking.
@@ -48,6 +49,9 @@ enum class WaitTarget : uint32_t {
   kRankBarrier = 13,     // arrivals at barrier index among one rank's CTAs
   kStartFlag = 14,       // start flag of rank index (the previous forward finished there)
   kCopyLanded = 15,      // a bulk copy into copy-engine slot index never landed
+  kKeptForward = 16,     // not a wait: the kept rows are forward number observed's (0: the latest forward
+                         // kept none), the latest is number expected; index 1 when the kept forward's inputs
+                         // are the backward's
 };
 
 struct DeviceErrorRecord {

@@ -100,8 +100,23 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
   return true;  // the opening's proxy fence covers the planner's shared tables too
 }
 
-// The forward's number, one kernel ahead of it in stream order (a graph replays both).
-__global__ void bump_epoch(uint32_t* epoch_word) { ++*epoch_word; }
+// The forward's number and what it keeps, one kernel ahead of it in stream order (a graph replays both).
+__global__ void begin_forward(uint32_t* epoch_word, uint64_t* kept_record, int32_t keep, uint64_t fingerprint) {
+  const uint32_t epoch = ++*epoch_word;
+  kept_record[0] = keep ? epoch : 0;
+  kept_record[1] = fingerprint;
+}
+
+// The backward about to start from the kept rows checks that they are still those of its forward: the
+// latest forward kept them, on the same inputs.
+__global__ void check_kept_forward(const uint32_t* epoch_word, const uint64_t* kept_record, uint64_t fingerprint,
+                                   DeviceErrorSink error) {
+  const uint64_t latest = *epoch_word, kept = kept_record[0];
+  const bool same_inputs = kept_record[1] == fingerprint;
+  if (kept != latest || !same_inputs)
+    report_device_error(error, DeviceErrorCode::kBadSchedule, DeviceRole::kBackward, WaitTarget::kKeptForward,
+                        same_inputs, latest, kept, 0);
+}
 
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ FusedParams p, const __grid_constant__ FusedMaps maps) {
@@ -133,10 +148,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 
 void launch_fused_moe(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream) {
-  bump_epoch<<<1, 1, 0, stream>>>(const_cast<uint32_t*>(p.epoch_word));
+  begin_forward<<<1, 1, 0, stream>>>(const_cast<uint32_t*>(p.epoch_word), p.kept_record, p.keep_gate_up,
+                                     p.kept_fingerprint);
   CUDA_CHECK_LAUNCH();
   launch_cooperative(fused_moe_kernel, p.launch_ranks * p.ctas_per_rank, kThreads, gemm::pipeline::kSharedBytes, stream,
                      p, maps);
+}
+
+void launch_check_kept_forward(const FusedParams& p, uint64_t fingerprint, cudaStream_t stream) {
+  check_kept_forward<<<1, 1, 0, stream>>>(p.epoch_word, p.kept_record, fingerprint, p.error);
+  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace pounce::moe

@@ -24,4 +24,8 @@ struct FusedMaps {             // CUtensorMap is 64-byte aligned
 // than run CTAs that are not co-resident, which the kernel's barriers need).
 void launch_fused_moe(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream);
 
+// Reports a kKeptForward error (into p.error) unless the rows the latest forward kept are those of a
+// forward on inputs with this fingerprint.
+void launch_check_kept_forward(const FusedParams& p, uint64_t fingerprint, cudaStream_t stream);
+
 }  // namespace pounce::moe

@@ -262,6 +262,9 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   epoch_ = DeviceBuffer<uint32_t>(1);
   epoch_.fill_bytes(0);
   p.epoch_word = epoch_.data();
+  kept_record_ = DeviceBuffer<uint64_t>(2);
+  kept_record_.fill_bytes(0);
+  p.kept_record = kept_record_.data();
 
   const uint64_t H = config.hidden, I = config.intermediate;
   using gemm::kStoreBoxCols, gemm::kStoreBoxRows;
@@ -281,6 +284,7 @@ void FusedLayer::reset_counters() {
     CUDA_CHECK(cudaMemset(params_.peers.start_flags[0], 0, sizeof(uint32_t)));
   }
   CUDA_CHECK(cudaMemset(epoch_.data(), 0, epoch_.bytes()));
+  CUDA_CHECK(cudaMemset(kept_record_.data(), 0, kept_record_.bytes()));
   CUDA_CHECK(cudaDeviceSynchronize());  // cleared before a forward on any stream reads them
   forwards_ = 0;
   kept_from_ = {};
@@ -333,6 +337,24 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream, boo
                  L, L == config_.ranks ? " ranks" : " rank on this GPU");
   for (int lr = 0; lr < L; ++lr) check_io(ranks[lr], params_.first_rank + lr);
 
+  if (keep_for_backward) {
+    POUNCE_REQUIRE(!window_ || config_.ranks == 1,
+                   "FusedMoe::forward: keep_for_backward on a layer across GPUs; its backward runs on one GPU "
+                   "(virtual ranks) for now");
+    if (gate_up_kept_.size() == 0) {
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+      POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone,
+                     "FusedMoe::forward: the first forward that keeps its rows for the backward allocates them, "
+                     "which a CUDA graph capture cannot: run one before capturing");
+      const int64_t rows = std::max<int64_t>(L * capacity_.max_padded_rows, kBlockM);
+      POUNCE_REQUIRE(rows <= INT32_MAX, "FusedMoe::forward: the kept gate/up rows of ", L, " ranks (", rows,
+                     ") exceed what a tensor map addresses (2^31)");
+      gate_up_kept_ = DeviceBuffer<__nv_bfloat16>(rows * 2 * config_.intermediate);
+      maps_.gate_up_kept = gemm::make_bf16_tensor_map(gate_up_kept_.data(), 2 * config_.intermediate, rows,
+                                                      gemm::kStoreBoxCols, gemm::kStoreBoxRows);
+    }
+  }
   if (window_) {
     // The window's double buffers alternate with the host's count of forwards, which a graph replay
     // would not advance.
@@ -369,23 +391,8 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream, boo
       params_.peers.topk_ids[r] = io.topk_ids;
     }
   }
-  if (keep_for_backward) {
-    POUNCE_REQUIRE(!window_ || config_.ranks == 1,
-                   "FusedMoe::forward: keep_for_backward on a layer across GPUs; its backward runs on one GPU "
-                   "(virtual ranks) for now");
-    if (gate_up_kept_.size() == 0) {
-      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-      POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone,
-                     "FusedMoe::forward: the first forward that keeps its rows for the backward allocates them, "
-                     "which a CUDA graph capture cannot: run one before capturing");
-      const int64_t rows = L * capacity_.max_padded_rows;
-      gate_up_kept_ = DeviceBuffer<__nv_bfloat16>(rows * 2 * config_.intermediate);
-      maps_.gate_up_kept = gemm::make_bf16_tensor_map(gate_up_kept_.data(), 2 * config_.intermediate, rows,
-                                                      gemm::kStoreBoxCols, gemm::kStoreBoxRows);
-    }
-  }
   params_.keep_gate_up = keep_for_backward;
+  params_.kept_fingerprint = fingerprint(ranks);
   ++forwards_;
   kept_from_ = {};
   if (keep_for_backward) {
@@ -394,6 +401,21 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream, boo
     kept_from_.weights = weights_;
   }
   launch_fused_moe(params_, maps_, stream);
+}
+
+// Identifies a forward's inputs and weights (pointers and token counts), for the device-side check that
+// the kept rows a backward starts from are its forward's.
+uint64_t FusedLayer::fingerprint(std::span<const RankIO> inputs) const {
+  uint64_t h = 0xcbf29ce484222325ull;
+  const auto mix = [&h](uint64_t v) { h = (h ^ v) * 0x100000001b3ull; };
+  for (size_t lr = 0; lr < inputs.size(); ++lr) {
+    for (const void* p : {static_cast<const void*>(inputs[lr].x), static_cast<const void*>(inputs[lr].topk_ids),
+                          static_cast<const void*>(inputs[lr].topk_weights), static_cast<const void*>(weights_[lr].w13),
+                          static_cast<const void*>(weights_[lr].w2)})
+      mix(reinterpret_cast<uintptr_t>(p));
+    mix(uint64_t(inputs[lr].tokens));
+  }
+  return h;
 }
 
 // Whether the latest forward kept its rows, on these inputs and the current weights.
@@ -427,6 +449,10 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
   POUNCE_REQUIRE(!window_ || config_.ranks == 1, "FusedMoe::backward: ", config_.ranks,
                  " ranks across GPUs; the backward runs on one GPU (virtual ranks) for now");
   POUNCE_REQUIRE(has_weights_, "FusedMoe::backward: call set_weights first");
+  POUNCE_REQUIRE(!errors_.has_error(),
+                 "FusedMoe::backward: a forward reported a device error that check_device_errors() has not "
+                 "collected: ",
+                 errors_.describe());
   const int L = params_.launch_ranks;
   POUNCE_REQUIRE(int64_t(forward_inputs.size()) == L && int64_t(grads.size()) == L, "FusedMoe::backward: got ",
                  forward_inputs.size(), " ranks' forward inputs and ", grads.size(),
@@ -447,11 +473,17 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
     const RankGrads& g = grads[lr];
     sources[lr] = {in.x, in.topk_ids, in.topk_weights, in.tokens, g.dy, g.dx, g.d_topk_weights};
   }
+  std::vector<ExpertGradients> experts(L);
+  for (int lr = 0; lr < L; ++lr) {
+    experts[lr] = {weights_[lr].w13, weights_[lr].w2, grads[lr].dw13, grads[lr].dw2, mode};
+    backward_->check(params_.first_rank + lr, sources, experts[lr]);  // every rank before any is enqueued
+  }
   const bool kept = kept_forward_matches(forward_inputs);
+  // The host's view misses forwards replayed by CUDA graphs: the device checks the rows are still these.
+  if (kept) launch_check_kept_forward(params_, fingerprint(forward_inputs), stream);
   for (int lr = 0; lr < L; ++lr) {
     const KeptForward rows = kept_rows(lr);
-    const ExpertGradients experts{weights_[lr].w13, weights_[lr].w2, grads[lr].dw13, grads[lr].dw2, mode};
-    backward_->run(params_.first_rank + lr, sources, experts, kept ? &rows : nullptr, stream);
+    backward_->run(params_.first_rank + lr, sources, experts[lr], kept ? &rows : nullptr, stream);
   }
   backward_->finish(sources, stream);
   last_backward_replayed_ = !kept;

@@ -22,7 +22,6 @@
 #include <array>
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <span>
 #include <string>
 
@@ -74,6 +73,7 @@ class FusedLayer {
   static void check_same_config_on_every_rank(const EpConfig& config, const FusedMoeOptions& options, ncclComm_t comm);
   void reset_counters();
   bool kept_forward_matches(std::span<const RankIO> inputs) const;
+  uint64_t fingerprint(std::span<const RankIO> inputs) const;
   KeptForward kept_rows(int launch_rank) const;
 
   EpConfig config_;
@@ -87,10 +87,11 @@ class FusedLayer {
       minibatch_starts_;
   DeviceBuffer<planner::DeviceScheduleSizes> sizes_;
   DeviceBuffer<const int32_t*> topk_tables_;
-  DeviceBuffer<int32_t> route_row_;  // in place: [T_max, k] ring row of every route
-  DeviceBuffer<uint32_t> counters_;  // dispatched, gemm1_done, gemm2_done, combined, control
-  DeviceBuffer<uint32_t> epoch_;     // the forward number, bumped on the device by every forward
-  uint32_t forwards_ = 0;            // forwards enqueued since the counters were last cleared
+  DeviceBuffer<int32_t> route_row_;     // one rank: [T_max, k] the row of every route (in place: its ring row)
+  DeviceBuffer<uint32_t> counters_;     // dispatched, gemm1_done, gemm2_done, combined, control
+  DeviceBuffer<uint32_t> epoch_;        // the forward number, bumped on the device by every forward
+  DeviceBuffer<uint64_t> kept_record_;  // FusedParams::kept_record
+  uint32_t forwards_ = 0;               // forwards enqueued since the counters were last cleared
   DeviceBuffer<__nv_bfloat16> x_ring_, h_ring_, out_ring_;
   // Symmetric buffers: virtual ranks keep them here; the NCCL transport in its window.
   DeviceBuffer<uint32_t> peer_words_;  // per rank: arrivals [T_max], start flags [P]

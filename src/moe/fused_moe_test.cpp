@@ -942,6 +942,45 @@ TEST_P(FusedMoeGraphTest, ForwardAndBackwardReplayInACudaGraph) {
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+// A forward replayed from a CUDA graph between a training forward and its backward replaces the kept
+// rows without the host seeing it: the backward's device-side check names it instead of giving wrong
+// gradients silently, and the layer works on after the error is collected.
+TEST(FusedMoe, BackwardAfterAGraphReplayedForwardIsAnError) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem a = make_problem(rng, Case{1, 200, 256, 128, 8, 4, RoutingPattern::kZipf});
+  Problem b = make_problem(rng, Case{1, 150, 256, 128, 8, 4, RoutingPattern::kUniform});
+  b.config = a.config;
+  FusedMoe layer(a.config);
+  a.load_weights(layer);
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  layer.forward(b.io()[0], stream);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  layer.forward(b.io()[0], stream);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  const std::vector<std::vector<float>> dy{testing::random_bf16_values(rng, a.tokens[0] * a.config.hidden)};
+  std::vector<DeviceBuffer<uint16_t>> d_dy;
+  d_dy.emplace_back(testing::to_bf16_bits(dy[0]));
+  layer.forward(a.io()[0], stream, /*keep_for_backward=*/true);
+  CUDA_CHECK(cudaGraphLaunch(exec, stream));  // forward b again, unseen by the host
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  testing::expect_error([&] { run_backward(layer, a, d_dy); }, "those rows were another forward's");
+  EXPECT_FALSE(layer.last_backward_replayed());
+
+  // Collected: the layer runs on, and in order the kept rows are right again.
+  layer.forward(a.io()[0], stream, /*keep_for_backward=*/true);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  expect_gradients(run_backward(layer, a, d_dy), reference_backward(a, dy), a.config);
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 INSTANTIATE_TEST_SUITE_P(Forwards, FusedMoeGraphTest, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Training" : "Plain"; });
 

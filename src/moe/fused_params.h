@@ -73,7 +73,7 @@ struct RankState {
   uint32_t* gemm2_done;  // +1 per GEMM2 tile half (2 * n2_blocks per forward)
   uint32_t* combined;    // +1 when the m-block's rows were pushed out: its ring slot is free
   uint32_t* control;     // [kControlWords]
-  int32_t* route_row;    // in place only: [max_tokens, k] the row each of this rank's routes went to
+  int32_t* route_row;    // one rank only: [max_tokens, k] the row each of this rank's routes went to
 };
 
 // What every rank exposes to the others (symmetric memory), indexed by global rank.
@@ -111,9 +111,14 @@ struct FusedParams {
   // 1: a training forward: GEMM1 also stores its tiles before SwiGLU (FusedMaps::gate_up_kept) for the
   // backward, in schedule order.
   int32_t keep_gate_up;
-  __nv_bfloat16* x_ring;    // [launch_ranks * ring_blocks * 128, H]
-  __nv_bfloat16* h_ring;    // [..., I]
-  __nv_bfloat16* out_ring;  // [..., H]
+  // Which forward's rows are kept, on the device (a CUDA graph replays forwards the host does not see):
+  // [0] its forward number (0: the latest forward kept nothing), [1] the fingerprint of its inputs.
+  // Written with the forward number before each forward; checked by the backward that uses them.
+  uint64_t* kept_record;
+  uint64_t kept_fingerprint;  // of this forward's inputs and weights (host-computed)
+  __nv_bfloat16* x_ring;      // [launch_ranks * ring_blocks * 128, H]
+  __nv_bfloat16* h_ring;      // [..., I]
+  __nv_bfloat16* out_ring;    // [..., H]
   DeviceErrorSink error;
   RankState rank_state[kMaxRanks];  // [launch_ranks]
   PeerView peers;

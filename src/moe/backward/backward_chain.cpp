@@ -8,6 +8,19 @@
 
 namespace pounce::moe {
 
+// Buffers a backward needs only in some modes are made by the first backward that needs them, which
+// must not be inside a CUDA graph capture (the allocation would not be replayed).
+template <typename T>
+void BackwardChain::allocate(DeviceBuffer<T>& buffer, int64_t count, const char* what, cudaStream_t stream) {
+  if (buffer.size() > 0) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone, "MoE backward: the first backward that needs its ", what,
+                 " allocates them, which a CUDA graph capture cannot: run one such backward (one that replays its "
+                 "forward, or with bf16 weight gradients) before capturing");
+  buffer = DeviceBuffer<T>(count);
+}
+
 BackwardChain::BackwardChain(const EpConfig& config, std::span<__nv_bfloat16* const> slots)
     : config_(config), slots_(slots.begin(), slots.end()), planner_(config, kBlockM) {
   check_config(config);
@@ -28,8 +41,7 @@ BackwardChain::BackwardChain(const EpConfig& config, std::span<__nv_bfloat16* co
 
 BackwardChain::~BackwardChain() = default;
 
-void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts,
-                        const KeptForward* kept, cudaStream_t stream) {
+void BackwardChain::check(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts) const {
   const int P = config_.ranks;
   const int64_t H = config_.hidden, I = config_.intermediate, E = config_.local_experts(), k = config_.topk;
   POUNCE_REQUIRE(rank >= 0 && rank < P, "MoE backward: rank ", rank, " of ", P);
@@ -37,8 +49,6 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
                  " source ranks' tensors, the layer has ", P);
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  backward::RouteSources from{};
-  backward::RouteTargets to{};
   for (int s = 0; s < P; ++s) {
     const BackwardSource& src = sources[s];
     const int64_t T = src.tokens;
@@ -50,28 +60,38 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
     require_device_tensor(src.dy, T * H * 2, device, "dy", s);
     require_device_tensor(src.dx, T * H * 2, device, "dx", s);
     require_device_tensor(src.d_topk_weights, T * k * 4, device, "d_topk_weights", s);
-    from.topk_ids[s] = src.topk_ids;
-    from.tokens[s] = int32_t(T);
-    from.x[s] = src.x;
-    from.dy[s] = src.dy;
-    from.topk_weights[s] = src.topk_weights;
-    to.slots[s] = P > 1 ? slots_[s] : nullptr;
-    to.d_topk_weights[s] = src.d_topk_weights;
   }
   require_device_tensor(experts.w13, E * 2 * I * H * 2, device, "w13", rank);
   require_device_tensor(experts.w2, E * H * I * 2, device, "w2", rank);
   const int64_t dw_bytes = experts.mode == WeightGradOutput::kBf16 ? 2 : 4;
   require_device_tensor(experts.dw13, E * 2 * I * H * dw_bytes, device, "dw13", rank);
   require_device_tensor(experts.dw2, E * H * I * dw_bytes, device, "dw2", rank);
-  if (experts.mode == WeightGradOutput::kBf16 && dw_scratch_.size() == 0)
-    dw_scratch_ = DeviceBuffer<float>(E * 2 * I * H + E * H * I);
+}
+
+void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts,
+                        const KeptForward* kept, cudaStream_t stream) {
+  check(rank, sources, experts);
+  const int P = config_.ranks;
+  const int64_t H = config_.hidden, I = config_.intermediate, E = config_.local_experts(), k = config_.topk;
+  backward::RouteSources from{};
+  backward::RouteTargets to{};
+  for (int s = 0; s < P; ++s) {
+    from.topk_ids[s] = sources[s].topk_ids;
+    from.tokens[s] = int32_t(sources[s].tokens);
+    from.x[s] = sources[s].x;
+    from.dy[s] = sources[s].dy;
+    from.topk_weights[s] = sources[s].topk_weights;
+    to.slots[s] = P > 1 ? slots_[s] : nullptr;
+    to.d_topk_weights[s] = sources[s].d_topk_weights;
+  }
+  if (experts.mode == WeightGradOutput::kBf16) allocate(dw_scratch_, E * 2 * I * H + E * H * I, "fp32 scratch", stream);
 
   last_experts_ = experts;
   // A replay plans again, gathers the x rows and recomputes the gate/up rows in the chain's own buffers;
   // a kept forward may still need its x rows gathered (its ring did not hold them all).
   const bool gather_x = kept == nullptr || kept->x_rows == nullptr;
-  if (gather_x && x_rows_.size() == 0) x_rows_ = DeviceBuffer<__nv_bfloat16>(rows_ * H);
-  if (kept == nullptr && h13_.size() == 0) h13_ = DeviceBuffer<__nv_bfloat16>(rows_ * 2 * I);
+  if (gather_x) allocate(x_rows_, rows_ * H, "x rows", stream);
+  if (kept == nullptr) allocate(h13_, rows_ * 2 * I, "gate/up rows", stream);
   if (kept != nullptr) {
     rows_in_use_ = *kept;
   } else {
@@ -87,14 +107,14 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
   }
   if (gather_x) rows_in_use_.x_rows = x_rows_.data();
   const KeptForward& f = rows_in_use_;
-  // Every route's dy rows and router weights.
-  backward::gather_route_rows(from, f.row_source_rank, f.row_token, f.row_k, rows_, H, k,
-                              gather_x ? x_rows_.data() : nullptr, dy_rows_.data(), row_weight_.data(), stream);
+  // Every route's dy rows and router weights, and its x rows unless kept.
+  backward::gather_route_rows(from, f.row_source_rank, f.row_token, f.row_k, rows_, H, k, f.x_rows, gather_x,
+                              dy_rows_.data(), row_weight_.data(), stream);
 
   if (kept == nullptr) gemm(BackwardGemm::kGateUp, nullptr, gemm::Epilogue::kStore, stream);
   gemm(BackwardGemm::kDataDown, nullptr, gemm::Epilogue::kStore, stream);
-  backward::swiglu_backward_rows(f.gate_up_rows, da_.data(), row_weight_.data(), rows_, I, dgu_.data(), wa_.data(),
-                                 route_dot_.data(), stream);
+  backward::swiglu_backward_rows(f.gate_up_rows, da_.data(), row_weight_.data(), f.row_token, rows_, I, dgu_.data(),
+                                 wa_.data(), route_dot_.data(), stream);
   gemm(BackwardGemm::kDataGateUp, nullptr, gemm::Epilogue::kStore, stream);
   if (P == 1)
     backward::combine_gradients(dx_rows_.data(), route_dot_.data(), f.route_row, sources[0].tokens, k, H, sources[0].dx,
@@ -139,7 +159,7 @@ void BackwardChain::run_gemm(BackwardGemm which, cudaStream_t stream) {
   POUNCE_REQUIRE(which != BackwardGemm::kGateUp || h13_.size() > 0,
                  "MoE backward: GEMM1 again needs an earlier replay (a run without a kept forward)");
   const int64_t E = config_.local_experts(), H = config_.hidden, I = config_.intermediate;
-  if (dw_scratch_.size() == 0) dw_scratch_ = DeviceBuffer<float>(E * 2 * I * H + E * H * I);
+  allocate(dw_scratch_, E * 2 * I * H + E * H * I, "fp32 scratch", stream);
   gemm(which, dw_scratch_.data(), gemm::Epilogue::kStoreF32, stream);
 }
 

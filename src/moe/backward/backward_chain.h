@@ -56,7 +56,8 @@ struct KeptForward {
   const int32_t* row_token = nullptr;           // [capacity rows], -1 for padding
   const int32_t* row_k = nullptr;               // [capacity rows]
   const int32_t* route_row = nullptr;           // one rank: [tokens, k], the row of every route
-  const __nv_bfloat16* x_rows = nullptr;        // [capacity rows, H]; null: gathered again from x
+  __nv_bfloat16* x_rows = nullptr;              // [capacity rows, H] (its padding rows get zeroed); null:
+                                                // gathered again from x
   const __nv_bfloat16* gate_up_rows = nullptr;  // [capacity rows, 2I], GEMM1 before SwiGLU
 };
 
@@ -86,6 +87,8 @@ class BackwardChain {
   // check_device_errors() (that backward's outputs are garbage).
   void run(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts, const KeptForward* kept,
            cudaStream_t stream);
+  // run()'s host-visible checks alone (a layer checks every rank before it enqueues any).
+  void check(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts) const;
   // More ranks: each source's dx from its slots, after run() of every rank.
   void finish(std::span<const BackwardSource> sources, cudaStream_t stream);
   // One rank (config.ranks == 1): its whole backward.
@@ -108,6 +111,8 @@ class BackwardChain {
 
  private:
   void gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue epilogue, cudaStream_t stream);
+  template <typename T>
+  void allocate(DeviceBuffer<T>& buffer, int64_t count, const char* what, cudaStream_t stream);
 
   EpConfig config_;
   std::vector<__nv_bfloat16*> slots_;  // [source rank], more ranks only

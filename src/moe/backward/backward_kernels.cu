@@ -22,7 +22,7 @@ __global__ void set_plan_inputs_kernel(const int32_t** ids_table, int32_t* token
 
 __global__ void gather_kernel(const RouteSources sources, const int32_t* row_source_rank, const int32_t* row_token,
                               const int32_t* row_k, int64_t rows, int64_t vecs, int64_t topk, uint4* x_rows,
-                              uint4* dy_rows, float* row_weight) {
+                              bool gather_x, uint4* dy_rows, float* row_weight) {
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int32_t t = row_token[r], s = t >= 0 ? row_source_rank[r] : 0;
@@ -30,7 +30,7 @@ __global__ void gather_kernel(const RouteSources sources, const int32_t* row_sou
     const uint4* dy = reinterpret_cast<const uint4*>(sources.dy[s]);
     if (threadIdx.x == 0) row_weight[r] = t >= 0 ? sources.topk_weights[s][t * topk + row_k[r]] : 0.0f;
     for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
-      if (x_rows != nullptr) x_rows[r * vecs + v] = t >= 0 ? x[t * vecs + v] : zero;
+      if (gather_x || t < 0) x_rows[r * vecs + v] = t >= 0 ? x[t * vecs + v] : zero;
       dy_rows[r * vecs + v] = t >= 0 ? dy[t * vecs + v] : zero;
     }
   }
@@ -53,10 +53,20 @@ __global__ void scatter_kernel(const uint4* dx_rows, const float* route_dot, con
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
 // One CTA per row; each thread owns groups of 8 intermediate columns (16 bytes of da, 32 of gate/up).
-__global__ void swiglu_backward_kernel(const uint4* h13, const uint4* da, const float* row_weight, int64_t rows,
-                                       int64_t groups, uint4* dgu, uint4* wa, float* route_dot) {
+__global__ void swiglu_backward_kernel(const uint4* h13, const uint4* da, const float* row_weight,
+                                       const int32_t* row_token, int64_t rows, int64_t groups, uint4* dgu, uint4* wa,
+                                       float* route_dot) {
   __shared__ float warp_dots[kThreads / 32];
+  const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    if (row_token[r] < 0) {  // padding: zeros, whatever h13 holds there
+      for (int64_t j = threadIdx.x; j < groups; j += blockDim.x) {
+        dgu[(r * groups + j) * 2] = dgu[(r * groups + j) * 2 + 1] = zero;
+        wa[r * groups + j] = zero;
+      }
+      if (threadIdx.x == 0) route_dot[r] = 0.0f;
+      continue;
+    }
     const float w = row_weight[r];
     float dot = 0.0f;
     for (int64_t j = threadIdx.x; j < groups; j += blockDim.x) {
@@ -146,11 +156,11 @@ void set_plan_inputs(const int32_t** ids_table, int32_t* token_counts, const Rou
 
 void gather_route_rows(const RouteSources& sources, const int32_t* row_source_rank, const int32_t* row_token,
                        const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk, __nv_bfloat16* x_rows,
-                       __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream) {
+                       bool gather_x, __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream) {
   if (rows == 0) return;
   gather_kernel<<<grid_for(rows), kThreads, 0, stream>>>(sources, row_source_rank, row_token, row_k, rows,
                                                          hidden / kVec, topk, reinterpret_cast<uint4*>(x_rows),
-                                                         reinterpret_cast<uint4*>(dy_rows), row_weight);
+                                                         gather_x, reinterpret_cast<uint4*>(dy_rows), row_weight);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -164,13 +174,13 @@ void scatter_route_rows(const __nv_bfloat16* dx_rows, const float* route_dot, co
   CUDA_CHECK_LAUNCH();
 }
 
-void swiglu_backward_rows(const __nv_bfloat16* h13, const __nv_bfloat16* da, const float* row_weight, int64_t rows,
-                          int64_t intermediate, __nv_bfloat16* dgu, __nv_bfloat16* wa, float* route_dot,
-                          cudaStream_t stream) {
+void swiglu_backward_rows(const __nv_bfloat16* h13, const __nv_bfloat16* da, const float* row_weight,
+                          const int32_t* row_token, int64_t rows, int64_t intermediate, __nv_bfloat16* dgu,
+                          __nv_bfloat16* wa, float* route_dot, cudaStream_t stream) {
   if (rows == 0) return;
   swiglu_backward_kernel<<<grid_for(rows), kThreads, 0, stream>>>(
-      reinterpret_cast<const uint4*>(h13), reinterpret_cast<const uint4*>(da), row_weight, rows, intermediate / kVec,
-      reinterpret_cast<uint4*>(dgu), reinterpret_cast<uint4*>(wa), route_dot);
+      reinterpret_cast<const uint4*>(h13), reinterpret_cast<const uint4*>(da), row_weight, row_token, rows,
+      intermediate / kVec, reinterpret_cast<uint4*>(dgu), reinterpret_cast<uint4*>(wa), route_dot);
   CUDA_CHECK_LAUNCH();
 }
 
