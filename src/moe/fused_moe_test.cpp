@@ -860,6 +860,37 @@ TEST(FusedMoe, BackwardOnVirtualRanksHasTheBitsOfOneRank) {
   }
 }
 
+// Padding rows of the ring and of the kept gate/up rows hold whatever earlier forwards left there: after a
+// forward whose every x is NaN, the next forward's backward must still be finite and right, in place and
+// through a bounded ring.
+TEST(FusedMoe, BackwardIgnoresWhatEarlierForwardsLeftInPaddingRows) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  for (int ring : {0, kMinRing}) {
+    SCOPED_TRACE(ring == 0 ? "in place" : "bounded ring");
+    Problem p = make_problem(rng, Case{1, 300, 256, 128, 8, 3, RoutingPattern::kZipf});
+    FusedMoeOptions options;
+    if (ring == kMinRing) options.minibatch_rows = 128, options.ring_blocks = 2;
+    FusedMoe layer(p.config, options);
+    p.load_weights(layer);
+    const int64_t T = p.tokens[0], H = p.config.hidden;
+    p.d_x[0].fill_bytes(0xFF);  // NaN everywhere
+    layer.forward(p.io()[0], nullptr, /*keep_for_backward=*/true);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    p.d_x[0].upload(testing::to_bf16_bits(p.x[0]));
+    p.ids[0] = reference::synthetic_topk_ids(RoutingPattern::kUniform, T, p.config.experts, p.config.topk, rng);
+    p.d_ids[0].upload(p.ids[0]);
+    const std::vector<std::vector<float>> dy{testing::random_bf16_values(rng, T * H)};
+    std::vector<DeviceBuffer<uint16_t>> d_dy;
+    d_dy.emplace_back(testing::to_bf16_bits(dy[0]));
+    layer.forward(p.io()[0], nullptr, /*keep_for_backward=*/true);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const Gradients got = run_backward(layer, p, d_dy);
+    EXPECT_FALSE(layer.last_backward_replayed());
+    expect_gradients(got, reference_backward(p, dy), p.config);
+  }
+}
+
 // What the backward uses depends on the forward it follows: a later forward on other inputs makes the
 // backward of the earlier one replay (and still be right).
 TEST(FusedMoe, BackwardReplaysWhenItsForwardIsNotTheLatest) {
