@@ -2,8 +2,9 @@
 # The one GPU-machine job: build (ninja, all cores), run the GPU test suite, run the benchmarks and the
 # PyTorch baselines, and leave logs and JSON in OUTDIR. See CONTRIBUTING.md.
 #
-# usage: scripts/gpu_check.sh OUTDIR [--quick] [--sanitize] [--prebuilt] [--phases LIST]
+# usage: scripts/gpu_check.sh OUTDIR [--quick] [--sanitize] [--prebuilt] [--phases LIST] [--no-sweeps]
 #   --quick     benchmarks at the default shape only (uniform routing), no PyTorch eager sweep
+#   --no-sweeps the benchmark without the fused layer's option sweeps
 #   --sanitize  also run small grouped-GEMM, unfused, fused-layer and planner tests under compute-sanitizer
 #               (memcheck, racecheck, synccheck)
 #   --prebuilt  use the binaries and libpounce.so in build/bin, built beforehand (here or on another
@@ -16,14 +17,15 @@
 # The commit recorded in the JSON is $POUNCE_COMMIT, else `git rev-parse HEAD`.
 set -uo pipefail
 
-out=${1:?usage: scripts/gpu_check.sh OUTDIR [--quick] [--sanitize] [--prebuilt] [--phases LIST]}
+out=${1:?usage: scripts/gpu_check.sh OUTDIR [--quick] [--sanitize] [--prebuilt] [--phases LIST] [--no-sweeps]}
 shift
-quick=0 sanitize=0 prebuilt=0 phases=""
+quick=0 sanitize=0 prebuilt=0 phases="" sweeps=--sweeps
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) quick=1 ;;
     --sanitize) sanitize=1 ;;
     --prebuilt) prebuilt=1 ;;
+    --no-sweeps) sweeps="" ;;
     --phases) phases=${2:?--phases needs a list}; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -98,9 +100,9 @@ nvidia-smi dmon -s pcu -d 1 >> "$out/dmon.log" 2>&1 &
 dmon=$!
 if has bench; then
   if [ $quick = 1 ]; then
-    timeout 400 "$bin/pounce_bench" --sweeps --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 || status=1
+    timeout 400 "$bin/pounce_bench" $sweeps --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 || status=1
   else
-    timeout 400 "$bin/pounce_bench" --shapes all --sweeps --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 ||
+    timeout 400 "$bin/pounce_bench" --shapes all $sweeps --json "$out/bench-uniform.json" > "$out/bench.log" 2>&1 ||
       status=1
   fi
   sed -n '/^shape /,$p' "$out/bench.log"
