@@ -8,7 +8,8 @@ split over P GPUs, the slice's tokens on every rank (8192; Qwen3-30B's slice has
 routing (as `pounce_ep_bench` sets them up). Pure Python 3; matplotlib only for the optional plot.
 
 Inputs. Every rate is read from the committed results, never typed in:
-  results/h200.json (one H200): the grouped GEMMs alone (`grouped_gemms`) and the dense GEMM timed beside
+  results/archive/h200/2026-12-01-3fd1262-gpu-check.json (the last full check on one H200, with the fused
+  layer's sweeps and the row movers): the grouped GEMMs alone (`grouped_gemms`) and the dense GEMM timed beside
   every group (the clock under the power cap), the HBM copy rate, the row movers' GB/s per CTA by row
   length (`copy`), the unfused chain with the routing planned on the host and on the GPU (their difference
   is the planning time), the fused layer and its sweeps, the dispatch-only probe on virtual ranks;
@@ -67,7 +68,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "results" / "h200.json"
+# The last full check on one H200 (with the sweeps and row-mover runs the model reads).
+RESULTS = ROOT / "results" / "archive" / "h200" / "2026-12-01-3fd1262-gpu-check.json"
 EP_RESULTS = ROOT / "results" / "archive" / "h200x2" / "2026-11-29-9718134-ep.json"
 EP_DISPATCH = ROOT / "results" / "archive" / "h200x2" / "2026-11-29-9718134-dispatch.json"
 
@@ -211,7 +213,7 @@ class Measured:
 
     def inputs(self) -> dict:
         """The measured inputs as reported (name: value, source)."""
-        first = f"results/h200.json ({self.gpu}, commit {self.commit})"
+        first = f"{self.paths['one_gpu'].resolve().relative_to(ROOT)} ({self.gpu}, commit {self.commit})"
         two = "results/archive/h200x2/2026-11-29-9718134-dispatch.json (two H200s, commit 9718134)"
         return {
             "sms": (self.sms, first + ": bench_uniform.environment.multiprocessors"),
@@ -936,7 +938,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--results", type=Path, default=RESULTS, help="one-GPU results (default: results/h200.json)")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="one-GPU results (default: the last full check on one H200)")
     ap.add_argument("--ep-results", type=Path, default=EP_RESULTS, help="pounce_ep_bench JSON of two GPUs")
     ap.add_argument("--ep-dispatch", type=Path, default=EP_DISPATCH, help="pounce_dispatch_bench JSON of two GPUs")
     ap.add_argument(
