@@ -526,10 +526,12 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                            which == moe::BackwardGemm::kWeightGateUp;
       std::vector<Candidate> candidates;
       if (which != moe::BackwardGemm::kGateUp)
-        candidates.push_back({"cublas_loop", Role::kBaseline,
-                              [&cublas_backward, which = which, stream](int) { cublas_backward.run(which, stream); }});
+        candidates.push_back({"cublas_loop",
+                              Role::kBaseline,
+                              [&cublas_backward, which = which, stream](int) { cublas_backward.run(which, stream); },
+                              {}});
       candidates.push_back(
-          {"pounce", Role::kPounce, [&chain, which = which, stream](int) { chain.run_gemm(which, stream); }});
+          {"pounce", Role::kPounce, [&chain, which = which, stream](int) { chain.run_gemm(which, stream); }, {}});
       candidates.push_back(dense_reference);
       gemms[key] = compare(s.name, name, (gate_up ? 4.0 : 2.0) * routes * double(H) * double(I), candidates, o,
                            dense_tflops, report, stream);
