@@ -451,10 +451,15 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     };
     for (int i = 0; i < kSets; ++i) replay(i, dx_first[i].data());
     int kept_replays = 0;  // backwards meant to start from a kept forward that replayed instead
-    const auto layer_backward = [&](int set, bool from_kept) {
+    DeviceBuffer<__nv_bfloat16> dw13_bf16(E * 2 * I * H), dw2_bf16(E * H * I);
+    const auto layer_backward = [&](int set, bool from_kept, WeightGradOutput mode = WeightGradOutput::kF32) {
       const RankIO io{x[set].data(), d_ids.data(), d_weights.data(), T, nullptr};
-      fused.backward(io, {dy[set].data(), dx.data(), d_topk.data(), dw13.data(), dw2.data()}, WeightGradOutput::kF32,
-                     stream);
+      const bool bf16 = mode == WeightGradOutput::kBf16;
+      fused.backward(
+          io,
+          {dy[set].data(), dx.data(), d_topk.data(), bf16 ? static_cast<void*>(dw13_bf16.data()) : dw13.data(),
+           bf16 ? static_cast<void*>(dw2_bf16.data()) : dw2.data()},
+          mode, stream);
       kept_replays += from_kept && fused.last_backward_replayed();
     };
     const auto training_forward = [&](int set) {
@@ -473,6 +478,8 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
         {{"pounce backward, replay (plans, recomputes GEMM1)", Role::kUnfused,
           [&](int rep) { replay(rep % kSets, dx.data()); }, dx_check("the replay's own first run")},
          {"pounce backward, from the kept forward", Role::kFused, [&](int) { layer_backward(0, true); }, dx_set0},
+         {"pounce backward, from the kept forward, bf16 weight gradients", Role::kFused,
+          [&](int) { layer_backward(0, true, WeightGradOutput::kBf16); }, dx_set0},
          dense_reference},
         o, dense_tflops, report, stream);
     const double forward_flops = 6.0 * routes * double(H) * double(I);

@@ -17,7 +17,7 @@ void BackwardChain::allocate(DeviceBuffer<T>& buffer, int64_t count, const char*
   CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone, "MoE backward: the first backward that needs its ", what,
                  " allocates them, which a CUDA graph capture cannot: run one such backward (one that replays its "
-                 "forward, or with bf16 weight gradients) before capturing");
+                 "forward) before capturing");
   buffer = DeviceBuffer<T>(count);
 }
 
@@ -72,7 +72,7 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
                         const KeptForward* kept, cudaStream_t stream) {
   check(rank, sources, experts);
   const int P = config_.ranks;
-  const int64_t H = config_.hidden, I = config_.intermediate, E = config_.local_experts(), k = config_.topk;
+  const int64_t H = config_.hidden, I = config_.intermediate, k = config_.topk;
   backward::RouteSources from{};
   backward::RouteTargets to{};
   for (int s = 0; s < P; ++s) {
@@ -84,7 +84,6 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
     to.slots[s] = P > 1 ? slots_[s] : nullptr;
     to.d_topk_weights[s] = sources[s].d_topk_weights;
   }
-  if (experts.mode == WeightGradOutput::kBf16) allocate(dw_scratch_, E * 2 * I * H + E * H * I, "fp32 scratch", stream);
 
   last_experts_ = experts;
   // A replay plans again, gathers the x rows and recomputes the gate/up rows in the chain's own buffers;
@@ -123,18 +122,13 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
     backward::scatter_route_rows(dx_rows_.data(), route_dot_.data(), f.row_source_rank, f.row_token, f.row_k, rows_, H,
                                  k, to, stream);
 
-  // Weight gradients: reductions over each expert's rows, in fp32 (bf16 output converts afterwards).
-  const bool bf16 = experts.mode == WeightGradOutput::kBf16;
-  float* dw13_f32 = bf16 ? dw_scratch_.data() : static_cast<float*>(experts.dw13);
-  float* dw2_f32 = bf16 ? dw_scratch_.data() + E * 2 * I * H : static_cast<float*>(experts.dw2);
-  const gemm::Epilogue epilogue =
-      experts.mode == WeightGradOutput::kAccumulateF32 ? gemm::Epilogue::kAddF32 : gemm::Epilogue::kStoreF32;
-  gemm(BackwardGemm::kWeightDown, dw2_f32, epilogue, stream);
-  gemm(BackwardGemm::kWeightGateUp, dw13_f32, epilogue, stream);
-  if (bf16) {
-    backward::f32_to_bf16(dw13_f32, E * 2 * I * H, static_cast<__nv_bfloat16*>(experts.dw13), stream);
-    backward::f32_to_bf16(dw2_f32, E * H * I, static_cast<__nv_bfloat16*>(experts.dw2), stream);
-  }
+  // Weight gradients: reductions over each expert's rows in fp32. A tile sums all of an element's rows
+  // (no split K), so bf16 output is that fp32 sum rounded once, in the epilogue.
+  const gemm::Epilogue epilogue = experts.mode == WeightGradOutput::kAccumulateF32 ? gemm::Epilogue::kAddF32
+                                  : experts.mode == WeightGradOutput::kBf16        ? gemm::Epilogue::kStore
+                                                                                   : gemm::Epilogue::kStoreF32;
+  gemm(BackwardGemm::kWeightDown, experts.dw2, epilogue, stream);
+  gemm(BackwardGemm::kWeightGateUp, experts.dw13, epilogue, stream);
 }
 
 void BackwardChain::finish(std::span<const BackwardSource> sources, cudaStream_t stream) {

@@ -138,14 +138,6 @@ __global__ void combine_kernel(const uint4* dx_rows, const float* route_dot, con
   }
 }
 
-__global__ void f32_to_bf16_kernel(const float4* in, int64_t quads, uint2* out) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < quads; i += int64_t(gridDim.x) * blockDim.x) {
-    const float4 f = in[i];
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(f.x, f.y), hi = __floats2bfloat162_rn(f.z, f.w);
-    out[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
-  }
-}
-
 }  // namespace
 
 void set_plan_inputs(const int32_t** ids_table, int32_t* token_counts, const RouteSources& sources, int ranks,
@@ -190,13 +182,6 @@ void combine_gradients(const __nv_bfloat16* dx_rows, const float* route_dot, con
   combine_kernel<<<grid_for(tokens), kThreads, 0, stream>>>(reinterpret_cast<const uint4*>(dx_rows), route_dot,
                                                             route_row, tokens, topk, hidden / kVec,
                                                             reinterpret_cast<uint4*>(dx), d_topk_weights);
-  CUDA_CHECK_LAUNCH();
-}
-
-void f32_to_bf16(const float* in, int64_t count, __nv_bfloat16* out, cudaStream_t stream) {
-  if (count == 0) return;
-  f32_to_bf16_kernel<<<grid_for(count / 4 / kThreads + 1), kThreads, 0, stream>>>(
-      reinterpret_cast<const float4*>(in), count / 4, reinterpret_cast<uint2*>(out));
   CUDA_CHECK_LAUNCH();
 }
 

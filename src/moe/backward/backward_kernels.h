@@ -65,7 +65,4 @@ void scatter_route_rows(const __nv_bfloat16* dx_rows, const float* route_dot, co
                         const int32_t* row_token, const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk,
                         const RouteTargets& targets, cudaStream_t stream);
 
-// Converts fp32 weight gradients to bf16 (the bf16 output mode).
-void f32_to_bf16(const float* in, int64_t count, __nv_bfloat16* out, cudaStream_t stream);
-
 }  // namespace pounce::moe::backward
