@@ -48,6 +48,7 @@ struct FusedMoeOptions {
   int64_t ring_bytes = 0;                       // ring budget per rank; 0: one rank: every routed row (then nothing is
                                                 // combined), more ranks: 1 GiB. docs/fused_moe.md gives the formula.
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // any single wait inside the kernel; then a named error
+  bool backward_replays = true;  // a backward whose forward kept nothing replays it (false: throws instead)
 };
 
 // This rank's experts, bf16, in device memory on the layer's GPU, 16-byte aligned.

@@ -39,6 +39,7 @@ class Options(ctypes.Structure):
         ("ring_blocks", ctypes.c_int64),
         ("ring_bytes", ctypes.c_int64),
         ("wait_timeout_ns", ctypes.c_uint64),
+        ("backward_replays", ctypes.c_int32),
     ]
 
 

@@ -358,15 +358,20 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       }
       sweeps["engine_rows"] = sweep("fused: engine rows", settings);
       settings.clear();
-      // The smallest ring with the default layer's minibatch and comm CTAs: rows combined through slots
-      // reused all forward, against the default (at one rank: in place, nothing combined).
-      FusedMoeOptions min_ring;
-      min_ring.minibatch_rows = fused.minibatch_rows();
-      min_ring.comm_ctas = fused.comm_ctas();
-      min_ring.ring_blocks = 2 * ((fused.minibatch_rows() + kBlockM - 1) / kBlockM);
+      // Bounded rings of 2 (the minimum) to 12 minibatches with the default layer's minibatch and comm
+      // CTAs, rows combined through slots reused all forward, against the default (at one rank: in place,
+      // nothing combined): what a ring budget costs.
       settings.push_back({std::string("ring default, ") + std::to_string(fused.ring_blocks()) + " m-blocks", {}});
-      settings.push_back(
-          {std::string("ring minimum, ") + std::to_string(min_ring.ring_blocks) + " m-blocks", min_ring});
+      const int64_t bpm = (fused.minibatch_rows() + kBlockM - 1) / kBlockM;
+      for (int minibatches : {2, 3, 4, 6, 8, 12}) {
+        FusedMoeOptions bounded;
+        bounded.minibatch_rows = fused.minibatch_rows();
+        bounded.comm_ctas = fused.comm_ctas();
+        bounded.ring_blocks = minibatches * bpm;
+        settings.push_back({"ring " + std::to_string(minibatches) + " minibatches, " +
+                                std::to_string(bounded.ring_blocks) + " m-blocks",
+                            bounded});
+      }
       sweeps["ring"] = sweep("fused: ring", settings);
       Json ranks = Json::object();
       for (const char* P : {"1", "2", "4", "8"})

@@ -69,7 +69,8 @@ pounce::FusedMoeOptions to_options(const pounce_options* o) {
           .minibatch_rows = o->minibatch_rows,
           .ring_blocks = o->ring_blocks,
           .ring_bytes = o->ring_bytes,
-          .wait_timeout_ns = o->wait_timeout_ns};
+          .wait_timeout_ns = o->wait_timeout_ns,
+          .backward_replays = o->backward_replays != 0};
 }
 
 // Finalizes and destroys a communicator, reporting the first failure after trying both.
@@ -98,7 +99,8 @@ int pounce_default_options(pounce_options* out) {
             .minibatch_rows = d.minibatch_rows,
             .ring_blocks = d.ring_blocks,
             .ring_bytes = d.ring_bytes,
-            .wait_timeout_ns = d.wait_timeout_ns};
+            .wait_timeout_ns = d.wait_timeout_ns,
+            .backward_replays = d.backward_replays ? 1 : 0};
   });
 }
 

@@ -16,6 +16,10 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Minibatches the default ring holds at least, when no ring_bytes budget is set: smaller rings make
+// dispatch wait for combines (the benchmark's ring sweep, docs/results.md).
+constexpr int64_t kDefaultRingMinibatches = 6;
+
 // Communication CTAs of a rank: it moves 4·H bytes per routed row (dispatch and combine) for 6·H·I
 // FLOPs of GEMM, so the CTAs that keep rows ahead of the GEMMs go as 1 / I against the GEMM CTAs. The
 // constant comes from the H200 comm-CTA sweeps of every catalogue shape at one rank with rows combined
@@ -178,10 +182,13 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   // Ring: at least two minibatches (the tile queue's deadlock-freedom needs it) or everything.
   const int64_t min_ring = std::min(2 * bpm, capacity_.max_m_blocks);
   // One rank: by default the ring holds every m-block, as the unfused chain's buffers do, and nothing
-  // needs combining (in place). Otherwise the ring is bounded by ring_bytes (1 GiB when not set).
-  const int64_t budget = options.ring_bytes > 0 ? options.ring_bytes : int64_t(1) << 30;
+  // needs combining (in place). Otherwise the ring is bounded by ring_bytes; when that is not set, by
+  // 1 GiB or kDefaultRingMinibatches minibatches, whichever is more.
+  const int64_t budget_blocks = options.ring_bytes > 0
+                                    ? options.ring_bytes / block_bytes
+                                    : std::max((int64_t(1) << 30) / block_bytes, kDefaultRingMinibatches * bpm);
   const int64_t default_ring =
-      in_place ? capacity_.max_m_blocks : std::max(min_ring, std::min(capacity_.max_m_blocks, budget / block_bytes));
+      in_place ? capacity_.max_m_blocks : std::max(min_ring, std::min(capacity_.max_m_blocks, budget_blocks));
   int64_t ring = options.ring_blocks > 0 ? options.ring_blocks : default_ring;
   ring = std::min(ring, capacity_.max_m_blocks);
   POUNCE_REQUIRE(ring >= min_ring, "fused MoE: ring_blocks = ", options.ring_blocks, " is below the minimum ", min_ring,
@@ -206,6 +213,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   p.blocks_per_minibatch = int32_t(bpm);
   p.ring_blocks = int32_t(ring);
   p.wait_timeout_ns = options.wait_timeout_ns;
+  backward_replays_ = options.backward_replays;
   p.steps = counter_steps(config);
   p.stall_rank = -1;
   p.in_place = in_place;
@@ -479,6 +487,10 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
     backward_->check(params_.first_rank + lr, sources, experts[lr]);  // every rank before any is enqueued
   }
   const bool kept = kept_forward_matches(forward_inputs);
+  POUNCE_REQUIRE(kept || backward_replays_,
+                 "FusedMoe::backward: no kept forward for these inputs (the latest forward did not keep its rows, "
+                 "or ran on other inputs or weights), and this layer does not replay forwards "
+                 "(FusedMoeOptions::backward_replays = false): call forward with keep_for_backward right before");
   // The host's view misses forwards replayed by CUDA graphs: the device checks the rows are still these.
   if (kept) launch_check_kept_forward(params_, fingerprint(forward_inputs), stream);
   for (int lr = 0; lr < L; ++lr) {

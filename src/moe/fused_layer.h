@@ -110,6 +110,7 @@ class FusedLayer {
     std::array<ExpertWeights, kMaxRanks> weights{};
   } kept_from_;
   bool last_backward_replayed_ = false;
+  bool backward_replays_ = true;  // FusedMoeOptions::backward_replays
   std::unique_ptr<comm::NcclWindow> window_;
   int64_t window_bytes_ = 0;
   __nv_bfloat16* window_x_[2][kMaxRanks] = {};  // [forward parity][rank]

@@ -210,6 +210,43 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{7, 33, 256, 128, 14, 2, RoutingPattern::kOneExpert, kMinRing}),
     testing::NameFromPrintTo());
 
+// Across ranks the default ring holds at least six minibatches (smaller rings cost time: the ring sweep of
+// the benchmark): within the default 1 GiB on model shapes, beyond it when six minibatches need more. A
+// ring_bytes budget is respected down to the two-minibatch minimum.
+TEST(FusedMoe, DefaultRingHoldsSixMinibatches) {
+  POUNCE_REQUIRE_HOPPER();
+  struct Shape {
+    int64_t hidden, intermediate;
+    int experts, topk;
+    int64_t tokens;
+  };
+  const auto blocks = [](const FusedMoe& layer) { return (layer.minibatch_rows() + kBlockM - 1) / kBlockM; };
+  for (const Shape& m :
+       {Shape{7168, 2048, 256, 8, 8192}, Shape{2048, 768, 128, 8, 16384}, Shape{4096, 14336, 8, 2, 8192}})
+    for (int P : {2, 4, 8}) {
+      SCOPED_TRACE("H " + std::to_string(m.hidden) + ", P " + std::to_string(P));
+      const EpConfig config{.ranks = P,
+                            .experts = m.experts,
+                            .topk = m.topk,
+                            .hidden = m.hidden,
+                            .intermediate = m.intermediate,
+                            .max_tokens_per_rank = m.tokens};
+      FusedMoe layer(config);
+      EXPECT_GE(layer.ring_blocks(), std::min(6 * blocks(layer), layer.max_m_blocks()));
+      EXPECT_LE(layer.ring_blocks() * kBlockM * (2 * m.hidden + m.intermediate) * 2, int64_t(1) << 30);
+    }
+  // Minibatches so large that six of them exceed 1 GiB: the default grows to six.
+  const EpConfig big{
+      .ranks = 2, .experts = 16, .topk = 8, .hidden = 4096, .intermediate = 1024, .max_tokens_per_rank = 65536};
+  FusedMoeOptions options;
+  options.minibatch_rows = 256 * kBlockM;
+  FusedMoe grown(big, options);
+  EXPECT_EQ(grown.ring_blocks(), 6 * 256);
+  options.ring_bytes = int64_t(2) << 30;  // a budget set on purpose is kept (910 m-blocks, above the 512 minimum)
+  FusedMoe budgeted(big, options);
+  EXPECT_EQ(budgeted.ring_blocks(), (int64_t(2) << 30) / (kBlockM * (2 * 4096 + 1024) * 2));
+}
+
 // One rank, default ring: every m-block fits, nothing is combined and the sums read GEMM2's rows in the
 // ring while the communication CTAs, done dispatching, run GEMM tiles. The same forward through a ring
 // too small for that (rows combined into slots first) must give the same bits, whether the ring is
@@ -909,6 +946,20 @@ TEST(FusedMoe, BackwardReplaysWhenItsForwardIsNotTheLatest) {
   const Gradients got = run_backward(layer, p, d_dy);
   EXPECT_TRUE(layer.last_backward_replayed());
   expect_gradients(got, reference_backward(p, dy), p.config);
+
+  // A layer that must not replay refuses such a backward by name, before enqueuing anything, and takes
+  // the one right after a training forward.
+  FusedMoeOptions strict;
+  strict.backward_replays = false;
+  FusedMoe strict_layer(p.config, strict);
+  p.load_weights(strict_layer);
+  strict_layer.forward(p.io(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  testing::expect_error([&] { run_backward(strict_layer, p, d_dy); }, "no kept forward for these inputs");
+  strict_layer.forward(p.io(), nullptr, /*keep_for_backward=*/true);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_TRUE(run_backward(strict_layer, p, d_dy) == got);
+  EXPECT_FALSE(strict_layer.last_backward_replayed());
 }
 
 // A forward and a backward captured once in a CUDA graph and replayed on new data in the same buffers:
