@@ -55,7 +55,7 @@ struct TileInfo {
   int32_t m_block;   // index of the tile's completion counter (GemmOperands::done)
   int32_t k_blocks;  // K slices; 0 gives C = 0 (kAddF32: C unchanged)
   int32_t valid;     // 0: no more tiles (queue drained, or the producer gave up): consumers exit
-  int32_t keep_row;  // kSwiGLU with GemmOperands::c2: first row of the kept gate/up rows
+  int32_t keep_row;  // kSwiGLU with GemmOperands::keep: first row of the kept gate/up rows
 };
 
 // Every TMA tile starts on a 1024-byte boundary: the 128-byte swizzle pattern repeats every 8 rows
@@ -109,14 +109,9 @@ struct GemmOperands {
   // memory (so a finished m-block has kConsumerWarpgroups * n-blocks arrivals). Without them stores
   // stay asynchronous.
   uint32_t* done;
-  // A second output, bf16 store box. kSwiGLU, optional: [rows, n], the tile before SwiGLU at
-  // TileInfo::keep_row (the gate/up rows a training forward keeps for the backward). kSwiGLUBackward:
-  // w.a [rows, n].
-  const CUtensorMap* c2;
-  // kSwiGLUBackward: the kept gate/up rows [rows, 2n], the per-n-block dots [rows, n / 256], and n.
-  const __nv_bfloat16* gate_up;
-  float* dot_partial;
-  int32_t n;
+  // kSwiGLU only, optional: bf16 [rows, n] (store box) that also receives the tile before SwiGLU, at
+  // TileInfo::keep_row: the gate/up rows a training forward keeps for the backward.
+  const CUtensorMap* keep;
 };
 
 // Waits inside the CTA must outlast the producer's readiness wait, which they may sit behind.
@@ -269,86 +264,6 @@ __device__ void store_tile(const float (&acc)[128], SharedStorage& s, const Stor
   }
 }
 
-__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + __expf(-g)); }
-
-// The kSwiGLUBackward epilogue (SwiGLUBackwardOperands): acc holds da for this consumer's 64 rows and the
-// tile's 256 columns of I. Column j of the tile is chunk j / 8 of the accumulator fragment; its gate and
-// up values sit at columns 16 (j / 8) + j % 8 and + 8 of the tile's 512 gate/up columns. In four groups
-// of 64 columns (8 chunks), two passes of 4 chunks each: a pass fills one staging slot with dgu (gate and
-// up units interleaved, 64 columns) and half of the other with w.a; the w.a box leaves after the second
-// pass. The route dots add up in a fixed order: chunks in turn in each thread, then across the row's four
-// lanes.
-__device__ inline void store_swiglu_backward(const float (&acc)[128], SharedStorage& s, const GemmOperands& op,
-                                             const TileInfo& tile, int consumer, int thread) {
-  const int warp = thread / 32, lane = thread % 32;
-  const int row = warp * 16 + lane / 4;  // within this consumer's 64 rows; the second row is row + 8
-  const int32_t out_row = tile.c_row + consumer * kRowsPerConsumer;
-  const int64_t row0 = out_row + row;
-  const float w0 = op.row_scale[row0], w1 = op.row_scale[row0 + 8];
-  const int64_t gate_up_cols = 2 * int64_t(op.n);
-  const __nv_bfloat16* gate_up = op.gate_up + row0 * gate_up_cols + tile.n_block * 2 * kBlockN + 2 * (lane % 4);
-  const uint32_t barrier = kEpilogueBarrierBase + consumer;
-  const uint32_t dgu_box = ptx::smem_addr(s.c[consumer][0]), wa_box = ptx::smem_addr(s.c[consumer][1]);
-  float dot0 = 0.0f, dot1 = 0.0f;
-  // 128-byte swizzle, as the TMA store expects (store_tile): unit u of row r sits at unit u ^ (r % 8).
-  const auto at = [&](uint32_t base, int r, int unit) {
-    return base + r * 128 + uint32_t(((unit ^ (r % 8)) * 16) + (lane % 4) * 4);
-  };
-
-#pragma unroll
-  for (int group = 0; group < kBlockN / 64; ++group) {
-#pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
-      // A tile's columns past n (a multiple of 64) are whole groups: skipped.
-      if (tile.n_block * kBlockN + group * 64 >= op.n) continue;
-      // Both slots' earlier stores (this tile's or the last tile's) have read them.
-      if (thread == 0) ptx::bulk_wait_group_read<0>();
-      ptx::named_barrier_sync(barrier, 128);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int in_group = pass * 4 + c, chunk = group * 8 + in_group;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const __nv_bfloat16* p = gate_up + h * 8 * gate_up_cols + 16 * chunk;
-          const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
-          const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p + 8));
-          const float w = h ? w1 : w0, da0 = acc[4 * chunk + 2 * h], da1 = acc[4 * chunk + 2 * h + 1];
-          const float s0 = sigmoid(g.x), s1 = sigmoid(g.y), a0 = g.x * s0 * u.x, a1 = g.y * s1 * u.y;
-          if (h) {
-            dot1 = fmaf(da1, a1, fmaf(da0, a0, dot1));
-          } else {
-            dot0 = fmaf(da1, a1, fmaf(da0, a0, dot0));
-          }
-          // w = 0 selects zeros rather than multiplying: padding rows may hold non-finite gate/up values.
-          const bool zero = w == 0.0f;
-          st_shared_bf16x2(at(dgu_box, row + 8 * h, 2 * c),
-                           zero ? 0.0f : w * da0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)),
-                           zero ? 0.0f : w * da1 * u.y * s1 * (1.0f + g.y * (1.0f - s1)));
-          st_shared_bf16x2(at(dgu_box, row + 8 * h, 2 * c + 1), zero ? 0.0f : w * da0 * g.x * s0,
-                           zero ? 0.0f : w * da1 * g.y * s1);
-          st_shared_bf16x2(at(wa_box, row + 8 * h, in_group), zero ? 0.0f : w * a0, zero ? 0.0f : w * a1);
-        }
-      }
-      ptx::fence_proxy_async_shared();  // st.shared (generic proxy) before the TMA store reads (async proxy)
-      ptx::named_barrier_sync(barrier, 128);
-      if (thread == 0) {
-        ptx::tma_store_2d(op.c, s.c[consumer][0], tile.n_block * 2 * kBlockN + group * 128 + pass * 64, out_row);
-        if (pass == 1) ptx::tma_store_2d(op.c2, s.c[consumer][1], tile.n_block * kBlockN + group * 64, out_row);
-        ptx::bulk_commit_group();
-      }
-    }
-  }
-  dot0 += __shfl_xor_sync(0xFFFFFFFFu, dot0, 1);
-  dot0 += __shfl_xor_sync(0xFFFFFFFFu, dot0, 2);
-  dot1 += __shfl_xor_sync(0xFFFFFFFFu, dot1, 1);
-  dot1 += __shfl_xor_sync(0xFFFFFFFFu, dot1, 2);
-  if (lane % 4 == 0) {
-    const int64_t blocks = n_blocks(op.n);
-    op.dot_partial[row0 * blocks + tile.n_block] = dot0;
-    op.dot_partial[(row0 + 8) * blocks + tile.n_block] = dot1;
-  }
-}
-
 // Releases a finished tile's completion counter (consumer thread 0) once its stores have landed.
 // NOTES: the tile's readers (other CTAs' TMA loads, copy engines) acquire the counter. The stores must
 // have completed, not just read shared memory, and the async-proxy writes must be ordered before the
@@ -428,17 +343,14 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
     if constexpr (kKind == TileKind::kForward) {
       if (swiglu) {
         store_tile<Epilogue::kSwiGLU>(acc, s, to, false, consumer, thread);
-        if (op.c2 != nullptr)
-          store_tile<Epilogue::kStore>(acc, s, {op.c2, nullptr, tile.keep_row, tile.n_block * kBlockN, 0}, false,
+        if (op.keep != nullptr)
+          store_tile<Epilogue::kStore>(acc, s, {op.keep, nullptr, tile.keep_row, tile.n_block * kBlockN, 0}, false,
                                        consumer, thread);
       } else {
         store_tile<Epilogue::kStore>(acc, s, to, false, consumer, thread);
       }
     } else if constexpr (kKind == TileKind::kDataGrad) {
-      if (op.epilogue == Epilogue::kSwiGLUBackward)
-        store_swiglu_backward(acc, s, op, tile, consumer, thread);
-      else
-        store_tile<Epilogue::kStore>(acc, s, to, false, consumer, thread);
+      store_tile<Epilogue::kStore>(acc, s, to, false, consumer, thread);
     } else {
       // An expert without rows stores zeros; its accumulators hold stale values. Selecting in the store
       // rather than clearing them first keeps ptxas from spilling (measured: ~3 KB).

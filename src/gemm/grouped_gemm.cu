@@ -28,8 +28,6 @@ struct KernelParams {
   const int32_t* expert_offsets;
   const float* row_scale;
   Epilogue epilogue;
-  const __nv_bfloat16* gate_up;  // kSwiGLUBackward
-  float* dot_partial;            // kSwiGLUBackward
   const uint32_t* m_block_ready;
   uint32_t ready_target;
   int32_t band_m_blocks;
@@ -119,11 +117,9 @@ class QueueTiles {
 template <TileKind kKind>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
-                        const __grid_constant__ CUtensorMap c_map, const __grid_constant__ CUtensorMap c2_map,
-                        const KernelParams p) {
+                        const __grid_constant__ CUtensorMap c_map, const KernelParams p) {
   extern __shared__ uint8_t smem_raw[];
-  const GemmOperands op{&a_map,  &b_map,  &c_map,    p.epilogue,    p.row_scale,
-                        nullptr, &c2_map, p.gate_up, p.dot_partial, p.n};
+  const GemmOperands op{&a_map, &b_map, &c_map, p.epilogue, p.row_scale, nullptr, nullptr};
   QueueTiles<kKind> tiles(p, op);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, pipeline::pipeline_timeout_ns(p.wait_timeout_ns)};
   pipeline::run_gemm_cta(pipeline::shared_storage(smem_raw), tiles, pipe_site, [] {});
@@ -132,8 +128,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---- host -------------------------------------------------------------------------------------------
 
 template <TileKind kKind>
-void launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& c_map, const CUtensorMap& c2_map,
-            const KernelParams& params, int max_ctas, cudaStream_t stream) {
+void launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& c_map, const KernelParams& params,
+            int max_ctas, cudaStream_t stream) {
   static const bool configured = [] {
     CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kKind>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(kSharedBytes)));
@@ -141,7 +137,7 @@ void launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMa
   }();
   (void)configured;
   const int ctas = max_ctas > 0 ? max_ctas : gpu_info().multiprocessors;
-  grouped_gemm_kernel<kKind><<<ctas, kThreads, kSharedBytes, stream>>>(a_map, b_map, c_map, c2_map, params);
+  grouped_gemm_kernel<kKind><<<ctas, kThreads, kSharedBytes, stream>>>(a_map, b_map, c_map, params);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -170,15 +166,8 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
                  " or experts * k exceeds int32 row coordinates");
   POUNCE_REQUIRE(args.a && args.b && args.c && args.expert_offsets,
                  "grouped GEMM: a, b, c and expert_offsets must be set");
-  const bool swiglu_backward = args.epilogue == Epilogue::kSwiGLUBackward;
-  POUNCE_REQUIRE(args.epilogue == Epilogue::kStore ||
-                     (args.epilogue == Epilogue::kSwiGLU && args.b_major == Major::kK) ||
-                     (swiglu_backward && args.b_major == Major::kMN),
-                 "grouped GEMM: an m-grouped GEMM writes bf16: kStore, kSwiGLU with K-major weights or "
-                 "kSwiGLUBackward with N-major weights");
-  POUNCE_REQUIRE(!swiglu_backward || (args.row_scale && args.swiglu_backward.gate_up && args.swiglu_backward.wa &&
-                                      args.swiglu_backward.dot_partial),
-                 "grouped GEMM: kSwiGLUBackward needs row_scale (the router weights), gate_up, wa and dot_partial");
+  POUNCE_REQUIRE(args.epilogue == Epilogue::kStore || (args.epilogue == Epilogue::kSwiGLU && args.b_major == Major::kK),
+                 "grouped GEMM: an m-grouped GEMM writes bf16: kStore, or kSwiGLU with K-major weights");
   POUNCE_REQUIRE(args.tuning.band_m_blocks >= 1, "grouped GEMM: band_m_blocks = ", args.tuning.band_m_blocks,
                  ", must be at least 1");
   require_hopper();
@@ -192,8 +181,6 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   params.expert_offsets = args.expert_offsets;
   params.row_scale = args.row_scale;
   params.epilogue = args.epilogue;
-  params.gate_up = args.swiglu_backward.gate_up;
-  params.dot_partial = args.swiglu_backward.dot_partial;
   params.m_block_ready = args.m_block_ready;
   params.ready_target = args.ready_target;
   params.band_m_blocks = args.tuning.band_m_blocks;
@@ -202,20 +189,16 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   params.wait_timeout_ns = args.wait_timeout_ns;
 
   const uint64_t E = args.experts, n = args.n, k = args.k;
-  const int64_t out_cols = args.epilogue == Epilogue::kSwiGLU ? args.n / 2 : swiglu_backward ? 2 * args.n : args.n;
+  const int64_t out_cols = args.epilogue == Epilogue::kSwiGLU ? args.n / 2 : args.n;
   const CUtensorMap a_map = make_bf16_tensor_map(args.a, k, args.a_rows, kBlockK, kBlockM);
   const CUtensorMap b_map = args.b_major == Major::kK ? make_bf16_tensor_map(args.b, k, E * n, kBlockK, kBlockN)
                                                       : make_bf16_tensor_map(args.b, n, E * k, 64, kBlockK);
   const CUtensorMap c_map = make_bf16_tensor_map(args.c, out_cols, args.a_rows, kStoreBoxCols, kStoreBoxRows);
-  // kSwiGLUBackward's w.a; otherwise unused (a copy of C's).
-  const CUtensorMap c2_map =
-      swiglu_backward ? make_bf16_tensor_map(args.swiglu_backward.wa, n, args.a_rows, kStoreBoxCols, kStoreBoxRows)
-                      : c_map;
   CUDA_CHECK(cudaMemsetAsync(ticket_.data(), 0, sizeof(uint32_t), stream));
   if (args.b_major == Major::kK)
-    launch<TileKind::kForward>(a_map, b_map, c_map, c2_map, params, args.max_ctas, stream);
+    launch<TileKind::kForward>(a_map, b_map, c_map, params, args.max_ctas, stream);
   else
-    launch<TileKind::kDataGrad>(a_map, b_map, c_map, c2_map, params, args.max_ctas, stream);
+    launch<TileKind::kDataGrad>(a_map, b_map, c_map, params, args.max_ctas, stream);
 }
 
 void GroupedGemm::run_k_grouped(const KGroupedGemmArgs& args, cudaStream_t stream) {
@@ -249,7 +232,7 @@ void GroupedGemm::run_k_grouped(const KGroupedGemmArgs& args, cudaStream_t strea
   const CUtensorMap c_map =
       make_3d_tensor_map(args.c, fp32, args.n, args.m, args.experts, fp32 ? 32 : kStoreBoxCols, kStoreBoxRows);
   CUDA_CHECK(cudaMemsetAsync(ticket_.data(), 0, sizeof(uint32_t), stream));
-  launch<TileKind::kWeightGrad>(a_map, b_map, c_map, c_map, params, args.max_ctas, stream);
+  launch<TileKind::kWeightGrad>(a_map, b_map, c_map, params, args.max_ctas, stream);
 }
 
 }  // namespace pounce::gemm

@@ -42,22 +42,6 @@ enum class Epilogue {
   kSwiGLU,    // C = silu(gate) * up, gate/up interleaved in groups of 8 along N, bf16   [rows, N/2]
   kStoreF32,  // C = A . B^T, fp32 (k-grouped)
   kAddF32,    // C += A . B^T, fp32 (k-grouped: a gradient accumulated across steps)
-  // The SwiGLU backward on the down projection's data gradient da = A . B (N-major B): see
-  // SwiGLUBackwardOperands. C = dgu, bf16 [rows, 2N]
-  kSwiGLUBackward,
-};
-
-// kSwiGLUBackward: each row's da (N = I columns, unscaled by the router weight) meets the row's kept
-// gate/up values g, u (interleaved in groups of 8, as w13's rows) and its router weight w (row_scale):
-//   C = dgu = [w da u silu'(g), w da silu(g)], interleaved like gate_up      bf16 [rows, 2N]
-//   wa = w silu(g) u (what the down projection's weight gradient needs)      bf16 [rows, N]
-//   dot_partial[row, n-block] = the n-block's share of <da, silu(g) u>       fp32 [rows, N / 256]
-// (the router-weight gradient, summed over n-blocks in order by the caller). Rows with w = 0 give zero
-// dgu and wa whatever gate_up holds (padding rows may hold anything).
-struct SwiGLUBackwardOperands {
-  const __nv_bfloat16* gate_up = nullptr;  // [rows, 2N]
-  __nv_bfloat16* wa = nullptr;             // [rows, N]
-  float* dot_partial = nullptr;            // [rows, N / 256]
 };
 
 // Which dimension of an operand is contiguous in memory: K, or its M / N.
@@ -77,14 +61,12 @@ struct GroupedGemmArgs {
   Major b_major = Major::kK;
   int experts = 0;
   int64_t n = 0, k = 0;        // multiples of 64
-  __nv_bfloat16* c = nullptr;  // [a_rows, n], [a_rows, n / 2] (kSwiGLU) or [a_rows, 2n] (kSwiGLUBackward)
+  __nv_bfloat16* c = nullptr;  // [a_rows, n] or [a_rows, n / 2]
   Epilogue epilogue = Epilogue::kStore;
   // Device [experts + 1]: first row of each expert, multiples of 128; [experts] = rows in use.
   const int32_t* expert_offsets = nullptr;
-  // Optional device [a_rows]: every output row is multiplied by its scale (the router weight); the
-  // router weight w of kSwiGLUBackward.
+  // Optional device [a_rows]: every output row is multiplied by its scale (the router weight).
   const float* row_scale = nullptr;
-  SwiGLUBackwardOperands swiglu_backward;  // kSwiGLUBackward only
   // Optional device [a_rows / 128] readiness counters; tiles of m-block b wait for counter >= ready_target.
   const uint32_t* m_block_ready = nullptr;
   uint32_t ready_target = 0;

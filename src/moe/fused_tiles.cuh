@@ -36,20 +36,9 @@ class FusedTiles {
                 gemm::Epilogue::kSwiGLU,
                 nullptr,
                 rs.gemm1_done,
-                p.keep_gate_up ? &maps.gate_up_kept : nullptr,
-                nullptr,
-                nullptr,
-                0};
-      ops[1] = {&maps.h_ring_load,
-                &maps.w2[lr],
-                &maps.out_ring_store,
-                gemm::Epilogue::kStore,
-                nullptr,
-                rs.gemm2_done,
-                nullptr,
-                nullptr,
-                nullptr,
-                0};
+                p.keep_gate_up ? &maps.gate_up_kept : nullptr};
+      ops[1] = {&maps.h_ring_load, &maps.w2[lr], &maps.out_ring_store, gemm::Epilogue::kStore, nullptr,
+                rs.gemm2_done,     nullptr};
     }
   }
 

@@ -31,7 +31,7 @@ BackwardChain::BackwardChain(const EpConfig& config, std::span<__nv_bfloat16* co
   ids_table_ = DeviceBuffer<const int32_t*>(config.ranks);
   token_count_ = DeviceBuffer<int32_t>(config.ranks);
   dy_rows_ = DeviceBuffer<__nv_bfloat16>(rows_ * H);
-  dot_partial_ = DeviceBuffer<float>(rows_ * n_blocks(I));
+  da_ = DeviceBuffer<__nv_bfloat16>(rows_ * I);
   dgu_ = DeviceBuffer<__nv_bfloat16>(rows_ * 2 * I);
   wa_ = DeviceBuffer<__nv_bfloat16>(rows_ * I);
   dx_rows_ = DeviceBuffer<__nv_bfloat16>(rows_ * H);
@@ -111,8 +111,9 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
                               dy_rows_.data(), row_weight_.data(), stream);
 
   if (kept == nullptr) gemm(BackwardGemm::kGateUp, nullptr, gemm::Epilogue::kStore, stream);
-  gemm(BackwardGemm::kDataDown, nullptr, gemm::Epilogue::kStore, stream);  // and the SwiGLU backward
-  backward::sum_route_dots(dot_partial_.data(), rows_, n_blocks(I), route_dot_.data(), stream);
+  gemm(BackwardGemm::kDataDown, nullptr, gemm::Epilogue::kStore, stream);
+  backward::swiglu_backward_rows(f.gate_up_rows, da_.data(), row_weight_.data(), f.row_token, rows_, I, dgu_.data(),
+                                 wa_.data(), route_dot_.data(), stream);
   gemm(BackwardGemm::kDataGateUp, nullptr, gemm::Epilogue::kStore, stream);
   if (P == 1)
     backward::combine_gradients(dx_rows_.data(), route_dot_.data(), f.route_row, sources[0].tokens, k, H, sources[0].dx,
@@ -141,7 +142,7 @@ void BackwardChain::finish(std::span<const BackwardSource> sources, cudaStream_t
 
 int64_t BackwardChain::device_bytes() const {
   int64_t bytes = 0;
-  for (size_t b : {x_rows_.bytes(), dy_rows_.bytes(), h13_.bytes(), dot_partial_.bytes(), dgu_.bytes(), wa_.bytes(),
+  for (size_t b : {x_rows_.bytes(), dy_rows_.bytes(), h13_.bytes(), da_.bytes(), dgu_.bytes(), wa_.bytes(),
                    dx_rows_.bytes(), row_weight_.bytes(), route_dot_.bytes(), dw_scratch_.bytes()})
     bytes += int64_t(b);
   return bytes;
@@ -160,7 +161,7 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
   const int64_t E = config_.local_experts(), H = config_.hidden, I = config_.intermediate;
   const int32_t* offsets = rows_in_use_.expert_offsets;
   const auto m_grouped = [&](const __nv_bfloat16* a, const __nv_bfloat16* b, gemm::Major b_major, int64_t n, int64_t k,
-                             __nv_bfloat16* c, gemm::Epilogue epilogue = gemm::Epilogue::kStore) {
+                             __nv_bfloat16* c) {
     gemm::GroupedGemmArgs g;
     g.a = a;
     g.a_rows = rows_;
@@ -171,11 +172,6 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
     g.k = k;
     g.c = c;
     g.expert_offsets = offsets;
-    g.epilogue = epilogue;
-    if (epilogue == gemm::Epilogue::kSwiGLUBackward) {
-      g.row_scale = row_weight_.data();
-      g.swiglu_backward = {rows_in_use_.gate_up_rows, wa_.data(), dot_partial_.data()};
-    }
     gemm_.run(g, stream);
   };
   const auto k_grouped = [&](const __nv_bfloat16* a, int64_t m, const __nv_bfloat16* b, int64_t n) {
@@ -195,9 +191,7 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
     case BackwardGemm::kGateUp:
       return m_grouped(rows_in_use_.x_rows, last_experts_.w13, gemm::Major::kK, 2 * I, H, h13_.data());
     case BackwardGemm::kDataDown:
-      // da = dy_rows . W2[e], and in its epilogue the SwiGLU backward: dgu, w.a and the route dots.
-      return m_grouped(dy_rows_.data(), last_experts_.w2, gemm::Major::kMN, I, H, dgu_.data(),
-                       gemm::Epilogue::kSwiGLUBackward);
+      return m_grouped(dy_rows_.data(), last_experts_.w2, gemm::Major::kMN, I, H, da_.data());
     case BackwardGemm::kDataGateUp:
       return m_grouped(dgu_.data(), last_experts_.w13, gemm::Major::kMN, H, 2 * I, dx_rows_.data());
     case BackwardGemm::kWeightDown:

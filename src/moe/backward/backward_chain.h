@@ -2,8 +2,8 @@
 // From a kept forward (KeptForward: its schedule, x rows and gate/up rows before SwiGLU) it gathers each
 // route's dy rows; otherwise it replays: plans the routing on the GPU, gathers x and dy rows and
 // recomputes GEMM1. Then the four grouped GEMMs of the backward around the SwiGLU backward:
-//   da    = dy_rows . W2[e]                        (m-grouped, W2 read N-major), and in its epilogue
-//   dgu, wa, route dots  = the SwiGLU backward (gemm::Epilogue::kSwiGLUBackward), da never stored
+//   da    = dy_rows . W2[e]                        (m-grouped, W2 read N-major)
+//   dgu, wa, route dots  = SwiGLU backward (moe/backward/backward_kernels.h)
 //   dx_rows = dgu . W13[e]                         (m-grouped, W13 read N-major)
 //   dW2[e]  = dy_rows[e]^T . wa[e],  dW13[e] = dgu[e]^T . x_rows[e]      (k-grouped, fp32)
 // and the way back to token order: at one rank each token sums its dx rows; with more ranks (virtual
@@ -64,7 +64,7 @@ struct KeptForward {
 // The five grouped GEMMs of the chain, in the order it runs them.
 enum class BackwardGemm {
   kGateUp,        // h13 = x_rows . W13[e]^T            (GEMM1 again; a replay only)
-  kDataDown,      // da = dy_rows . W2[e] -> the SwiGLU backward: dgu, w.a, route dots
+  kDataDown,      // da = dy_rows . W2[e]
   kDataGateUp,    // dx_rows = dgu . W13[e]
   kWeightDown,    // dW2[e] = dy_rows[e]^T . wa[e]
   kWeightGateUp,  // dW13[e] = dgu[e]^T . x_rows[e]
@@ -123,8 +123,8 @@ class BackwardChain {
   DeviceBuffer<const int32_t*> ids_table_;
   DeviceBuffer<int32_t> token_count_;
   DeviceBuffer<__nv_bfloat16> x_rows_, h13_;  // a replay's
-  DeviceBuffer<__nv_bfloat16> dy_rows_, dgu_, wa_, dx_rows_;
-  DeviceBuffer<float> row_weight_, dot_partial_, route_dot_, dw_scratch_;
+  DeviceBuffer<__nv_bfloat16> dy_rows_, da_, dgu_, wa_, dx_rows_;
+  DeviceBuffer<float> row_weight_, route_dot_, dw_scratch_;
   gemm::GroupedGemm gemm_;
 };
 

@@ -50,11 +50,63 @@ __global__ void scatter_kernel(const uint4* dx_rows, const float* route_dot, con
   }
 }
 
-__global__ void sum_route_dots_kernel(const float* dot_partial, int64_t rows, int64_t n_blocks, float* route_dot) {
-  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
-    float sum = 0.0f;
-    for (int64_t b = 0; b < n_blocks; ++b) sum += dot_partial[r * n_blocks + b];  // fixed order
-    route_dot[r] = sum;
+__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+// One CTA per row; each thread owns groups of 8 intermediate columns (16 bytes of da, 32 of gate/up).
+__global__ void swiglu_backward_kernel(const uint4* h13, const uint4* da, const float* row_weight,
+                                       const int32_t* row_token, int64_t rows, int64_t groups, uint4* dgu, uint4* wa,
+                                       float* route_dot) {
+  __shared__ float warp_dots[kThreads / 32];
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    if (row_token[r] < 0) {  // padding: zeros, whatever h13 holds there
+      for (int64_t j = threadIdx.x; j < groups; j += blockDim.x) {
+        dgu[(r * groups + j) * 2] = dgu[(r * groups + j) * 2 + 1] = zero;
+        wa[r * groups + j] = zero;
+      }
+      if (threadIdx.x == 0) route_dot[r] = 0.0f;
+      continue;
+    }
+    const float w = row_weight[r];
+    float dot = 0.0f;
+    for (int64_t j = threadIdx.x; j < groups; j += blockDim.x) {
+      const uint4 g_bits = h13[(r * groups + j) * 2], u_bits = h13[(r * groups + j) * 2 + 1],
+                  d_bits = da[r * groups + j];
+      const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g_bits);
+      const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u_bits);
+      const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&d_bits);
+      uint4 dg_bits, du_bits, wa_bits;
+      __nv_bfloat162* dg2 = reinterpret_cast<__nv_bfloat162*>(&dg_bits);
+      __nv_bfloat162* du2 = reinterpret_cast<__nv_bfloat162*>(&du_bits);
+      __nv_bfloat162* wa2 = reinterpret_cast<__nv_bfloat162*>(&wa_bits);
+#pragma unroll
+      for (int p = 0; p < kVec / 2; ++p) {
+        const float2 g = __bfloat1622float2(g2[p]), u = __bfloat1622float2(u2[p]), d = __bfloat1622float2(d2[p]);
+        const float sx = sigmoid(g.x), sy = sigmoid(g.y);
+        const float ax = g.x * sx * u.x, ay = g.y * sy * u.y;  // a = silu(g) u
+        dot = fmaf(d.x, ax, dot);
+        dot = fmaf(d.y, ay, dot);
+        const float dx = w * d.x, dy = w * d.y;  // the route's share of dy, through W2
+        // silu'(g) = s (1 + g (1 - s))
+        dg2[p] = __floats2bfloat162_rn(dx * u.x * sx * (1.0f + g.x * (1.0f - sx)),
+                                       dy * u.y * sy * (1.0f + g.y * (1.0f - sy)));
+        du2[p] = __floats2bfloat162_rn(dx * g.x * sx, dy * g.y * sy);
+        wa2[p] = __floats2bfloat162_rn(w * ax, w * ay);
+      }
+      dgu[(r * groups + j) * 2] = dg_bits;
+      dgu[(r * groups + j) * 2 + 1] = du_bits;
+      wa[r * groups + j] = wa_bits;
+    }
+    // The row's dot in a fixed order: lanes by a butterfly, then warps in index order.
+    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, offset);
+    if (threadIdx.x % 32 == 0) warp_dots[threadIdx.x / 32] = dot;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float sum = 0.0f;
+      for (int i = 0; i < kThreads / 32; ++i) sum += warp_dots[i];
+      route_dot[r] = sum;
+    }
+    __syncthreads();  // warp_dots is read before the next row overwrites it
   }
 }
 
@@ -114,9 +166,13 @@ void scatter_route_rows(const __nv_bfloat16* dx_rows, const float* route_dot, co
   CUDA_CHECK_LAUNCH();
 }
 
-void sum_route_dots(const float* dot_partial, int64_t rows, int64_t n_blocks, float* route_dot, cudaStream_t stream) {
+void swiglu_backward_rows(const __nv_bfloat16* h13, const __nv_bfloat16* da, const float* row_weight,
+                          const int32_t* row_token, int64_t rows, int64_t intermediate, __nv_bfloat16* dgu,
+                          __nv_bfloat16* wa, float* route_dot, cudaStream_t stream) {
   if (rows == 0) return;
-  sum_route_dots_kernel<<<grid_for(rows / kThreads + 1), kThreads, 0, stream>>>(dot_partial, rows, n_blocks, route_dot);
+  swiglu_backward_kernel<<<grid_for(rows), kThreads, 0, stream>>>(
+      reinterpret_cast<const uint4*>(h13), reinterpret_cast<const uint4*>(da), row_weight, row_token, rows,
+      intermediate / kVec, reinterpret_cast<uint4*>(dgu), reinterpret_cast<uint4*>(wa), route_dot);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -43,9 +43,15 @@ void gather_route_rows(const RouteSources& sources, const int32_t* row_source_ra
                        const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk, __nv_bfloat16* x_rows,
                        bool gather_x, __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream);
 
-// route_dot[r] = sum over n-blocks b, in order, of dot_partial[r, b] (the dgrad-down GEMM's epilogue wrote
-// each n-block's share of the route's router-weight gradient).
-void sum_route_dots(const float* dot_partial, int64_t rows, int64_t n_blocks, float* route_dot, cudaStream_t stream);
+// SwiGLU backward of every row, from the gate/up rows h13 [rows, 2I] (interleaved in groups of 8), the
+// unscaled da = dy . W2 [rows, I] and the route's weight w:
+//   a = silu(g) u;  route_dot[r] = <da, a> (the router-weight gradient, exact when w = 0)
+//   dgu = [w da u silu'(g), w da silu(g)] interleaved like h13;   wa = w a (for dW2)
+// Each row's dot is summed in a fixed order (bitwise deterministic). Rows with w = 0 give zero dgu and
+// wa; padding rows (row_token -1) give zeros without reading h13, which may be anything there.
+void swiglu_backward_rows(const __nv_bfloat16* h13, const __nv_bfloat16* da, const float* row_weight,
+                          const int32_t* row_token, int64_t rows, int64_t intermediate, __nv_bfloat16* dgu,
+                          __nv_bfloat16* wa, float* route_dot, cudaStream_t stream);
 
 // dx[t] = sum_k dx_rows[route_row[t, k]] (k in order, fp32) and d_topk_weights[t, k] =
 // route_dot[route_row[t, k]]. Without route_row, dx_rows are the token's k slots [tokens, k, H] in
