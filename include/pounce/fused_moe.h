@@ -46,9 +46,10 @@ struct FusedMoeOptions {
   int64_t minibatch_rows = 0;                   // routed rows per minibatch; 0: two waves of GEMM1 tiles
   int64_t ring_blocks = 0;                      // ring size in 128-row blocks per rank; 0: as ring_bytes allows
   int64_t ring_bytes = 0;                       // ring budget per rank; 0: one rank: every routed row (then nothing is
-                                                // combined), more ranks: 1 GiB. docs/fused_moe.md gives the formula.
+                                                // combined), more ranks: 1 GiB or six minibatches, whichever is
+                                                // more. docs/fused_moe.md gives the formula.
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // any single wait inside the kernel; then a named error
-  bool backward_replays = true;  // a backward whose forward kept nothing replays it (false: throws instead)
+  bool backward_replays = true;  // a backward without its kept forward replays it (false: throws instead)
 };
 
 // This rank's experts, bf16, in device memory on the layer's GPU, 16-byte aligned.
@@ -119,8 +120,8 @@ class FusedMoe {
   // their forward are not detected. Keep each forward and its backward in order on one stream: the
   // backward reads the forward's buffers (and with more ranks writes its combine slots). It runs on one
   // GPU (one rank or virtual ranks) as a chain of pounce kernels; a layer across GPUs throws. The first
-  // backward allocates its buffers (a replay or bf16 weight gradients need more): run one of each kind
-  // before capturing a graph.
+  // backward allocates its buffers (a replay, or a kept forward whose ring does not hold every x row,
+  // needs more): run one of each kind before capturing a graph.
   void backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
                 cudaStream_t stream);
   void backward(const RankIO& forward_input, const RankGrads& grads, WeightGradOutput mode, cudaStream_t stream) {

@@ -43,7 +43,7 @@ typedef struct pounce_options {
   int64_t ring_blocks;
   int64_t ring_bytes;
   uint64_t wait_timeout_ns;
-  int32_t backward_replays; /* 1: a backward whose forward kept nothing replays it; 0: it fails instead */
+  int32_t backward_replays; /* 1: a backward without its kept forward replays it; 0: it fails instead */
 } pounce_options;
 
 /* pounce::RankIO: one rank's tensors for one forward, device pointers, 16-byte aligned. */

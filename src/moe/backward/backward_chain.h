@@ -5,7 +5,7 @@
 //   da    = dy_rows . W2[e]                        (m-grouped, W2 read N-major)
 //   dgu, wa, route dots  = SwiGLU backward (moe/backward/backward_kernels.h)
 //   dx_rows = dgu . W13[e]                         (m-grouped, W13 read N-major)
-//   dW2[e]  = dy_rows[e]^T . wa[e],  dW13[e] = dgu[e]^T . x_rows[e]      (k-grouped, fp32)
+//   dW2[e]  = dy_rows[e]^T . wa[e],  dW13[e] = dgu[e]^T . x_rows[e]      (k-grouped, fp32 sums)
 // and the way back to token order: at one rank each token sums its dx rows; with more ranks (virtual
 // ranks on this GPU) each dx row goes to its source rank's [token, k] slot and, once every rank's
 // experts are done, finish() sums each token's slots. No host synchronization: a forward and this
