@@ -106,9 +106,6 @@ class BackwardChain {
   // Rows every buffer holds: the schedule's worst case.
   int64_t capacity_rows() const { return rows_; }
 
-  // The gate/up rows of the last run (kept or recomputed), expert-contiguous [capacity rows, 2I] (tests).
-  const __nv_bfloat16* gate_up_rows() const { return rows_in_use_.gate_up_rows; }
-
  private:
   void gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue epilogue, cudaStream_t stream);
   template <typename T>
