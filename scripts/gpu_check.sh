@@ -10,10 +10,12 @@
 #   --prebuilt  use the binaries and libpounce.so in build/bin, built beforehand (here or on another
 #               machine with the same toolkit, then copied into build/bin) instead of building: saves the
 #               build's minutes
-#   --phases    a comma-separated subset of tests,sanitize,bench,zipf,movers,torch,train (default: all but
-#               train, sanitize only with --sanitize), to split one check over several shorter runs into
-#               the same OUTDIR; torch reads the bench phase's JSON there. train runs python -m pounce.train
-#               into OUTDIR/train.
+#   --phases    a comma-separated subset of tests,sanitize,bench,zipf,movers,torch,train,timeline (default:
+#               all but train and timeline, sanitize only with --sanitize), to split one check over several
+#               shorter runs into the same OUTDIR; torch reads the bench phase's JSON there. train runs
+#               python -m pounce.train into OUTDIR/train. timeline uses a second build with
+#               -DPOUNCE_TIMELINE=ON (build-timeline/bin with --prebuilt): its test, what recording costs
+#               the forward, and the traces of a forward and a training step in OUTDIR/timeline.
 # The commit recorded in the JSON is $POUNCE_COMMIT, else `git rev-parse HEAD`.
 set -uo pipefail
 
@@ -134,6 +136,21 @@ if has train; then
   PYTHONPATH=python POUNCE_LIBRARY=$(realpath "$bin/libpounce.so") timeout 400 python3 -m pounce.train \
     --out "$out/train" > "$out/train.log" 2>&1 || status=1
   tail -20 "$out/train.log"
+fi
+if has timeline; then
+  tbin=build-timeline/bin
+  if [ $prebuilt = 0 ]; then
+    tbin=build-gpu-timeline/bin
+    { cmake -S . -B build-gpu-timeline -G Ninja -DCMAKE_BUILD_TYPE=Release -DPOUNCE_TIMELINE=ON \
+        ${nccl_root:+-DNCCL_ROOT="$nccl_root"} && cmake --build build-gpu-timeline -j "$(nproc)" \
+        --target pounce_bench pounce_tests_gpu; } >> "$out/build.log" 2>&1 || { echo "TIMELINE BUILD FAILED"; exit 1; }
+  fi
+  mkdir -p "$out/timeline"
+  timeout 120 "$tbin/pounce_tests_gpu" --gtest_filter='*Timeline*' > "$out/timeline/test.log" 2>&1 || status=1
+  echo "timeline test: $(grep -E '^\[  PASSED|^\[  FAILED' "$out/timeline/test.log" | tr '\n' ' ')"
+  timeout 300 "$tbin/pounce_bench" --shapes deepseek_v3,qwen3_30b --no-gemms --no-backward \
+    --timeline "$out/timeline" --json "$out/timeline/bench.json" > "$out/timeline/bench.log" 2>&1 || status=1
+  grep 'timeline:' "$out/timeline/bench.log"
 fi
 kill $dmon 2>/dev/null
 exit $status

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 
 #include "pounce/config.h"
 #include "pounce/error.h"
@@ -148,6 +149,15 @@ class FusedMoe {
   int64_t device_bytes() const;
   // Whether the latest backward had to replay its forward (nothing kept for it; see backward()).
   bool last_backward_replayed() const;
+
+  // The in-kernel timeline, in a build configured with -DPOUNCE_TIMELINE=ON (otherwise start_timeline
+  // throws). From start_timeline on, every forward and backward of this layer records what each CTA did
+  // and when: planning, row moves, each GEMM tile's mainloop and epilogue, the sums (up to max_events
+  // spans; a second start_timeline starts afresh). stop_timeline synchronizes the device and returns them
+  // as Chrome trace JSON (open it in ui.perfetto.dev; tools/timeline.py draws it). It throws if the
+  // buffer overflowed.
+  void start_timeline(int64_t max_events = int64_t(1) << 21);
+  std::string stop_timeline();
 
  private:
   friend struct moe::LayerTesting;

@@ -41,6 +41,9 @@ void add_options(CLI::App& app, Options& o) {
       "--no-gemms", [&o] { o.gemms = false; }, "skip timing each grouped GEMM alone");
   app.add_flag_callback(
       "--no-backward", [&o] { o.backward = false; }, "skip the backward");
+  app.add_option("--timeline", o.timeline_dir,
+                 "folder for in-kernel timelines (a POUNCE_TIMELINE build): a forward's and a training step's "
+                 "Chrome traces per shape, and what recording costs the forward");
   app.add_flag("--sweeps", o.sweeps,
                "fused layer sweeps: comm CTAs at every shape; minibatch, engine rows, "
                "ring and virtual ranks at the default shape");

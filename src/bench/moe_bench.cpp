@@ -17,6 +17,9 @@
 #include "bench/dense_ceiling.h"
 #include "bench/device_fill.h"
 #include "bench/output_check.h"
+#include "common/gpu.h"
+#include "common/require.h"
+#include "common/tiles.h"
 #include "moe/backward/backward_chain.h"
 #include "pounce/fused_moe.h"
 #include "reference/synthetic_routing.h"
@@ -551,6 +554,49 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     result["backward_gemms"] = gemms;
     CUDA_CHECK(cudaStreamSynchronize(stream));
     chain.check_device_errors();
+  }
+  if (!o.timeline_dir.empty()) {
+    // The in-kernel timeline: what recording costs the forward (a recording layer timed beside `fused`,
+    // which does not record), then the traces of one forward and of one training step.
+    FusedMoe traced(one_rank);
+    traced.set_weights({w13.data(), w2.data()});
+    const int64_t tiles = fused.max_m_blocks() * (n_blocks(2 * I) + n_blocks(H));
+    const int64_t spans_per_forward = 5 * tiles + 4 * fused.max_m_blocks() + 16 * int64_t(gpu_info().multiprocessors);
+    traced.start_timeline((o.warmup + o.reps) * spans_per_forward);
+    const std::vector<Timing> times = time_interleaved(
+        std::vector<std::function<void(int)>>{[&](int rep) { fused_forward(fused, rep % kSets, y_fused.data()); },
+                                              [&](int rep) { fused_forward(traced, rep % kSets, y_fused.data()); }},
+        stream, o.warmup, o.reps);
+    Json timeline = {{"forward_ms", times[0].median_ms},
+                     {"forward_recording_ms", times[1].median_ms},
+                     {"recording_overhead", times[1].median_ms / times[0].median_ms - 1.0}};
+    std::printf("%-18s timeline: forward %.3f ms, recording %.3f ms (%+.1f%%)\n", s.name.c_str(), times[0].median_ms,
+                times[1].median_ms, 100.0 * (times[1].median_ms / times[0].median_ms - 1.0));
+    const auto save = [&](const char* what, const std::string& trace) {
+      const std::string path = o.timeline_dir + "/" + s.name + "-" + what + ".json";
+      FILE* f = std::fopen(path.c_str(), "w");
+      POUNCE_REQUIRE(f != nullptr, "cannot write ", path);
+      const bool written = std::fwrite(trace.data(), 1, trace.size(), f) == trace.size();
+      POUNCE_REQUIRE(std::fclose(f) == 0 && written, "cannot write ", path);
+      timeline[what] = path;
+    };
+    traced.start_timeline(spans_per_forward);
+    fused_forward(traced, 0, y_fused.data());
+    save("forward", traced.stop_timeline());
+
+    DeviceBuffer<__nv_bfloat16> dy(T * H), dx(T * H), dw13(E * 2 * I * H), dw2(E * H * I);
+    DeviceBuffer<float> d_topk(T * k);
+    fill_random_bf16(dy.data(), T * H, 300, 1.0f, stream);
+    const RankIO io{x[0].data(), d_ids.data(), d_weights.data(), T, y_fused.data()};
+    const RankGrads grads{dy.data(), dx.data(), d_topk.data(), dw13.data(), dw2.data()};
+    traced.forward(io, stream, /*keep_for_backward=*/true);
+    traced.backward(io, grads, WeightGradOutput::kBf16, stream);  // the first backward allocates its buffers
+    traced.start_timeline(8 * spans_per_forward);  // the backward's four GEMMs have more tiles
+    traced.forward(io, stream, /*keep_for_backward=*/true);
+    traced.backward(io, grads, WeightGradOutput::kBf16, stream);
+    save("training-step", traced.stop_timeline());
+    traced.check_device_errors();
+    result["timeline"] = timeline;
   }
   CUDA_CHECK(cudaStreamSynchronize(stream));
   unfused.check_device_errors();

@@ -17,6 +17,7 @@
 #include <cuda_bf16.h>
 
 #include "common/bounded_wait.cuh"
+#include "common/timeline.cuh"
 #include "gemm/grouped_gemm.h"
 #include "ptx/ptx.cuh"
 
@@ -95,6 +96,7 @@ enum class TileKind {
 //   bool next(TileInfo& tile)  takes the next tile, waits (bounded) until its A rows are ready and fences
 //                              them for TMA; false when there are no more tiles or a wait gave up.
 //   const GemmOperands& operands(int gemm) const
+//   const TimelineSink& timeline() const      where the CTA's spans go (common/timeline.cuh)
 struct GemmOperands {
   // bf16. K-major A: [rows, k], box kBlockK x kBlockM; K-major B: [experts * n, k], box kBlockK x kBlockN.
   // MN-major: [k rows, m or n], box 64 x kBlockK.
@@ -140,7 +142,9 @@ __device__ void run_producer(SharedStorage& s, Tiles& tiles, const WaitSite& pip
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
   for (;;) {
     TileInfo info{};
+    const uint64_t asked = timeline::now();
     info.valid = tiles.next(info) ? 1 : 0;
+    if (info.valid) timeline::record(tiles.timeline(), TimelineSpan::kTileWait, asked, info.gemm, info.m_block);
     mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
     s.tiles[slot] = info;
     ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the consumers' wait makes `info` visible
@@ -334,8 +338,12 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
     const GemmOperands& op = tiles.operands(tile.gemm);
 
     constexpr bool kTransA = kKind == TileKind::kWeightGrad, kTransB = kKind != TileKind::kForward;
+    const uint64_t started = timeline::now();
     run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, stage, phase, pending_done, pipe_site, consumer, thread);
     if (thread == 0) release_done(pending_done);  // a tile of at most kDoneLagSlices K slices
+    const uint64_t multiplied = timeline::now();
+    if (thread == 0)
+      timeline::record(tiles.timeline(), TimelineSpan::kMainloop, started, tile.gemm, tile.m_block, tile.n_block);
 
     const bool swiglu = kKind == TileKind::kForward && op.epilogue == Epilogue::kSwiGLU;
     const StoreTarget to{op.c, op.row_scale, tile.c_row, tile.n_block * (swiglu ? kBlockN / 2 : kBlockN),
@@ -362,7 +370,10 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
       else
         store_tile<Epilogue::kStore, true>(acc, s, to, empty, consumer, thread);
     }
-    if (thread == 0 && op.done != nullptr) pending_done = op.done + tile.m_block;
+    if (thread == 0) {
+      timeline::record(tiles.timeline(), TimelineSpan::kEpilogue, multiplied, tile.gemm, tile.m_block, tile.n_block);
+      if (op.done != nullptr) pending_done = op.done + tile.m_block;
+    }
   }
   if (thread == 0) {
     release_done(pending_done);

@@ -34,6 +34,7 @@ struct KernelParams {
   uint32_t* ticket;
   DeviceErrorSink error;
   uint64_t wait_timeout_ns;
+  TimelineSink timeline;
 };
 
 // Tiles of one grouped GEMM from the shared ticket: m-grouped in TileScheduler order; k-grouped
@@ -84,6 +85,7 @@ class QueueTiles {
   }
 
   __device__ const GemmOperands& operands(int) const { return op_; }
+  __device__ const TimelineSink& timeline() const { return p_.timeline; }
 
  private:
   __device__ bool next_m_grouped(int64_t tile, TileInfo& info) {
@@ -187,6 +189,7 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   params.ticket = ticket_.data();
   params.error = errors_.device_sink();
   params.wait_timeout_ns = args.wait_timeout_ns;
+  params.timeline = timeline_;
 
   const uint64_t E = args.experts, n = args.n, k = args.k;
   const int64_t out_cols = args.epilogue == Epilogue::kSwiGLU ? args.n / 2 : args.n;
@@ -223,6 +226,7 @@ void GroupedGemm::run_k_grouped(const KGroupedGemmArgs& args, cudaStream_t strea
   params.ticket = ticket_.data();
   params.error = errors_.device_sink();
   params.wait_timeout_ns = args.wait_timeout_ns;
+  params.timeline = timeline_;
 
   // Both operands are row buffers read transposed: boxes of 64 columns by kBlockK rows.
   const bool fp32 = args.epilogue != Epilogue::kStore;

@@ -25,6 +25,7 @@
 
 #include "common/device_buffer.h"
 #include "common/device_error.h"
+#include "common/timeline.h"
 #include "common/tiles.h"
 
 namespace pounce::gemm {
@@ -101,10 +102,13 @@ class GroupedGemm {
   // After the stream has synchronized: throws pounce::Error if a launch reported a device-side error
   // (a readiness wait that timed out, expert_offsets beyond the A buffer).
   void check_device_errors() { errors_.check(); }
+  // The GEMMs enqueued from now on record their spans there (a build with POUNCE_TIMELINE); {}: stop.
+  void set_timeline(const TimelineSink& sink) { timeline_ = sink; }
 
  private:
   DeviceBuffer<uint32_t> ticket_;
   DeviceErrorSlot errors_;
+  TimelineSink timeline_;
 };
 
 }  // namespace pounce::gemm

@@ -12,6 +12,7 @@
 #pragma once
 
 #include "common/bounded_wait.cuh"
+#include "common/timeline.cuh"
 #include "gemm/grouped_gemm.h"
 #include "moe/copy_engine.cuh"
 #include "moe/fused_params.h"
@@ -47,8 +48,10 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
   const int64_t opening = opening_blocks(sizes.m_blocks, p.blocks_per_minibatch);
   const bool stalled = p.stall_rank == rs.rank;  // fault injection: never take an item
   CopyEngine engine(cs.engine, WaitSite{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank});
+  uint64_t taken = 0;  // thread 0: when it took the item (its waits count as the item's time)
   for (;;) {
     if (threadIdx.x == 0) {
+      taken = timeline::now();
       const int64_t i = stalled ? items : opening + atomicAdd(&rs.control[kCommTicket], 1u);
       bool go = i < items;
       if (go) {
@@ -110,6 +113,7 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
         }
         ptx::red_release_gpu_add(&rs.combined[b], p.steps.combined);
       }
+      timeline::record(p.timeline, item.combine ? TimelineSpan::kCombine : TimelineSpan::kDispatch, taken, b);
     }
   }
 }

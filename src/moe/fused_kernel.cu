@@ -126,12 +126,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lr = blockIdx.x / p.ctas_per_rank, cta = blockIdx.x % p.ctas_per_rank;
   const RankState& rs = p.rank_state[lr];
 
+  const uint64_t started = timeline::now();
   if (!plan(p, rs, cta, smem, &ok_flag)) return;
+  const uint64_t planned = timeline::now();
+  if (threadIdx.x == 0) timeline::record(p.timeline, TimelineSpan::kPlan, started);
   pull_opening<kThreads>(p, rs, lr, cta, *reinterpret_cast<CommShared*>(smem));
+  if (threadIdx.x == 0) timeline::record(p.timeline, TimelineSpan::kOpening, planned);
+  // Each warpgroup's first thread records when its own warp ran out of tokens to sum.
+  const auto sums = [&] {
+    const uint64_t begin = timeline::now();
+    run_weighted_sums(p, rs);
+    if (threadIdx.x % 128 == 0) timeline::record(p.timeline, TimelineSpan::kSums, begin);
+  };
 
   if (cta < p.comm_ctas) {
     run_comm_items<kThreads>(p, rs, lr, *reinterpret_cast<CommShared*>(smem));
-    if (!p.in_place) return run_weighted_sums(p, rs);
+    if (!p.in_place) return sums();
     // In place the queue held only dispatch items: every row is in, so this CTA joins the GEMM tiles.
     // The row tables were written through the generic proxy; TMA writes this shared memory next.
     ptx::fence_proxy_async_shared();
@@ -141,8 +151,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   FusedTiles tiles(p, rs, lr, maps, tile_operands);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, gemm::pipeline::pipeline_timeout_ns(p.wait_timeout_ns),
                            rs.rank};
-  gemm::pipeline::run_gemm_cta(gemm::pipeline::shared_storage(smem_raw), tiles, pipe_site,
-                               [&] { run_weighted_sums(p, rs); });
+  gemm::pipeline::run_gemm_cta(gemm::pipeline::shared_storage(smem_raw), tiles, pipe_site, sums);
 }
 
 }  // namespace

@@ -474,6 +474,7 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
     std::vector<__nv_bfloat16*> slots;
     if (config_.ranks > 1) slots.assign(params_.peers.slots, params_.peers.slots + config_.ranks);
     backward_ = std::make_unique<BackwardChain>(config_, slots);
+    if (timeline_) backward_->set_timeline(backward_timeline());
   }
   std::vector<BackwardSource> sources(L);
   for (int lr = 0; lr < L; ++lr) {
@@ -499,6 +500,34 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
   }
   backward_->finish(sources, stream);
   last_backward_replayed_ = !kept;
+}
+
+// Timeline kernel tags: the forward, then the backward chain's GEMMs in BackwardGemm order.
+constexpr uint8_t kForwardKernel = 0, kFirstBackwardKernel = 1;
+
+TimelineSink FusedLayer::backward_timeline() {
+  TimelineSink sink = timeline_ ? timeline_->sink() : TimelineSink{};
+  sink.kernel = kFirstBackwardKernel;
+  return sink;
+}
+
+void FusedLayer::start_timeline(int64_t max_events) {
+  timeline_ = std::make_unique<Timeline>(max_events);
+  params_.timeline = timeline_->sink();
+  params_.timeline.kernel = kForwardKernel;
+  if (backward_) backward_->set_timeline(backward_timeline());
+}
+
+std::string FusedLayer::stop_timeline() {
+  POUNCE_REQUIRE(timeline_ != nullptr, "FusedMoe::stop_timeline: no timeline was started");
+  std::unique_ptr<Timeline> timeline = std::move(timeline_);
+  params_.timeline = {};
+  if (backward_) backward_->set_timeline({});
+  const std::vector<TimelineEvent> events = timeline->events();
+  std::vector<std::string> names = {"fused forward"};
+  for (const char* gemm : {"GEMM1 again", "dgrad down", "dgrad gate/up", "wgrad down", "wgrad gate/up"})
+    names.push_back(std::string("backward: ") + gemm);
+  return chrome_trace_json(events, names);
 }
 
 int64_t FusedLayer::device_bytes() const {

@@ -63,6 +63,8 @@ class FusedLayer {
   int ranks_on_this_gpu() const { return params_.launch_ranks; }
   int64_t device_bytes() const;
   bool last_backward_replayed() const { return last_backward_replayed_; }
+  void start_timeline(int64_t max_events);
+  std::string stop_timeline();
 
   // Fault injection for tests (moe/layer_testing.h): this rank's CTAs move no rows.
   void stall_rank(int rank) { params_.stall_rank = rank; }
@@ -75,6 +77,7 @@ class FusedLayer {
   bool kept_forward_matches(std::span<const RankIO> inputs) const;
   uint64_t fingerprint(std::span<const RankIO> inputs) const;
   KeptForward kept_rows(int launch_rank) const;
+  TimelineSink backward_timeline();
 
   EpConfig config_;
   planner::Capacity capacity_;
@@ -111,6 +114,7 @@ class FusedLayer {
   } kept_from_;
   bool last_backward_replayed_ = false;
   bool backward_replays_ = true;  // FusedMoeOptions::backward_replays
+  std::unique_ptr<Timeline> timeline_;  // between start_timeline and stop_timeline
   std::unique_ptr<comm::NcclWindow> window_;
   int64_t window_bytes_ = 0;
   __nv_bfloat16* window_x_[2][kMaxRanks] = {};  // [forward parity][rank]

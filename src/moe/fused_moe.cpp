@@ -36,5 +36,7 @@ bool FusedMoe::in_place() const { return layer_->in_place(); }
 int64_t FusedMoe::max_m_blocks() const { return layer_->max_m_blocks(); }
 int64_t FusedMoe::device_bytes() const { return layer_->device_bytes(); }
 bool FusedMoe::last_backward_replayed() const { return layer_->last_backward_replayed(); }
+void FusedMoe::start_timeline(int64_t max_events) { layer_->start_timeline(max_events); }
+std::string FusedMoe::stop_timeline() { return layer_->stop_timeline(); }
 
 }  // namespace pounce

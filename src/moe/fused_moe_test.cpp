@@ -17,6 +17,8 @@
 #include "common/device_buffer.h"
 #include "common/gpu.h"
 #include "common/testing.h"
+#include "common/tiles.h"
+#include "common/timeline.h"
 #include "moe/layer_testing.h"
 #include "reference/moe_layer.h"
 #include "reference/moe_layer_ep.h"
@@ -1061,6 +1063,70 @@ TEST(FusedMoe, BackwardAfterAGraphReplayedForwardIsAnError) {
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));
   CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// Spans named `name` in a Chrome trace.
+int64_t count_spans(const std::string& trace, const std::string& name) {
+  const std::string key = "\"name\":\"" + name + "\",\"ph\":\"X\"";
+  int64_t n = 0;
+  for (size_t at = trace.find(key); at != std::string::npos; at = trace.find(key, at + 1)) ++n;
+  return n;
+}
+
+// The in-kernel timeline (a POUNCE_TIMELINE build): every GEMM tile of a forward and of the backward's
+// GEMMs leaves one mainloop and one epilogue span per consumer warpgroup, every CTA plans, and
+// recording changes no bit of any output. Without the build option it refuses to start, by name.
+TEST(FusedMoe, TimelineRecordsEveryTileAndChangesNoBits) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, Case{1, 300, 256, 128, 8, 3, RoutingPattern::kZipf});
+  FusedMoe layer(p.config);
+  p.load_weights(layer);
+  if (!timeline_compiled_in()) {
+    testing::expect_error([&] { layer.start_timeline(); }, "-DPOUNCE_TIMELINE=ON");
+    GTEST_SKIP() << "this build records no timeline";
+  }
+  testing::expect_error([&] { layer.stop_timeline(); }, "no timeline was started");
+  const int64_t H = p.config.hidden, I = p.config.intermediate, E = p.config.experts;
+  std::vector<int64_t> routes(E);
+  for (int32_t e : p.ids[0]) ++routes[e];
+  int64_t m_blocks = 0;
+  for (int64_t r : routes) m_blocks += (r + kBlockM - 1) / kBlockM;
+
+  run_and_check(layer, p);
+  const auto plain = p.outputs();
+  layer.start_timeline();
+  run_and_check(layer, p);
+  const std::string forward = layer.stop_timeline();
+  EXPECT_EQ(p.outputs(), plain) << "recording changed the forward's output";
+  const int64_t consumers = 2;
+  for (const char* span : {"mainloop", "epilogue"}) {
+    EXPECT_EQ(count_spans(forward, std::string(span) + " G1"), consumers * m_blocks * n_blocks(2 * I)) << span;
+    EXPECT_EQ(count_spans(forward, std::string(span) + " G2"), consumers * m_blocks * n_blocks(H)) << span;
+  }
+  EXPECT_EQ(count_spans(forward, "plan"), layer.ctas_per_rank());
+  EXPECT_THAT(forward, HasSubstr("\"name\":\"fused forward\""));
+
+  const std::vector<std::vector<float>> dy{testing::random_bf16_values(rng, p.tokens[0] * H)};
+  std::vector<DeviceBuffer<uint16_t>> d_dy;
+  d_dy.emplace_back(testing::to_bf16_bits(dy[0]));
+  layer.forward(p.io()[0], nullptr, /*keep_for_backward=*/true);
+  const Gradients unrecorded = run_backward(layer, p, d_dy);
+  layer.forward(p.io()[0], nullptr, /*keep_for_backward=*/true);
+  layer.start_timeline();
+  const Gradients recorded = run_backward(layer, p, d_dy);
+  const std::string backward = layer.stop_timeline();
+  EXPECT_TRUE(recorded == unrecorded) << "recording changed the gradients";
+  // The backward's four GEMMs from the kept rows: dgrad down and gate/up (m-grouped), wgrad down and
+  // gate/up (k-grouped: every expert's tiles, empty ones too).
+  const int64_t tiles = m_blocks * n_blocks(I) + m_blocks * n_blocks(H) +
+                        E * ((H + kBlockM - 1) / kBlockM) * n_blocks(I) +
+                        E * ((2 * I + kBlockM - 1) / kBlockM) * n_blocks(H);
+  EXPECT_EQ(count_spans(backward, "mainloop G1"), consumers * tiles);
+  EXPECT_EQ(count_spans(backward, "epilogue G1"), consumers * tiles);
+  for (const char* gemm : {"dgrad down", "dgrad gate/up", "wgrad down", "wgrad gate/up"})
+    EXPECT_THAT(backward, HasSubstr(std::string("\"name\":\"backward: ") + gemm + "\"")) << gemm;
+  EXPECT_THAT(backward, ::testing::Not(HasSubstr("GEMM1 again")));
 }
 
 INSTANTIATE_TEST_SUITE_P(Forwards, FusedMoeGraphTest, ::testing::Values(false, true),

@@ -67,6 +67,7 @@ class FusedTiles {
   }
 
   __device__ const gemm::pipeline::GemmOperands& operands(int gemm) const { return ops_[gemm]; }
+  __device__ const TimelineSink& timeline() const { return p_.timeline; }
 
  private:
   // The tile order lives in moe/work_queues.h, where the host tests check it.

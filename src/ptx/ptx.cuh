@@ -19,6 +19,13 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
   return t;
 }
 
+// The SM this thread runs on.
+__device__ __forceinline__ uint32_t smid() {
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
 // ---- math ------------------------------------------------------------------------------------------
 
 // tanh with one MUFU instruction; relative error below 2^-10.9, well under bf16's 2^-9 rounding.

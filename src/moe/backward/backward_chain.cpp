@@ -160,6 +160,9 @@ void BackwardChain::run_gemm(BackwardGemm which, cudaStream_t stream) {
 void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue epilogue, cudaStream_t stream) {
   const int64_t E = config_.local_experts(), H = config_.hidden, I = config_.intermediate;
   const int32_t* offsets = rows_in_use_.expert_offsets;
+  TimelineSink timeline = timeline_;
+  timeline.kernel = uint8_t(timeline.kernel + int(which));
+  gemm_.set_timeline(timeline);
   const auto m_grouped = [&](const __nv_bfloat16* a, const __nv_bfloat16* b, gemm::Major b_major, int64_t n, int64_t k,
                              __nv_bfloat16* c) {
     gemm::GroupedGemmArgs g;

@@ -69,6 +69,7 @@ enum class BackwardGemm {
   kWeightDown,    // dW2[e] = dy_rows[e]^T . wa[e]
   kWeightGateUp,  // dW13[e] = dgu[e]^T . x_rows[e]
 };
+inline constexpr int kBackwardGemms = 5;
 
 class BackwardChain {
  public:
@@ -96,6 +97,9 @@ class BackwardChain {
     run(0, std::span(&source, 1), experts, kept, stream);
   }
   void check_device_errors();
+  // The GEMMs enqueued from now on record their spans there (a build with POUNCE_TIMELINE), each
+  // launch tagged first_kernel + its BackwardGemm; {}: stop.
+  void set_timeline(const TimelineSink& sink) { timeline_ = sink; }
 
   // One GEMM alone on the buffers and weights of the last run (benchmarks); weight gradients go to fp32
   // scratch of the chain's own.
@@ -123,6 +127,7 @@ class BackwardChain {
   DeviceBuffer<__nv_bfloat16> dy_rows_, da_, dgu_, wa_, dx_rows_;
   DeviceBuffer<float> row_weight_, route_dot_, dw_scratch_;
   gemm::GroupedGemm gemm_;
+  TimelineSink timeline_;
 };
 
 }  // namespace pounce::moe

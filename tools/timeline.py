@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Summarise and draw an in-kernel timeline (the Chrome trace FusedMoe::stop_timeline returns and
+`pounce_bench --timeline DIR` writes, from a build configured with -DPOUNCE_TIMELINE=ON).
+
+Prints, for each kernel in the trace: its span from first to last event, and per kind of span (plan,
+dispatch, tile wait, mainloop G1, epilogue G2, ...) how many there are, their total and mean length and
+their share of the kernel's CTA-time (tracks x span). With --png, draws every track (one per CTA and
+warpgroup) over time, one colour per kind of span, one panel per kernel; with --json, writes the summary.
+
+Usage: tools/timeline.py TRACE.json [--png OUT.png] [--json OUT.json] [--title TEXT]
+"""
+import argparse
+import collections
+import json
+import sys
+
+
+def load(path):
+    with open(path) as f:
+        trace = json.load(f)
+    kernels, spans = {}, collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            kernels[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "X":
+            spans[e["pid"]].append(e)
+    return {pid: (kernels.get(pid, f"kernel {pid}"), events) for pid, events in sorted(spans.items())}
+
+
+def summarise(kernels):
+    out = []
+    for pid, (name, events) in kernels.items():
+        begin = min(e["ts"] for e in events)
+        end = max(e["ts"] + e["dur"] for e in events)
+        tracks = {e["tid"] for e in events}
+        kinds = collections.defaultdict(lambda: [0, 0.0])
+        for e in events:
+            kinds[e["name"]][0] += 1
+            kinds[e["name"]][1] += e["dur"]
+        out.append({
+            "kernel": name,
+            "begin_us": begin,
+            "span_us": end - begin,
+            "tracks": len(tracks),
+            "kinds": {k: {"count": n, "total_us": total, "mean_us": total / n,
+                          "share_of_track_time": total / (len(tracks) * (end - begin)) if end > begin else 0.0}
+                      for k, (n, total) in sorted(kinds.items())},
+        })
+    return out
+
+
+def print_summary(summary):
+    for k in summary:
+        print(f"{k['kernel']}: {k['span_us']:.1f} us from {k['begin_us']:.1f}, {k['tracks']} tracks")
+        for kind, s in k["kinds"].items():
+            print(f"  {kind:16s} {s['count']:8d} spans  total {s['total_us']:12.1f} us  "
+                  f"mean {s['mean_us']:9.2f} us  {100 * s['share_of_track_time']:5.1f}% of track time")
+
+
+def draw(kernels, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    names = sorted({e["name"] for _, events in kernels.values() for e in events})
+    cmap = plt.get_cmap("tab20")
+    colour = {n: cmap(i % 20) for i, n in enumerate(names)}
+    fig, axes = plt.subplots(len(kernels), 1, figsize=(14, 3 + 2.5 * len(kernels)), squeeze=False,
+                             sharex=True)
+    for ax, (name, events) in zip(axes[:, 0], kernels.values()):
+        rows = {tid: i for i, tid in enumerate(sorted({e["tid"] for e in events}))}
+        bars = collections.defaultdict(lambda: collections.defaultdict(list))
+        for e in events:
+            bars[e["name"]][rows[e["tid"]]].append((e["ts"], max(e["dur"], 0.05)))
+        for kind, by_row in bars.items():
+            for row, spans in by_row.items():
+                ax.broken_barh(spans, (row, 0.9), facecolors=colour[kind], linewidth=0)
+        ax.set_ylim(0, len(rows))
+        ax.set_ylabel(f"{name}\n(CTA x warpgroup)")
+        ax.invert_yaxis()
+    axes[-1, 0].set_xlabel("time (us)")
+    fig.legend(handles=[Patch(color=colour[n], label=n) for n in names], loc="upper right", ncol=4, fontsize=8)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return True
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace")
+    p.add_argument("--png")
+    p.add_argument("--json")
+    p.add_argument("--title", default="")
+    a = p.parse_args()
+    kernels = load(a.trace)
+    if not kernels:
+        sys.exit(f"{a.trace}: no spans")
+    summary = summarise(kernels)
+    print_summary(summary)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    if a.png:
+        draw(kernels, a.png, a.title or a.trace)
+        print(f"wrote {a.png}")
+
+
+if __name__ == "__main__":
+    main()
