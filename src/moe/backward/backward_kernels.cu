@@ -52,24 +52,28 @@ __global__ void scatter_kernel(const uint4* dx_rows, const float* route_dot, con
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
-// One CTA per row; each thread owns groups of 8 intermediate columns (16 bytes of da, 32 of gate/up).
-__global__ void swiglu_backward_kernel(const uint4* h13, const uint4* da, const float* row_weight,
-                                       const int32_t* row_token, int64_t rows, int64_t groups, uint4* dgu, uint4* wa,
-                                       float* route_dot) {
-  __shared__ float warp_dots[kThreads / 32];
+// One warp per row, each lane owning groups of 8 intermediate columns (16 bytes of da, 32 of gate/up): a
+// CTA per row left most of its threads idle at small I (Qwen3-30B's 768 is 96 groups a row).
+__global__ void swiglu_backward_kernel(const uint4* __restrict__ h13, const uint4* __restrict__ da,
+                                       const float* __restrict__ row_weight, const int32_t* __restrict__ row_token,
+                                       int64_t rows, int64_t groups, uint4* __restrict__ dgu, uint4* __restrict__ wa,
+                                       float* __restrict__ route_dot) {
+  constexpr int kWarps = kThreads / 32;
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t r = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; r < rows; r += int64_t(gridDim.x) * kWarps) {
     if (row_token[r] < 0) {  // padding: zeros, whatever h13 holds there
-      for (int64_t j = threadIdx.x; j < groups; j += blockDim.x) {
+      for (int64_t j = lane; j < groups; j += 32) {
         dgu[(r * groups + j) * 2] = dgu[(r * groups + j) * 2 + 1] = zero;
         wa[r * groups + j] = zero;
       }
-      if (threadIdx.x == 0) route_dot[r] = 0.0f;
+      if (lane == 0) route_dot[r] = 0.0f;
       continue;
     }
     const float w = row_weight[r];
     float dot = 0.0f;
-    for (int64_t j = threadIdx.x; j < groups; j += blockDim.x) {
+#pragma unroll 2
+    for (int64_t j = lane; j < groups; j += 32) {
       const uint4 g_bits = h13[(r * groups + j) * 2], u_bits = h13[(r * groups + j) * 2 + 1],
                   d_bits = da[r * groups + j];
       const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g_bits);
@@ -97,16 +101,9 @@ __global__ void swiglu_backward_kernel(const uint4* h13, const uint4* da, const 
       dgu[(r * groups + j) * 2 + 1] = du_bits;
       wa[r * groups + j] = wa_bits;
     }
-    // The row's dot in a fixed order: lanes by a butterfly, then warps in index order.
+    // The row's dot in a fixed order: lanes by a butterfly (every lane ends with the same sum).
     for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, offset);
-    if (threadIdx.x % 32 == 0) warp_dots[threadIdx.x / 32] = dot;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float sum = 0.0f;
-      for (int i = 0; i < kThreads / 32; ++i) sum += warp_dots[i];
-      route_dot[r] = sum;
-    }
-    __syncthreads();  // warp_dots is read before the next row overwrites it
+    if (lane == 0) route_dot[r] = dot;
   }
 }
 
@@ -170,7 +167,7 @@ void swiglu_backward_rows(const __nv_bfloat16* h13, const __nv_bfloat16* da, con
                           const int32_t* row_token, int64_t rows, int64_t intermediate, __nv_bfloat16* dgu,
                           __nv_bfloat16* wa, float* route_dot, cudaStream_t stream) {
   if (rows == 0) return;
-  swiglu_backward_kernel<<<grid_for(rows), kThreads, 0, stream>>>(
+  swiglu_backward_kernel<<<grid_for((rows + kThreads / 32 - 1) / (kThreads / 32)), kThreads, 0, stream>>>(
       reinterpret_cast<const uint4*>(h13), reinterpret_cast<const uint4*>(da), row_weight, row_token, rows,
       intermediate / kVec, reinterpret_cast<uint4*>(dgu), reinterpret_cast<uint4*>(wa), route_dot);
   CUDA_CHECK_LAUNCH();
