@@ -573,12 +573,12 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     std::printf("%-18s timeline: forward %.3f ms, recording %.3f ms (%+.1f%%)\n", s.name.c_str(), times[0].median_ms,
                 times[1].median_ms, 100.0 * (times[1].median_ms / times[0].median_ms - 1.0));
     const auto save = [&](const char* what, const std::string& trace) {
-      const std::string path = o.timeline_dir + "/" + s.name + "-" + what + ".json";
+      const std::string file = s.name + "-" + what + ".json", path = o.timeline_dir + "/" + file;
       FILE* f = std::fopen(path.c_str(), "w");
       POUNCE_REQUIRE(f != nullptr, "cannot write ", path);
       const bool written = std::fwrite(trace.data(), 1, trace.size(), f) == trace.size();
       POUNCE_REQUIRE(std::fclose(f) == 0 && written, "cannot write ", path);
-      timeline[what] = path;
+      timeline[what] = file;  // in the --timeline folder
     };
     traced.start_timeline(spans_per_forward);
     fused_forward(traced, 0, y_fused.data());
