@@ -7,9 +7,8 @@
 //                tile's inputs to be ready), publishes each to the consumers and streams A/B K-slices
 //                with TMA into a kStages-deep mbarrier ring.
 //   warpgroups 1-2: consumers. Each owns 64 of the tile's 128 rows: wgmma m64n256k16 from shared memory,
-//                fp32 accumulators in registers, then the epilogue (SwiGLU, row scale): each warp writes
-//                its 16 rows into a swizzled staging box (stmatrix) and stores it with TMA on its own, no
-//                barrier across the warpgroup; the stores drain while the next tile's mainloop runs.
+//                fp32 accumulators in registers, then the epilogue (SwiGLU, row scale) writes bf16 into
+//                a swizzled staging box that a TMA store copies out while the next tile's mainloop runs.
 // A tile belongs to one of (at most) two GEMMs, each with its own operands; the fused kernel interleaves
 // GEMM1 and GEMM2 tiles in one queue.
 #pragma once
@@ -30,8 +29,7 @@ constexpr int kStages = 4;
 constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
 constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
 constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;  // 64: one wgmma M
-constexpr int kRowsPerWarp = 16;                                 // of the accumulator fragment
-static_assert(kStoreBoxRows == kRowsPerWarp, "a store box is one consumer warp's rows high");
+static_assert(kStoreBoxRows == kRowsPerConsumer, "a store box is one consumer's rows high");
 constexpr int kStoreSlots = 2;     // per consumer: fill one box while the previous one is stored
 constexpr int kTileSlots = 2;      // the producer may run one tile ahead of the consumers
 constexpr int kDoneLagSlices = 4;  // a tile's completion counter is released this many K slices into the next
@@ -39,6 +37,9 @@ constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK * sizeof(__nv_bfl
 // setmaxnreg: 128 x 40 + 256 x 232 = 64512 of the SM's 65536 registers.
 constexpr uint32_t kProducerRegisters = 40;
 constexpr uint32_t kConsumerRegisters = 232;
+
+// Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue.
+enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1 };
 
 // Where a tile's operands start. A K-major operand's slice kb is the box at (col + kb * kBlockK, row); an
 // MN-major operand's is the boxes at (col + 64 j, row + kb * kBlockK), one per 64 elements of M or N.
@@ -63,8 +64,7 @@ struct TileInfo {
 struct SharedStorage {
   alignas(1024) __nv_bfloat16 a[kStages][kBlockM * kBlockK];
   alignas(1024) __nv_bfloat16 b[kStages][kBlockN * kBlockK];
-  // Staging of the C stores: per consumer and slot, one 2 KB box per warp (16 rows of 128 bytes).
-  alignas(1024) __nv_bfloat16 c[kConsumerWarpgroups][kStoreSlots][4][kStoreBoxRows * kStoreBoxCols];
+  alignas(1024) __nv_bfloat16 c[kConsumerWarpgroups][kStoreSlots][kStoreBoxRows * kStoreBoxCols];
   uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes)
   uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer warp)
   uint64_t tile_full[kTileSlots];
@@ -107,8 +107,8 @@ struct GemmOperands {
   const CUtensorMap* c;
   Epilogue epilogue;
   const float* row_scale;  // optional, indexed by C row
-  // Optional per-m-block completion counters: each consumer warp adds 1 once its rows of a tile are in
-  // global memory (so a finished m-block has kTileArrivals * n-blocks arrivals). Without them stores
+  // Optional per-m-block completion counters: each consumer adds 1 once its half of a tile is in global
+  // memory (so a finished m-block has kConsumerWarpgroups * n-blocks arrivals). Without them stores
   // stay asynchronous.
   uint32_t* done;
   // kSwiGLU only, optional: bf16 [rows, n] (store box) that also receives the tile before SwiGLU, at
@@ -171,9 +171,9 @@ __device__ void run_producer(SharedStorage& s, Tiles& tiles, const WaitSite& pip
 // of GEMM1's time (measured: docs/grouped_gemm.md).
 __device__ __forceinline__ float silu(float g) { return g * fmaf(0.5f, ptx::tanh_approx(0.5f * g), 0.5f); }
 
-__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
+__device__ __forceinline__ void st_shared_bf16x2(uint32_t addr, float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
+  ptx::st_shared_b32(addr, *reinterpret_cast<const uint32_t*>(&v));
 }
 
 __device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float lo, float hi) {
@@ -193,9 +193,7 @@ struct StoreTarget {
 // for 8-column chunk j it holds columns 8j + 2*(lane%4) + {0,1} in acc[4j + {0,1}] (first row) and
 // acc[4j + {2,3}] (second row). With gate/up interleaved in groups of 8, chunk 2i is gate and chunk
 // 2i + 1 the matching up: SwiGLU needs no data exchange between threads.
-// Outputs leave in boxes one swizzle row (128 bytes) wide, 64 bf16 or 32 fp32 columns, and one warp's
-// 16 rows high: each warp fills and stores its own boxes (its lane 0 issues and tracks the TMA stores),
-// so the epilogue has no barrier across the warpgroup.
+// Outputs leave in boxes one swizzle row (128 bytes) wide: 64 bf16 or 32 fp32 columns.
 // A k-grouped tile (kKGrouped) writes its expert's matrix of a 3-D C; `empty` (no K slices) stores zeros.
 template <Epilogue kEpilogue, bool kKGrouped = false>
 __device__ void store_tile(const float (&acc)[128], SharedStorage& s, const StoreTarget& to, bool empty, int consumer,
@@ -209,26 +207,22 @@ __device__ void store_tile(const float (&acc)[128], SharedStorage& s, const Stor
   // Boxes alternate between the store slots; an even count leaves the next call starting on a free slot.
   static_assert(kBoxes % kStoreSlots == 0, "a tile's boxes must fill whole rounds of the store slots");
   const int warp = thread / 32, lane = thread % 32;
-  const int row = lane / 4;  // within this warp's 16 rows; the second row is row + 8
-  const int32_t out_row = to.row + consumer * kRowsPerConsumer + warp * kRowsPerWarp;
+  const int row = warp * 16 + lane / 4;  // within this consumer's 64 rows; the second row is row + 8
+  const int32_t out_row = to.row + consumer * kRowsPerConsumer;
   float scale_lo = 1.0f, scale_hi = 1.0f;
   if (!kF32 && to.row_scale != nullptr) {
     scale_lo = to.row_scale[out_row + row];
     scale_hi = to.row_scale[out_row + row + 8];
   }
-  // stmatrix: lane l addresses row l % 8 of matrix l / 8; the matrices are (unit u, rows 0-7), (u, 8-15),
-  // (u + 1, 0-7), (u + 1, 8-15).
-  const int st_row = (lane / 8 % 2) * 8 + lane % 8, st_unit = lane / 16;
+  const uint32_t barrier = kEpilogueBarrierBase + consumer;
 
 #pragma unroll
   for (int box = 0; box < kBoxes; ++box) {
     const int store_slot = box % kStoreSlots;
-    __nv_bfloat16* staging = s.c[consumer][store_slot][warp];
-    const uint32_t base = ptx::smem_addr(staging);
-    // The store this warp issued from this slot kStoreSlots boxes ago (maybe in the previous tile) must
-    // have read it.
-    if (lane == 0) ptx::bulk_wait_group_read<kStoreSlots - 1>();
-    __syncwarp();
+    const uint32_t base = ptx::smem_addr(s.c[consumer][store_slot]);
+    // The store issued from this slot kStoreSlots boxes ago (maybe in the previous tile) must have read it.
+    if (thread == 0) ptx::bulk_wait_group_read<kStoreSlots - 1>();
+    ptx::named_barrier_sync(barrier, 128);
     if constexpr (kF32) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {  // 8-column chunks of the box: 16-byte units 2c and 2c + 1
@@ -240,48 +234,41 @@ __device__ void store_tile(const float (&acc)[128], SharedStorage& s, const Stor
       }
     } else {
 #pragma unroll
-      for (int pair = 0; pair < 4; ++pair) {  // 16-byte units 2 pair, 2 pair + 1 of the 128-byte box row
-        uint32_t bits[4];
+      for (int unit = 0; unit < 8; ++unit) {  // 16-byte unit of the 128-byte box row = 8 output columns
+        float v[4];
+        if constexpr (kEpilogue == Epilogue::kSwiGLU) {
+          constexpr int kChunksPerBox = 16;  // 8 gate + 8 up chunks make one box of outputs
+          const int gate = box * kChunksPerBox + 2 * unit;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int unit = 2 * pair + half;  // 8 output columns
-          float v[4];
-          if constexpr (kEpilogue == Epilogue::kSwiGLU) {
-            constexpr int kChunksPerBox = 16;  // 8 gate + 8 up chunks make one box of outputs
-            const int gate = box * kChunksPerBox + 2 * unit;
+          for (int q = 0; q < 4; ++q) v[q] = silu(value(4 * gate + q)) * value(4 * (gate + 1) + q);
+        } else {
+          const int chunk = box * 8 + unit;
 #pragma unroll
-            for (int q = 0; q < 4; ++q) v[q] = silu(value(4 * gate + q)) * value(4 * (gate + 1) + q);
-          } else {
-            const int chunk = box * 8 + unit;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) v[q] = value(4 * chunk + q);
-          }
-          bits[2 * half] = bf16x2_bits(v[0] * scale_lo, v[1] * scale_lo);
-          bits[2 * half + 1] = bf16x2_bits(v[2] * scale_hi, v[3] * scale_hi);
+          for (int q = 0; q < 4; ++q) v[q] = value(4 * chunk + q);
         }
-        // 128-byte swizzle, as the TMA store expects: unit u of row r sits at unit u ^ (r % 8).
-        const int unit = 2 * pair + st_unit;
-        ptx::stmatrix_x4(base + st_row * 128 + uint32_t((unit ^ (st_row % 8)) * 16), bits[0], bits[1], bits[2],
-                         bits[3]);
+        // 128-byte swizzle, as the TMA store expects: unit u of row r sits at unit u ^ (r % 8). A warp's
+        // 8 rows x 4 lanes then hit 32 different banks.
+        const uint32_t offset = uint32_t(((unit ^ (row % 8)) * 16) + (lane % 4) * 4);
+        st_shared_bf16x2(base + row * 128 + offset, v[0] * scale_lo, v[1] * scale_lo);
+        st_shared_bf16x2(base + (row + 8) * 128 + offset, v[2] * scale_hi, v[3] * scale_hi);
       }
     }
-    ptx::fence_proxy_async_shared();  // st.shared / stmatrix (generic proxy) before the TMA store reads (async)
-    __syncwarp();
-    if (lane == 0) {
+    ptx::fence_proxy_async_shared();  // st.shared (generic proxy) before the TMA store reads (async proxy)
+    ptx::named_barrier_sync(barrier, 128);
+    if (thread == 0) {
       const int32_t col = to.col + box * kBoxCols;
       if constexpr (!kKGrouped)
-        ptx::tma_store_2d(to.map, staging, col, out_row);
+        ptx::tma_store_2d(to.map, s.c[consumer][store_slot], col, out_row);
       else if constexpr (kEpilogue == Epilogue::kAddF32)
-        ptx::tma_reduce_add_3d(to.map, staging, col, out_row, to.expert);
+        ptx::tma_reduce_add_3d(to.map, s.c[consumer][store_slot], col, out_row, to.expert);
       else
-        ptx::tma_store_3d(to.map, staging, col, out_row, to.expert);
+        ptx::tma_store_3d(to.map, s.c[consumer][store_slot], col, out_row, to.expert);
       ptx::bulk_commit_group();
     }
   }
 }
 
-// Releases a finished tile's completion counter for one consumer warp (its lane 0, which issued the warp's
-// stores) once those stores have landed.
+// Releases a finished tile's completion counter (consumer thread 0) once its stores have landed.
 // NOTES: the tile's readers (other CTAs' TMA loads, copy engines) acquire the counter. The stores must
 // have completed, not just read shared memory, and the async-proxy writes must be ordered before the
 // generic-proxy release. Waiting right after the epilogue would idle the warpgroup for the stores'
@@ -324,7 +311,7 @@ __device__ __forceinline__ void run_mainloop(SharedStorage& s, float (&acc)[128]
     ptx::wgmma_wait_group<1>();
     ptx::fence_registers(acc);
     if (kb > 0 && lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
-    if (kb == kDoneLagSlices && lane == 0) release_done(pending_done);
+    if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
     previous_stage = stage;
     if (++stage == kStages) stage = 0, phase ^= 1;
   }
@@ -338,9 +325,9 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
   const int thread = threadIdx.x % 128, lane = thread % 32;
   float acc[128];
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
-  uint32_t* pending_done = nullptr;  // lane 0: the last tile's counter, this warp's stores still in flight
+  uint32_t* pending_done = nullptr;  // thread 0: the last tile's counter, its stores still in flight
   for (;;) {
-    if (lane == 0 && pending_done != nullptr && !ptx::mbarrier_test_wait(&s.tile_full[slot], slot_phase))
+    if (thread == 0 && pending_done != nullptr && !ptx::mbarrier_test_wait(&s.tile_full[slot], slot_phase))
       release_done(pending_done);
     mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
     const TileInfo tile = s.tiles[slot];
@@ -353,7 +340,7 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
     constexpr bool kTransA = kKind == TileKind::kWeightGrad, kTransB = kKind != TileKind::kForward;
     const uint64_t started = timeline::now();
     run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, stage, phase, pending_done, pipe_site, consumer, thread);
-    if (lane == 0) release_done(pending_done);  // a tile of at most kDoneLagSlices K slices
+    if (thread == 0) release_done(pending_done);  // a tile of at most kDoneLagSlices K slices
     const uint64_t multiplied = timeline::now();
     if (thread == 0)
       timeline::record(tiles.timeline(), TimelineSpan::kMainloop, started, tile.gemm, tile.m_block, tile.n_block);
@@ -383,11 +370,12 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
       else
         store_tile<Epilogue::kStore, true>(acc, s, to, empty, consumer, thread);
     }
-    if (thread == 0)
+    if (thread == 0) {
       timeline::record(tiles.timeline(), TimelineSpan::kEpilogue, multiplied, tile.gemm, tile.m_block, tile.n_block);
-    if (lane == 0 && op.done != nullptr) pending_done = op.done + tile.m_block;
+      if (op.done != nullptr) pending_done = op.done + tile.m_block;
+    }
   }
-  if (lane == 0) {
+  if (thread == 0) {
     release_done(pending_done);
     ptx::bulk_wait_group<0>();  // stores must finish reading shared memory before exit (without counters
                                 // release_done waited for nothing)

@@ -30,15 +30,13 @@
 
 namespace pounce::gemm {
 
-// Consumer warpgroups of the engine's CTA (gemm/gemm_pipeline.cuh), each computing half of a tile's rows.
+// Consumer warpgroups of the engine's CTA (gemm/gemm_pipeline.cuh), each computing half of a tile's rows
+// and adding 1 to the tile's completion counter: a finished tile counts kConsumerWarpgroups.
 inline constexpr int kConsumerWarpgroups = 2;
-// Each consumer warp stores its own 16 rows of a tile and adds 1 to the tile's completion counter: a
-// finished tile counts kTileArrivals.
-inline constexpr int kTileArrivals = kConsumerWarpgroups * 4;
 
-// TMA boxes of the C stores: 64 bf16 (128 bytes, one swizzle row) wide and one consumer warp's rows high.
+// TMA boxes of the C stores: 64 bf16 (128 bytes, one swizzle row) wide and one consumer's rows high.
 inline constexpr int kStoreBoxCols = 64;
-inline constexpr int kStoreBoxRows = kBlockM / kTileArrivals;
+inline constexpr int kStoreBoxRows = kBlockM / kConsumerWarpgroups;
 
 enum class Epilogue {
   kStore,     // C = A . B^T, bf16                                              [rows, N]

@@ -38,15 +38,15 @@ inline int balanced_engine_rows(int64_t row_bytes) {
 // epoch times these.
 struct CounterSteps {
   uint32_t dispatched;  // per m-block: its pieces (kPiecesPerBlock)
-  uint32_t gemm1_done;  // per m-block: consumer warps' rows of its GEMM1 tiles
-  uint32_t gemm2_done;  // per m-block: consumer warps' rows of its GEMM2 tiles
+  uint32_t gemm1_done;  // per m-block: consumer halves of its GEMM1 tiles
+  uint32_t gemm2_done;  // per m-block: consumer halves of its GEMM2 tiles
   uint32_t combined;    // per m-block: its one combine item
   uint32_t arrivals;    // per token: its k combined output rows
 };
 
 inline CounterSteps counter_steps(const EpConfig& c) {
-  return {kPiecesPerBlock, uint32_t(gemm::kTileArrivals * n_blocks(2 * c.intermediate)),
-          uint32_t(gemm::kTileArrivals * n_blocks(c.hidden)), 1, uint32_t(c.topk)};
+  return {kPiecesPerBlock, uint32_t(gemm::kConsumerWarpgroups * n_blocks(2 * c.intermediate)),
+          uint32_t(gemm::kConsumerWarpgroups * n_blocks(c.hidden)), 1, uint32_t(c.topk)};
 }
 
 // Words of RankState::control.

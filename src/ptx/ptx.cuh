@@ -48,16 +48,6 @@ __device__ __forceinline__ void st_shared_b32(uint32_t smem_address, uint32_t va
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_address), "r"(value) : "memory");
 }
 
-// Four 8x8 b16 matrices from registers to shared memory, a warp together: lane l gives the address of row
-// l % 8 of matrix l / 8, and register i of every lane holds its two elements (row lane / 4, columns
-// 2 (lane % 4) and + 1) of matrix i: the accumulator fragment layout of mma and wgmma.
-__device__ __forceinline__ void stmatrix_x4(uint32_t smem_address, uint32_t r0, uint32_t r1, uint32_t r2,
-                                            uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_address), "r"(r0),
-               "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
-}
-
 // ---- mbarrier ---------------------------------------------------------------------------------------
 
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
