@@ -1,8 +1,10 @@
-// pounce_ep_bench: the fused layer expert-parallel across every visible GPU (2 to 8, one NCCL rank per
+// pounce_ep_bench: the fused layer expert-parallel across every visible GPU (up to 8, one NCCL rank per
 // GPU, one process, a thread per GPU), at a catalogue shape with its model's full expert count split
-// over the GPUs and the slice's tokens on every rank. Reports the forward time (the slowest rank's
-// median), per-GPU TFLOP/s, and the NVLink bytes each GPU sent and received per second (rows pulled
-// from and pushed to other GPUs). JSON to --json; options: --help.
+// over the GPUs and the slice's tokens on every rank, timed interleaved with pounce's unfused
+// expert-parallel chain (NCCL all-to-all, pounce's grouped GEMMs, all-to-all back; baseline/unfused_ep.h)
+// on the same inputs. Reports each forward's time (the slowest rank's median), per-GPU TFLOP/s, the
+// NVLink bytes each GPU sent and received per second (the same rows either way), and how far the two
+// outputs are apart. JSON to --json; options: --help.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -11,10 +13,12 @@
 #include <optional>
 #include <random>
 
+#include "baseline/unfused_ep.h"
 #include "bench/bench.h"
 #include "bench/cli.h"
 #include "bench/device_fill.h"
 #include "bench/guarded_main.h"
+#include "bench/output_check.h"
 #include "comm/gpu_threads.h"
 #include "comm/nccl_window.h"
 #include "common/device_buffer.h"
@@ -30,7 +34,7 @@ int run(int argc, char** argv) {
   int reps = 20;
   const int warmup = 5;
   FusedMoeOptions options;
-  CLI::App app("pounce_ep_bench: the fused layer expert-parallel across every visible GPU (2 to 8)");
+  CLI::App app("pounce_ep_bench: the fused layer expert-parallel across every visible GPU (up to 8)");
   app.option_defaults()->always_capture_default();
   app.add_option("--shape", shape_name, "catalogue shape")->check(CLI::IsMember(shape_names()));
   app.add_option("--routing", routing, "synthetic routing pattern")->check(CLI::IsMember(routing_names()));
@@ -43,7 +47,8 @@ int run(int argc, char** argv) {
   int gpus = 0;
   CUDA_CHECK(cudaGetDeviceCount(&gpus));
   const int P = std::min(gpus, 8);
-  POUNCE_REQUIRE(P >= 2, "pounce_ep_bench needs at least two GPUs; this machine has ", gpus);
+  POUNCE_REQUIRE(P >= 1, "pounce_ep_bench needs a GPU");
+  if (P == 1) std::printf("one GPU: nothing crosses NVLink (a run of the benchmark's code, not a measurement of EP)\n");
   const MoeModelShape s = select_shapes(shape_name).front();
   POUNCE_REQUIRE(s.model_experts % P == 0, s.name, ": ", s.model_experts, " experts do not split over ", P, " GPUs");
   const EpConfig config{.ranks = P,
@@ -78,13 +83,15 @@ int run(int argc, char** argv) {
 
   const int64_t w13_elems = E / P * 2 * I * H, w2_elems = E / P * H * I;
   std::vector<ncclComm_t> comms = comm::init_single_process_comms_on_first(P);
-  std::vector<Timing> timings(P);
+  std::vector<Timing> timings(P), unfused_timings(P);
+  std::vector<OutputError> unfused_vs_fused(P);
   int comm_ctas = 0;
   int64_t layer_bytes = 0;
-  std::vector<std::optional<DeviceBuffer<__nv_bfloat16>>> w13(P), w2(P), x(P), y(P);
+  std::vector<std::optional<DeviceBuffer<__nv_bfloat16>>> w13(P), w2(P), x(P), y(P), y_unfused(P);
   std::vector<std::optional<DeviceBuffer<int32_t>>> d_ids(P);
   std::vector<std::optional<DeviceBuffer<float>>> d_weights(P);
   std::vector<std::optional<FusedMoe>> layers(P);
+  std::vector<std::optional<baseline::UnfusedEpMoe>> unfused(P);
   const std::vector<std::string> failures = comm::run_on_every_gpu(
       P,
       [&](int r) {
@@ -93,6 +100,7 @@ int run(int argc, char** argv) {
         w2[r].emplace(w2_elems);
         x[r].emplace(T * H);
         y[r].emplace(T * H);
+        y_unfused[r].emplace(T * H);
         fill_random_bf16(w13[r]->data(), w13[r]->size(), 11, 1.0f / std::sqrt(float(H)), nullptr);
         fill_random_bf16(w2[r]->data(), w2[r]->size(), 12, 1.0f / std::sqrt(float(H)), nullptr);
         fill_random_bf16(x[r]->data(), x[r]->size(), 100 + r, 1.0f, nullptr);
@@ -104,26 +112,53 @@ int run(int argc, char** argv) {
         if (r == 0) comm_ctas = layer.comm_ctas(), layer_bytes = layer.device_bytes();
         layer.set_weights({w13[r]->data(), w2[r]->data()});
         const RankIO io{x[r]->data(), d_ids[r]->data(), d_weights[r]->data(), T, y[r]->data()};
-        // Every rank launches its forwards back to back; each forward's start handshake lines them up.
-        timings[r] = time_on_stream([&](int) { layer.forward(std::span(&io, 1), nullptr); }, nullptr, warmup, reps);
+        baseline::UnfusedEpMoe& chain = unfused[r].emplace(config, r);
+        chain.set_weights(w13[r]->data(), w2[r]->data());
+        chain.set_routing(ids);
+        const auto unfused_forward = [&] {
+          chain.permute_for_dispatch(x[r]->data(), nullptr);
+          baseline::exchange_over_nccl(chain.dispatch_exchange(), H, comms[r], nullptr);
+          chain.run_experts(nullptr);
+          baseline::exchange_over_nccl(chain.return_exchange(), H, comms[r], nullptr);
+          chain.combine(d_weights[r]->data(), y_unfused[r]->data(), nullptr);
+        };
+        // Every rank launches its forwards back to back, the two layers alternating in the same order on
+        // every rank (the fused forward's start handshake and NCCL's exchanges line the ranks up).
+        const std::vector<Timing> both = time_interleaved(
+            std::vector<std::function<void(int)>>{[&](int) { layer.forward(std::span(&io, 1), nullptr); },
+                                                  [&](int) { unfused_forward(); }},
+            nullptr, warmup, reps);  // its seeded shuffle gives every rank the same order
+        timings[r] = both[0];
+        unfused_timings[r] = both[1];
+        RowComparison compare(T);
+        compare.enqueue(y_unfused[r]->data(), y[r]->data(), H, nullptr, nullptr);
         const cudaError_t synced = cudaDeviceSynchronize();
         layer.check_device_errors();
+        chain.check_device_errors();
         CUDA_CHECK(synced);
+        unfused_vs_fused[r] = compare.error();
       },
       [&](int r) {
         layers[r].reset();
+        unfused[r].reset();
+        y_unfused[r].reset();
         w13[r].reset(), w2[r].reset(), x[r].reset(), y[r].reset(), d_ids[r].reset(), d_weights[r].reset();
       });
   comm::destroy_single_process_comms(comms);
   for (int r = 0; r < P; ++r) POUNCE_REQUIRE(failures[r].empty(), "rank ", r, ": ", failures[r]);
 
-  double slowest = 0;
-  for (const Timing& t : timings) slowest = std::max(slowest, t.median_ms);
+  double slowest = 0, unfused_slowest = 0;
+  for (int r = 0; r < P; ++r) {
+    slowest = std::max(slowest, timings[r].median_ms);
+    unfused_slowest = std::max(unfused_slowest, unfused_timings[r].median_ms);
+  }
   const char* commit = std::getenv("POUNCE_COMMIT");
   Json out = {{"gpu", gpu_info().name}, {"commit", commit ? commit : "unknown"},
               {"shape", s.name},        {"gpus", P},
               {"routing", routing},     {"tokens_per_gpu", T},
-              {"comm_ctas", comm_ctas}, {"forward_ms_slowest_rank", slowest}};
+              {"comm_ctas", comm_ctas}, {"forward_ms_slowest_rank", slowest},
+              {"unfused_forward_ms_slowest_rank", unfused_slowest},
+              {"speedup_vs_unfused", unfused_slowest / slowest}};
   // Memory per GPU: its experts' weights, and what the layer allocated (ring, schedule, combine slots).
   const int64_t weight_bytes = int64_t(w13_elems + w2_elems) * 2;
   out["weight_bytes_per_gpu"] = weight_bytes;
@@ -132,20 +167,35 @@ int run(int argc, char** argv) {
               weight_bytes / double(1 << 30), long(E / P), long(E), layer_bytes / double(1 << 30));
   Json ranks = Json::array();
   std::printf("%d communication CTAs per rank\n", comm_ctas);
-  std::printf("rank  median ms  TFLOP/s  NVLink GB/s out  in\n");
+  std::printf("fused %.3f ms, unfused expert-parallel chain %.3f ms (slowest ranks' medians): %.3fx\n", slowest,
+              unfused_slowest, unfused_slowest / slowest);
+  std::printf("rank  fused ms  TFLOP/s  NVLink GB/s out  in  unfused ms  NVLink GB/s out  in  unfused vs fused (rel. L2)\n");
+  bool outputs_agree = true;
   for (int r = 0; r < P; ++r) {
-    const double ms = timings[r].median_ms;
-    const double tflops = 6.0 * routes_in[r] * double(H) * double(I) / (slowest * 1e-3) / 1e12;
+    const double flops = 6.0 * routes_in[r] * double(H) * double(I);
+    const double tflops = flops / (slowest * 1e-3) / 1e12;
     const double out_gbps = sent[r] / (slowest * 1e-3) / 1e9, in_gbps = received[r] / (slowest * 1e-3) / 1e9;
-    std::printf("%4d  %9.3f  %7.1f  %15.1f  %5.1f\n", r, ms, tflops, out_gbps, in_gbps);
+    const double u_out = sent[r] / (unfused_slowest * 1e-3) / 1e9, u_in = received[r] / (unfused_slowest * 1e-3) / 1e9;
+    const OutputError& e = unfused_vs_fused[r];
+    outputs_agree = outputs_agree && e.relative_l2 < kMaxRelativeL2 && e.worst_row < kMaxWorstToken;
+    std::printf("%4d  %8.3f  %7.1f  %15.1f  %4.1f  %10.3f  %15.1f  %4.1f  %.2e\n", r, timings[r].median_ms, tflops,
+                out_gbps, in_gbps, unfused_timings[r].median_ms, u_out, u_in, e.relative_l2);
     ranks.push_back({{"rank", r},
                      {"timing", timings[r]},
                      {"tflops_at_slowest", tflops},
                      {"nvlink_out_gbps", out_gbps},
-                     {"nvlink_in_gbps", in_gbps}});
+                     {"nvlink_in_gbps", in_gbps},
+                     {"unfused_timing", unfused_timings[r]},
+                     {"unfused_tflops_at_slowest", flops / (unfused_slowest * 1e-3) / 1e12},
+                     {"unfused_nvlink_out_gbps", u_out},
+                     {"unfused_nvlink_in_gbps", u_in},
+                     {"unfused_vs_fused", {{"relative_l2", e.relative_l2}, {"worst_token", e.worst_row}}}});
   }
   out["ranks"] = ranks;
+  out["outputs_agree"] = outputs_agree;
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << '\n';
+  POUNCE_REQUIRE(outputs_agree, "the unfused chain's output and the fused layer's differ beyond the limits (relative L2 ",
+                 kMaxRelativeL2, ", worst token ", kMaxWorstToken, "): see the table");
   return 0;
 }
 

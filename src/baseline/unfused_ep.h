@@ -1,0 +1,85 @@
+// pounce's unfused expert-parallel chain: the baseline the fused layer is measured against across GPUs,
+// built the way expert parallelism is usually run (an all-to-all each way around the expert GEMMs), with
+// pounce's own kernels. On every rank:
+//   1. permute: the x row of each route into a send buffer, grouped by the rank that holds its expert,
+//      then by that expert, then in (token, k) order;
+//   2. all-to-all of those rows (NCCL grouped sends and receives; virtual ranks on one GPU: copies);
+//   3. the received rows permuted into the expert-contiguous layout the grouped GEMM reads (padded to
+//      128-row m-blocks), GEMM1 + SwiGLU, GEMM2, and the output rows permuted back into received order;
+//   4. the all-to-all back;
+//   5. the weighted combine: y[t] = sum_k w[t,k] * row of route (t, k), k in order, fp32.
+// The routing is planned on the host from every rank's topk_ids, once, outside the forward: the chain's
+// best case (no exchange of counts, no host synchronization in a forward).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "common/device_buffer.h"
+#include "gemm/grouped_gemm.h"
+#include "pounce/config.h"
+
+namespace pounce::baseline {
+
+// One exchange of one rank: rows to every destination rank, in rank order, from `send`; rows from every
+// source rank, in rank order, into `recv`. Rows are H bf16.
+struct RowExchange {
+  const __nv_bfloat16* send = nullptr;
+  std::vector<int64_t> send_rows;  // [P]
+  __nv_bfloat16* recv = nullptr;
+  std::vector<int64_t> recv_rows;  // [P]
+};
+
+class UnfusedEpMoe {
+ public:
+  // Rank `rank` of config.ranks; it holds experts [rank E/P, (rank + 1) E/P).
+  UnfusedEpMoe(const EpConfig& config, int rank);
+
+  // This rank's experts: w13 [E/P, 2I, H] (gate and up rows interleaved in groups of 8), w2 [E/P, H, I].
+  void set_weights(const __nv_bfloat16* w13, const __nv_bfloat16* w2);
+  // Every rank's routing, topk_ids[r] = rank r's [tokens_r, k] (host); validated, then planned.
+  void set_routing(std::span<const std::vector<int32_t>> topk_ids);
+
+  // The forward's steps, on one stream, with the two exchanges between them (exchange_on_one_gpu or
+  // exchange_over_nccl): permute_for_dispatch, dispatch exchange, run_experts, return exchange, combine.
+  void permute_for_dispatch(const __nv_bfloat16* x, cudaStream_t stream);
+  void run_experts(cudaStream_t stream);
+  void combine(const float* topk_weights, __nv_bfloat16* y, cudaStream_t stream);
+  RowExchange dispatch_exchange() const;
+  RowExchange return_exchange() const;
+
+  int64_t tokens() const { return tokens_; }
+  // Rows this rank sends to other ranks in one forward, both exchanges together (it receives as many:
+  // what goes out in one exchange comes back in the other).
+  int64_t rows_to_others() const;
+  // After synchronizing: throws if a GEMM reported a device-side error.
+  void check_device_errors() { gemm_.check_device_errors(); }
+
+ private:
+  EpConfig config_;
+  int rank_;
+  int64_t tokens_ = 0;
+  const __nv_bfloat16* w13_ = nullptr;
+  const __nv_bfloat16* w2_ = nullptr;
+  std::vector<int64_t> send_rows_, recv_rows_;  // [P]: this rank's rows to and from each rank
+  int64_t padded_rows_ = 0;
+  DeviceBuffer<int32_t> send_token_;    // [sent rows]: the token of each send row
+  DeviceBuffer<int32_t> route_row_;     // [tokens, k]: the send (and returned) row of each route
+  DeviceBuffer<int32_t> pool_source_;   // [padded rows]: the received row of each GEMM row, -1: padding
+  DeviceBuffer<int32_t> pool_row_;      // [received rows]: the GEMM row of each received row
+  DeviceBuffer<int32_t> expert_offsets_;  // [E/P + 1]
+  DeviceBuffer<__nv_bfloat16> send_, recv_, pool_, hidden_, out_, back_send_, back_recv_;
+  gemm::GroupedGemm gemm_;
+};
+
+// Both exchanges of virtual ranks on one GPU (ranks[r] is rank r): copies, in stream order.
+void exchange_on_one_gpu(std::span<UnfusedEpMoe* const> ranks, bool dispatch, int64_t hidden, cudaStream_t stream);
+// One rank's part of an exchange over NCCL: grouped sends and receives on `stream`.
+void exchange_over_nccl(const RowExchange& exchange, int64_t hidden, ncclComm_t comm, cudaStream_t stream);
+
+}  // namespace pounce::baseline
