@@ -1,39 +1,41 @@
 #!/usr/bin/env python3
-"""The expert-parallel (EP) PyTorch MoE as users write it, against pounce's layer, one process per GPU:
+"""The expert-parallel (EP) PyTorch MoE as users write it, against pounce's layer; torchrun, one rank per GPU:
   - eager EP: per-expert route counts on the GPU, exchanged with all_to_all_single, split sizes to the
     host (.tolist(), the one host synchronization), token rows sent to their experts' ranks with
     all_to_all_single, regrouped by expert (argsort), torch._grouped_mm, SwiGLU, torch._grouped_mm,
     rows sent back, weighted index_add_; differentiable through torch.distributed.nn.functional;
-  - when the pounce package imports (from python/ over build/bin/libpounce.so, or installed):
-    pounce.MoE over the default process group on the same weights, forward and forward + backward,
-    interleaved with the eager EP MoE in these same processes.
-Each rank holds E/P of a catalogue shape's experts and the slice's tokens (routing uniform or zipf).
-Before timing: the eager y, dx and router-weight gradient against an fp32 reference of each rank's
-first 256 tokens, and pounce's y and dx against the eager ones; every check goes into the JSON and a
-failed one makes the exit status non-zero. Timing: CUDA events, warm-up, each repetition's time that of
-the slowest rank, median of repetitions. TFLOP/s per GPU from the average routes per rank (6 routes H I
-forward, 18 forward + backward); NVLink GB/s per rank: the token rows it sends to and receives from
-other ranks in the two all-to-alls (H bf16 each), each way, over the forward time (pounce moves the
-same rows). Ratios are pounce's milliseconds over the eager's (below 1: pounce is faster).
+  - when the pounce package imports (from python/ over build/bin/libpounce.so, or installed): pounce.MoE
+    over the default process group (no group on one rank) on the same weights, forward and forward +
+    backward (across GPUs pounce's backward is PyTorch's, see pounce.MoE), interleaved with the eager EP
+    MoE in these same processes.
+Each rank holds E/P of a catalogue shape's E experts and the shape's tokens per rank, routed uniformly or
+zipf-skewed. Before timing: the eager y, dx and router-weight gradient against an fp32 reference of each
+rank's first 256 tokens, and pounce's y and dx against the eager ones; every check goes into the JSON, and
+a failed one makes the exit status non-zero. Timing: CUDA events, warm-up, each repetition's time the
+slowest rank's, median of repetitions. TFLOP/s per GPU from the average routes per rank (6 routes H I
+forward, 18 forward + backward). NVLink GB/s per rank: the token rows it sends to and receives from other
+ranks in the two all-to-alls (H bf16 each), each way, over the forward time; pounce moves the same rows.
+Ratios are pounce's milliseconds over the eager's (below 1: pounce is faster).
 
 usage: torchrun --nproc_per_node=N scripts/torch_ep_baseline.py --shapes deepseek_v3 --json OUT.json
-       [--routing uniform|zipf] [--reps N] [--warmup N]
+options: --shapes NAME,NAME or all (default deepseek_v3), --routing uniform|zipf, --reps N, --warmup N
 """
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
 import statistics
 import subprocess
+import sys
+from pathlib import Path
 
+# Never NVLink multicast (it can take shared machines down): off before any communicator exists.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -201,12 +203,11 @@ def run_shape(name, args):
     ids, weights = routing(T, E, k, args.routing, 100 + rank, dev)
     xl, wl = x.clone().requires_grad_(), weights.clone().requires_grad_()  # the training forwards' leaves
 
+    eager = functools.partial(eager_ep_moe, w13=w13, w2=w2)
+
     def train(forward):
         xl.grad = wl.grad = w13.grad = w2.grad = None  # fresh gradients: no accumulation timed
         forward(xl, ids, wl).backward(dy)
-
-    def eager(a, i, w):
-        return eager_ep_moe(a, i, w, w13, w2)
 
     checks = {}
 
@@ -257,9 +258,9 @@ def run_shape(name, args):
 
     # routes[s][d]: routes from rank s's tokens to rank d's experts. A rank sends the rows of its routes
     # to other ranks and receives them back, and receives the other ranks' rows and sends them back.
-    routes = torch.empty(P, P, dtype=torch.int64, device=dev)
+    routes = torch.empty(P * P, dtype=torch.int64, device=dev)
     dist.all_gather_into_tensor(routes, torch.bincount(ids.view(-1).long() // local, minlength=P))
-    routes = routes.tolist()
+    routes = routes.view(P, P).tolist()
     routes_in = [sum(row[d] for row in routes) for d in range(P)]
     bytes_each_way = [2 * H * (sum(routes[r]) + routes_in[r] - 2 * routes[r][r]) for r in range(P)]
     for key, t in times.items():

@@ -27,7 +27,10 @@ void PounceUnfusedMoe::set_routing(std::span<const int32_t> topk_ids, int64_t to
   has_routing_ = true;
 }
 
-gemm::GroupedGemmArgs PounceUnfusedMoe::gemm_args(Gemm which, const int32_t* expert_offsets) const {
+gemm::GroupedGemmArgs PounceUnfusedMoe::gemm_args(Gemm which, const int32_t* expert_offsets) {
+  TimelineSink timeline = timeline_;
+  timeline.kernel = uint8_t(timeline.kernel + (which == Gemm::kGateUp ? 0 : 1));
+  gemm_.set_timeline(timeline);
   gemm::GroupedGemmArgs g;
   g.a_rows = capacity_rows_;
   g.experts = int(dims_.experts);

@@ -37,6 +37,9 @@ class PounceUnfusedMoe {
   void run_gemm(Gemm gemm, cudaStream_t stream, const gemm::GemmTuning& tuning = {});
   // After synchronizing: throws if a GEMM reported a device-side error.
   void check_device_errors();
+  // Its GEMMs record their spans there from now on (a build with POUNCE_TIMELINE), GEMM1 tagged
+  // sink.kernel and GEMM2 sink.kernel + 1; {}: stop.
+  void set_timeline(const TimelineSink& sink) { timeline_ = sink; }
 
   const RoutingPlan& plan() const { return plan_; }
   // What the last forward() or run_gemm() left, expert-contiguous: GEMM1's SwiGLU output [rows, I] and
@@ -45,7 +48,8 @@ class PounceUnfusedMoe {
   const __nv_bfloat16* expert_out() const { return out_.data(); }
 
  private:
-  gemm::GroupedGemmArgs gemm_args(Gemm which, const int32_t* expert_offsets) const;
+  // Also points the GEMM's timeline at this GEMM's tag.
+  gemm::GroupedGemmArgs gemm_args(Gemm which, const int32_t* expert_offsets);
 
   MoeDims dims_;
   int64_t capacity_rows_ = 0;
@@ -55,6 +59,7 @@ class PounceUnfusedMoe {
   bool has_routing_ = false;
   DeviceBuffer<__nv_bfloat16> pool_, hidden_, out_;
   gemm::GroupedGemm gemm_;
+  TimelineSink timeline_;
   // forward_with_device_schedule's planner and its inputs (a table of one pointer, one token count).
   std::unique_ptr<planner::DevicePlanner> device_planner_;
   DeviceBuffer<const int32_t*> planner_ids_;

@@ -19,6 +19,7 @@
 #include "bench/output_check.h"
 #include "common/gpu.h"
 #include "common/require.h"
+#include "common/timeline.h"
 #include "common/tiles.h"
 #include "moe/backward/backward_chain.h"
 #include "pounce/fused_moe.h"
@@ -583,6 +584,13 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     traced.start_timeline(spans_per_forward);
     fused_forward(traced, 0, y_fused.data());
     save("forward", traced.stop_timeline());
+    // pounce's unfused chain on the same tokens: its two GEMMs alone, to set the fused kernel's tiles
+    // beside the stand-alone engine's.
+    Timeline unfused_timeline(spans_per_forward);
+    unfused.set_timeline(unfused_timeline.sink());
+    unfused.forward(x[0].data(), d_weights.data(), y_pounce.data(), stream);
+    unfused.set_timeline({});
+    save("unfused-forward", chrome_trace_json(unfused_timeline.events(), {"unfused GEMM1 (+SwiGLU)", "unfused GEMM2"}));
 
     DeviceBuffer<__nv_bfloat16> dy(T * H), dx(T * H), dw13(E * 2 * I * H), dw2(E * H * I);
     DeviceBuffer<float> d_topk(T * k);
