@@ -98,7 +98,7 @@ def eager_ep_moe(x, topk_ids, topk_weights, w13, w2, group=None):
     # Sorting by global expert sorts by (destination rank, its local expert): rank = expert // local.
     order = torch.argsort(flat, stable=True)
     token = order // k
-    # Routes per (destination, expert); histc as torchtitan counts them (bincount would sync for its max).
+    # Routes per (destination, expert), counted with histc as torchtitan does (bincount syncs for its max).
     send_counts = torch.histc(flat.float(), bins=P * local, min=0, max=P * local).long()
     recv_counts = torch.empty_like(send_counts)  # per (source, my expert)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
@@ -117,8 +117,8 @@ def eager_ep_moe(x, topk_ids, topk_weights, w13, w2, group=None):
     out = torch.empty_like(o)
     out[by_expert] = o  # back to arrival order, the order the sources expect
     back = dist_nn.all_to_all_single(torch.empty_like(rows), out, send_splits, recv_splits, group)
-    # Weighted sum in bf16 as users write it (index_add_ into a bf16 y, as torch_baselines.eager_moe does).
-    back = back * topk_weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
+    # Weighted as torchtitan's MoE does it: the product in fp32, cast to bf16, summed into a bf16 y.
+    back = (back.float() * topk_weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token, back)
 
 
