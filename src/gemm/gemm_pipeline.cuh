@@ -34,9 +34,9 @@ constexpr int kStoreSlots = 2;     // per consumer: fill one box while the previ
 constexpr int kTileSlots = 2;      // the producer may run one tile ahead of the consumers
 constexpr int kDoneLagSlices = 4;  // a tile's completion counter is released this many K slices into the next
 constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK * sizeof(__nv_bfloat16);
-// setmaxnreg: 128 x 40 + 256 x 232 = 64512 of the SM's 65536 registers.
-constexpr uint32_t kProducerRegisters = 40;
-constexpr uint32_t kConsumerRegisters = 232;
+// setmaxnreg: 128 x 56 + 256 x 224 = 64512 of the SM's 65536 registers.
+constexpr uint32_t kProducerRegisters = 56;
+constexpr uint32_t kConsumerRegisters = 224;
 
 // Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue.
 enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1 };
