@@ -189,7 +189,7 @@ def time_interleaved(fns, warmup, reps):
 
 
 def run_shape(name, args):
-    """Checks and times one catalogue shape on every rank; returns its JSON entry (complete on rank 0)."""
+    """Checks and times one catalogue shape on every rank (all call it together); returns its JSON entry."""
     H, I, E, k, T = SHAPES[name]
     P, rank, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda")
     if E % P:

@@ -3,8 +3,8 @@
 `pounce_bench --timeline DIR` writes, from a build configured with -DPOUNCE_TIMELINE=ON).
 
 Prints, for each kernel in the trace: its span from first to last event, and per kind of span (plan,
-dispatch, tile wait, mainloop G1, epilogue G2, ...) how many there are, their total and mean length and
-their share of the kernel's CTA-time (tracks x span). With --png, draws every track (one per CTA and
+dispatch, tile wait, mainloop G1, epilogue G2, ...) how many there are, their total and mean length,
+their share of the kernel's CTA-time (tracks x span) and the SMs' mean clock over them (cycles / time). With --png, draws every track (one per CTA and
 warpgroup) over time, one colour per kind of span, one panel per kernel; with --json, writes the summary.
 
 Usage: tools/timeline.py TRACE.json [--png OUT.png] [--json OUT.json] [--title TEXT]
@@ -33,18 +33,20 @@ def summarise(kernels):
         begin = min(e["ts"] for e in events)
         end = max(e["ts"] + e["dur"] for e in events)
         tracks = {e["tid"] for e in events}
-        kinds = collections.defaultdict(lambda: [0, 0.0])
+        kinds = collections.defaultdict(lambda: [0, 0.0, 0])
         for e in events:
             kinds[e["name"]][0] += 1
             kinds[e["name"]][1] += e["dur"]
+            kinds[e["name"]][2] += e["args"].get("cycles", 0)
         out.append({
             "kernel": name,
             "begin_us": begin,
             "span_us": end - begin,
             "tracks": len(tracks),
             "kinds": {k: {"count": n, "total_us": total, "mean_us": total / n,
-                          "share_of_track_time": total / (len(tracks) * (end - begin)) if end > begin else 0.0}
-                      for k, (n, total) in sorted(kinds.items())},
+                          "share_of_track_time": total / (len(tracks) * (end - begin)) if end > begin else 0.0,
+                          "mean_clock_mhz": cycles / total if total > 0 else 0.0}
+                      for k, (n, total, cycles) in sorted(kinds.items())},
         })
     return out
 
@@ -54,7 +56,8 @@ def print_summary(summary):
         print(f"{k['kernel']}: {k['span_us']:.1f} us from {k['begin_us']:.1f}, {k['tracks']} tracks")
         for kind, s in k["kinds"].items():
             print(f"  {kind:16s} {s['count']:8d} spans  total {s['total_us']:12.1f} us  "
-                  f"mean {s['mean_us']:9.2f} us  {100 * s['share_of_track_time']:5.1f}% of track time")
+                  f"mean {s['mean_us']:9.2f} us  {100 * s['share_of_track_time']:5.1f}% of track time  "
+                  f"{s['mean_clock_mhz']:6.0f} MHz")
 
 
 def draw(kernels, path, title):

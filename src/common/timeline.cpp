@@ -92,9 +92,9 @@ std::string chrome_trace_json(const std::vector<TimelineEvent>& events, const st
     tracks.insert({e.kernel, track});
     std::snprintf(buffer, sizeof(buffer),
                   "%s{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%u,\"tid\":%u,\"ts\":%.3f,\"dur\":%.3f,"
-                  "\"args\":{\"sm\":%u,\"a\":%d,\"b\":%d,\"c\":%d}}",
+                  "\"args\":{\"sm\":%u,\"a\":%d,\"b\":%d,\"c\":%d,\"cycles\":%u}}",
                   separator, span_label(e).c_str(), unsigned(e.kernel), track, double(e.begin_ns - origin) / 1000.0,
-                  double(e.end_ns - e.begin_ns) / 1000.0, e.sm, e.a, e.b, e.c);
+                  double(e.end_ns - e.begin_ns) / 1000.0, e.sm, e.a, e.b, e.c, e.cycles);
     out += buffer;
     separator = ",\n";
   }

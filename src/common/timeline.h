@@ -33,6 +33,7 @@ struct TimelineEvent {
   uint8_t warpgroup;  // of the recording thread: 0 producer or communication, 1-2 GEMM consumers
   uint8_t kernel;     // TimelineSink::kernel of the launch
   int32_t a, b, c;    // what the span worked on (TimelineSpan says), -1 where unused
+  uint32_t cycles;    // the SM's clock cycles over the span: with end_ns - begin_ns, its clock
 };
 
 // Where kernels append events: a device array and its counter (which keeps counting past the capacity,

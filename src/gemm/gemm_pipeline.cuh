@@ -142,7 +142,7 @@ __device__ void run_producer(SharedStorage& s, Tiles& tiles, const WaitSite& pip
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
   for (;;) {
     TileInfo info{};
-    const uint64_t asked = timeline::now();
+    const timeline::Stamp asked = timeline::now();
     info.valid = tiles.next(info) ? 1 : 0;
     if (info.valid) timeline::record(tiles.timeline(), TimelineSpan::kTileWait, asked, info.gemm, info.m_block);
     mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
@@ -338,10 +338,10 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
     const GemmOperands& op = tiles.operands(tile.gemm);
 
     constexpr bool kTransA = kKind == TileKind::kWeightGrad, kTransB = kKind != TileKind::kForward;
-    const uint64_t started = timeline::now();
+    const timeline::Stamp started = timeline::now();
     run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, stage, phase, pending_done, pipe_site, consumer, thread);
     if (thread == 0) release_done(pending_done);  // a tile of at most kDoneLagSlices K slices
-    const uint64_t multiplied = timeline::now();
+    const timeline::Stamp multiplied = timeline::now();
     if (thread == 0)
       timeline::record(tiles.timeline(), TimelineSpan::kMainloop, started, tile.gemm, tile.m_block, tile.n_block);
 

@@ -48,7 +48,7 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
   const int64_t opening = opening_blocks(sizes.m_blocks, p.blocks_per_minibatch);
   const bool stalled = p.stall_rank == rs.rank;  // fault injection: never take an item
   CopyEngine engine(cs.engine, WaitSite{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank});
-  uint64_t taken = 0;  // thread 0: when it took the item (its waits count as the item's time)
+  timeline::Stamp taken{};  // thread 0: when it took the item (its waits count as the item's time)
   for (;;) {
     if (threadIdx.x == 0) {
       taken = timeline::now();

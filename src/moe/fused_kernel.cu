@@ -126,15 +126,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lr = blockIdx.x / p.ctas_per_rank, cta = blockIdx.x % p.ctas_per_rank;
   const RankState& rs = p.rank_state[lr];
 
-  const uint64_t started = timeline::now();
+  const timeline::Stamp started = timeline::now();
   if (!plan(p, rs, cta, smem, &ok_flag)) return;
-  const uint64_t planned = timeline::now();
+  const timeline::Stamp planned = timeline::now();
   if (threadIdx.x == 0) timeline::record(p.timeline, TimelineSpan::kPlan, started);
   pull_opening<kThreads>(p, rs, lr, cta, *reinterpret_cast<CommShared*>(smem));
   if (threadIdx.x == 0) timeline::record(p.timeline, TimelineSpan::kOpening, planned);
   // Each warpgroup's first thread records when its own warp ran out of tokens to sum.
   const auto sums = [&] {
-    const uint64_t begin = timeline::now();
+    const timeline::Stamp begin = timeline::now();
     run_weighted_sums(p, rs);
     if (threadIdx.x % 128 == 0) timeline::record(p.timeline, TimelineSpan::kSums, begin);
   };

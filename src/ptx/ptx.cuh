@@ -19,6 +19,13 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
   return t;
 }
 
+// The SM's cycle counter.
+__device__ __forceinline__ uint64_t clock_cycles() {
+  uint64_t c;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(c));
+  return c;
+}
+
 // The SM this thread runs on.
 __device__ __forceinline__ uint32_t smid() {
   uint32_t id;
