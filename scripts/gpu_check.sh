@@ -120,10 +120,16 @@ if has movers; then
   timeout 120 "$bin/pounce_copy_bench" --json "$out/copy.json" > "$out/copy.log" 2>&1 || status=1
   timeout 300 "$bin/pounce_dispatch_bench" --json "$out/dispatch.json" > "$out/dispatch.log" 2>&1 || status=1
   cat "$out/dispatch.log"
-  # Expert parallelism across GPUs, when the machine has several.
-  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  # Expert parallelism across GPUs, when the machine has several: the fused layer against pounce's
+  # unfused expert-parallel chain, and the eager PyTorch EP MoE against pounce.MoE over a process group.
+  gpus=$(nvidia-smi -L | wc -l)
+  if [ "$gpus" -ge 2 ]; then
     timeout 300 "$bin/pounce_ep_bench" --json "$out/ep.json" > "$out/ep.log" 2>&1 || status=1
     cat "$out/ep.log"
+    POUNCE_LIBRARY=$(realpath "$bin/libpounce.so") timeout 600 torchrun --nproc_per_node="$gpus" \
+      scripts/torch_ep_baseline.py --shapes deepseek_v3,qwen3_30b --json "$out/torch-ep.json" \
+      > "$out/torch-ep.log" 2>&1 || status=1
+    tail -8 "$out/torch-ep.log"
   fi
 fi
 if has torch; then

@@ -19,27 +19,12 @@ usage: torch_baselines.py --bench-json BENCH.json --out TORCH.json [--reps N] [-
 """
 import argparse
 import json
-import os
 import statistics
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+from bench_env import pounce  # first: multicast off, this checkout's pounce
 
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-try:  # the checkout's package over its build, else an installed one
-    if (ROOT / "build" / "bin" / "libpounce.so").exists():
-        os.environ.setdefault("POUNCE_LIBRARY", str(ROOT / "build" / "bin" / "libpounce.so"))
-        sys.path.insert(0, str(ROOT / "python"))
-    import pounce  # noqa: E402
-except ImportError:
-    pounce = None
+import torch
+import torch.nn.functional as F
 
 BLOCK_M = 128
 

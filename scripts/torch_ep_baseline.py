@@ -30,26 +30,13 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
-# Never NVLink multicast (it can take shared machines down): off before any communicator exists.
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+from bench_env import ROOT, pounce  # first: multicast off, this checkout's pounce
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.nn.functional as dist_nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-try:  # the checkout's package over its build, else an installed one
-    if (ROOT / "build" / "bin" / "libpounce.so").exists():
-        os.environ.setdefault("POUNCE_LIBRARY", str(ROOT / "build" / "bin" / "libpounce.so"))
-        sys.path.insert(0, str(ROOT / "python"))
-    import pounce  # noqa: E402
-except ImportError:
-    pounce = None
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+import torch.nn.functional as F
 
 # The catalogue of src/bench/shapes.cpp: hidden, intermediate, the model's experts, top-k, tokens per rank.
 SHAPES = {

@@ -1,0 +1,21 @@
+"""What the PyTorch benchmark scripts share: NVLink multicast off before anything creates a communicator
+(it can take shared machines down), and the pounce package of this checkout over its build
+(build/bin/libpounce.so), else an installed one, else None. Import it before torch."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+try:
+    if (ROOT / "build" / "bin" / "libpounce.so").exists():
+        os.environ.setdefault("POUNCE_LIBRARY", str(ROOT / "build" / "bin" / "libpounce.so"))
+        sys.path.insert(0, str(ROOT / "python"))
+    import pounce
+except ImportError:
+    pounce = None
