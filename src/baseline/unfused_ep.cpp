@@ -82,7 +82,7 @@ void UnfusedEpMoe::set_routing(std::span<const std::vector<int32_t>> topk_ids) {
   const int64_t received = std::accumulate(recv_rows_.begin(), recv_rows_.end(), int64_t(0));
   std::vector<int32_t> pool_source(padded_rows_, -1), pool_row(received);
   std::vector<int64_t> filled(offsets.begin(), offsets.end() - 1);  // next GEMM row of each expert
-  int64_t at = 0;                                                     // received row
+  int64_t at = 0;                                                   // received row
   for (int s = 0; s < P; ++s)
     for (int e = 0; e < local; ++e)
       for (int64_t i = 0; i < routes[s][int64_t(rank_) * local + e]; ++i, ++at) {
@@ -102,9 +102,9 @@ void UnfusedEpMoe::set_routing(std::span<const std::vector<int32_t>> topk_ids) {
   pool_source_.upload(pool_source);
   pool_row_.upload(pool_row);
   expert_offsets_.upload(offsets);
-  for (auto [buffer, rows] : {std::pair(&send_, sent), std::pair(&back_recv_, sent), std::pair(&recv_, received),
-                               std::pair(&back_send_, received), std::pair(&pool_, padded_rows_),
-                               std::pair(&out_, padded_rows_)})
+  for (auto [buffer, rows] :
+       {std::pair(&send_, sent), std::pair(&back_recv_, sent), std::pair(&recv_, received),
+        std::pair(&back_send_, received), std::pair(&pool_, padded_rows_), std::pair(&out_, padded_rows_)})
     reserve(*buffer, rows * H);
   reserve(hidden_, padded_rows_ * I);
 }
@@ -137,7 +137,8 @@ void UnfusedEpMoe::run_experts(cudaStream_t stream) {
 }
 
 void UnfusedEpMoe::combine(const float* topk_weights, __nv_bfloat16* y, cudaStream_t stream) {
-  weighted_combine(back_recv_.data(), route_row_.data(), topk_weights, tokens_, config_.topk, config_.hidden, y, stream);
+  weighted_combine(back_recv_.data(), route_row_.data(), topk_weights, tokens_, config_.topk, config_.hidden, y,
+                   stream);
 }
 
 RowExchange UnfusedEpMoe::dispatch_exchange() const { return {send_.data(), send_rows_, recv_.data(), recv_rows_}; }

@@ -68,10 +68,10 @@ class UnfusedEpMoe {
   const __nv_bfloat16* w2_ = nullptr;
   std::vector<int64_t> send_rows_, recv_rows_;  // [P]: this rank's rows to and from each rank
   int64_t padded_rows_ = 0;
-  DeviceBuffer<int32_t> send_token_;    // [sent rows]: the token of each send row
-  DeviceBuffer<int32_t> route_row_;     // [tokens, k]: the send (and returned) row of each route
-  DeviceBuffer<int32_t> pool_source_;   // [padded rows]: the received row of each GEMM row, -1: padding
-  DeviceBuffer<int32_t> pool_row_;      // [received rows]: the GEMM row of each received row
+  DeviceBuffer<int32_t> send_token_;      // [sent rows]: the token of each send row
+  DeviceBuffer<int32_t> route_row_;       // [tokens, k]: the send (and returned) row of each route
+  DeviceBuffer<int32_t> pool_source_;     // [padded rows]: the received row of each GEMM row, -1: padding
+  DeviceBuffer<int32_t> pool_row_;        // [received rows]: the GEMM row of each received row
   DeviceBuffer<int32_t> expert_offsets_;  // [E/P + 1]
   DeviceBuffer<__nv_bfloat16> send_, recv_, pool_, hidden_, out_, back_send_, back_recv_;
   gemm::GroupedGemm gemm_;

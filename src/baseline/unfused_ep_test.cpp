@@ -130,18 +130,16 @@ TEST_P(UnfusedEpTest, VirtualRanksMatchTheReferenceAsRoutingChanges) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(VirtualRanks, UnfusedEpTest,
-                         ::testing::Values(Case{1, 301, 8, 3, RoutingPattern::kZipf},
-                                           Case{2, 129, 8, 8, RoutingPattern::kUniform},
-                                           Case{3, 97, 12, 4, RoutingPattern::kZipf},
-                                           Case{4, 200, 16, 5, RoutingPattern::kHalfEmpty},
-                                           Case{8, 64, 16, 2, RoutingPattern::kZipf},
-                                           Case{5, 0, 10, 3, RoutingPattern::kUniform}),
-                         [](const auto& info) {
-                           std::ostringstream name;
-                           PrintTo(info.param, &name);
-                           return name.str();
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    VirtualRanks, UnfusedEpTest,
+    ::testing::Values(Case{1, 301, 8, 3, RoutingPattern::kZipf}, Case{2, 129, 8, 8, RoutingPattern::kUniform},
+                      Case{3, 97, 12, 4, RoutingPattern::kZipf}, Case{4, 200, 16, 5, RoutingPattern::kHalfEmpty},
+                      Case{8, 64, 16, 2, RoutingPattern::kZipf}, Case{5, 0, 10, 3, RoutingPattern::kUniform}),
+    [](const auto& info) {
+      std::ostringstream name;
+      PrintTo(info.param, &name);
+      return name.str();
+    });
 
 // One NCCL rank sends to and receives from itself: the same rows as the copies.
 TEST(UnfusedEp, OneNcclRankMatchesTheReference) {
@@ -175,10 +173,16 @@ TEST(UnfusedEp, BadRoutingIsNamed) {
   const EpConfig config{
       .ranks = 2, .experts = 8, .topk = 2, .hidden = 256, .intermediate = 128, .max_tokens_per_rank = 16};
   UnfusedEpMoe chain(config, 1);
-  testing::expect_error([&] { chain.set_routing(std::vector<std::vector<int32_t>>{{0, 1}, {3, 8}}); },
-                        "rank 1 token 0 routes to expert 8, outside [0, 8)");
-  testing::expect_error([&] { chain.set_routing(std::vector<std::vector<int32_t>>{{0, 1}}); },
-                        "routing of 1 ranks, the chain has 2");
+  testing::expect_error(
+      [&] {
+        chain.set_routing(std::vector<std::vector<int32_t>>{{0, 1}, {3, 8}});
+      },
+      "rank 1 token 0 routes to expert 8, outside [0, 8)");
+  testing::expect_error(
+      [&] {
+        chain.set_routing(std::vector<std::vector<int32_t>>{{0, 1}});
+      },
+      "routing of 1 ranks, the chain has 2");
 }
 
 }  // namespace

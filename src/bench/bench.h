@@ -22,9 +22,9 @@ struct Options {
   std::string commit;
   int warmup = 5;
   int reps = 20;
-  bool gemms = true;     // also time each grouped GEMM alone
-  bool backward = true;  // the backward: pounce's chain and each of its GEMMs
-  bool sweeps = false;   // fused layer sweeps at the default shape: minibatch, comm CTAs, ring, virtual ranks
+  bool gemms = true;         // also time each grouped GEMM alone
+  bool backward = true;      // the backward: pounce's chain and each of its GEMMs
+  bool sweeps = false;       // fused layer sweeps at the default shape: minibatch, comm CTAs, ring, virtual ranks
   std::string timeline_dir;  // a POUNCE_TIMELINE build: traces of a forward and a training step go here
 };
 

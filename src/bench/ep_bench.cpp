@@ -153,10 +153,14 @@ int run(int argc, char** argv) {
     unfused_slowest = std::max(unfused_slowest, unfused_timings[r].median_ms);
   }
   const char* commit = std::getenv("POUNCE_COMMIT");
-  Json out = {{"gpu", gpu_info().name}, {"commit", commit ? commit : "unknown"},
-              {"shape", s.name},        {"gpus", P},
-              {"routing", routing},     {"tokens_per_gpu", T},
-              {"comm_ctas", comm_ctas}, {"forward_ms_slowest_rank", slowest},
+  Json out = {{"gpu", gpu_info().name},
+              {"commit", commit ? commit : "unknown"},
+              {"shape", s.name},
+              {"gpus", P},
+              {"routing", routing},
+              {"tokens_per_gpu", T},
+              {"comm_ctas", comm_ctas},
+              {"forward_ms_slowest_rank", slowest},
               {"unfused_forward_ms_slowest_rank", unfused_slowest},
               {"speedup_vs_unfused", unfused_slowest / slowest}};
   // Memory per GPU: its experts' weights, and what the layer allocated (ring, schedule, combine slots).
@@ -169,7 +173,8 @@ int run(int argc, char** argv) {
   std::printf("%d communication CTAs per rank\n", comm_ctas);
   std::printf("fused %.3f ms, unfused expert-parallel chain %.3f ms (slowest ranks' medians): %.3fx\n", slowest,
               unfused_slowest, unfused_slowest / slowest);
-  std::printf("rank  fused ms  TFLOP/s  NVLink GB/s out  in  unfused ms  NVLink GB/s out  in  unfused vs fused (rel. L2)\n");
+  std::printf(
+      "rank  fused ms  TFLOP/s  NVLink GB/s out  in  unfused ms  NVLink GB/s out  in  unfused vs fused (rel. L2)\n");
   bool outputs_agree = true;
   for (int r = 0; r < P; ++r) {
     const double flops = 6.0 * routes_in[r] * double(H) * double(I);
@@ -194,7 +199,8 @@ int run(int argc, char** argv) {
   out["ranks"] = ranks;
   out["outputs_agree"] = outputs_agree;
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << '\n';
-  POUNCE_REQUIRE(outputs_agree, "the unfused chain's output and the fused layer's differ beyond the limits (relative L2 ",
+  POUNCE_REQUIRE(outputs_agree,
+                 "the unfused chain's output and the fused layer's differ beyond the limits (relative L2 ",
                  kMaxRelativeL2, ", worst token ", kMaxWorstToken, "): see the table");
   return 0;
 }

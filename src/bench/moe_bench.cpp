@@ -19,8 +19,8 @@
 #include "bench/output_check.h"
 #include "common/gpu.h"
 #include "common/require.h"
-#include "common/timeline.h"
 #include "common/tiles.h"
+#include "common/timeline.h"
 #include "moe/backward/backward_chain.h"
 #include "pounce/fused_moe.h"
 #include "reference/synthetic_routing.h"
@@ -599,7 +599,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     const RankGrads grads{dy.data(), dx.data(), d_topk.data(), dw13.data(), dw2.data()};
     traced.forward(io, stream, /*keep_for_backward=*/true);
     traced.backward(io, grads, WeightGradOutput::kBf16, stream);  // the first backward allocates its buffers
-    traced.start_timeline(8 * spans_per_forward);  // the backward's four GEMMs have more tiles
+    traced.start_timeline(8 * spans_per_forward);                 // the backward's four GEMMs have more tiles
     traced.forward(io, stream, /*keep_for_backward=*/true);
     traced.backward(io, grads, WeightGradOutput::kBf16, stream);
     save("training-step", traced.stop_timeline());

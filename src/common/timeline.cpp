@@ -99,19 +99,19 @@ std::string chrome_trace_json(const std::vector<TimelineEvent>& events, const st
     separator = ",\n";
   }
   for (uint32_t kernel : kernels) {
-    const std::string name =
-        kernel < kernel_names.size() ? kernel_names[kernel] : "kernel " + std::to_string(kernel);
+    const std::string name = kernel < kernel_names.size() ? kernel_names[kernel] : "kernel " + std::to_string(kernel);
     std::snprintf(buffer, sizeof(buffer),
-                  "%s{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%u,\"args\":{\"name\":\"%s\"}}",
-                  separator, kernel, name.c_str());
+                  "%s{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%u,\"args\":{\"name\":\"%s\"}}", separator, kernel,
+                  name.c_str());
     out += buffer;
     separator = ",\n";
   }
   for (const auto& [kernel, track] : tracks) {
-    std::snprintf(buffer, sizeof(buffer),
-                  ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%u,\"tid\":%u,\"args\":{\"name\":\"CTA %u wg %u\"}}"
-                  ",\n{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":%u,\"tid\":%u,\"args\":{\"sort_index\":%u}}",
-                  kernel, track, track / 4, track % 4, kernel, track, track);
+    std::snprintf(
+        buffer, sizeof(buffer),
+        ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%u,\"tid\":%u,\"args\":{\"name\":\"CTA %u wg %u\"}}"
+        ",\n{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":%u,\"tid\":%u,\"args\":{\"sort_index\":%u}}",
+        kernel, track, track / 4, track % 4, kernel, track, track);
     out += buffer;
   }
   out += "\n]}\n";

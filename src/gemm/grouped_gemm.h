@@ -25,8 +25,8 @@
 
 #include "common/device_buffer.h"
 #include "common/device_error.h"
-#include "common/timeline.h"
 #include "common/tiles.h"
+#include "common/timeline.h"
 
 namespace pounce::gemm {
 

@@ -113,7 +113,7 @@ class FusedLayer {
     std::array<ExpertWeights, kMaxRanks> weights{};
   } kept_from_;
   bool last_backward_replayed_ = false;
-  bool backward_replays_ = true;  // FusedMoeOptions::backward_replays
+  bool backward_replays_ = true;        // FusedMoeOptions::backward_replays
   std::unique_ptr<Timeline> timeline_;  // between start_timeline and stop_timeline
   std::unique_ptr<comm::NcclWindow> window_;
   int64_t window_bytes_ = 0;

@@ -12,8 +12,8 @@
 #include <cstdint>
 
 #include "common/device_error.h"
-#include "common/timeline.h"
 #include "common/tiles.h"
+#include "common/timeline.h"
 #include "gemm/grouped_gemm.h"
 #include "planner/device_planner.h"
 
@@ -121,7 +121,7 @@ struct FusedParams {
   __nv_bfloat16* h_ring;      // [..., I]
   __nv_bfloat16* out_ring;    // [..., H]
   DeviceErrorSink error;
-  TimelineSink timeline;  // spans of every CTA (a build with POUNCE_TIMELINE; else unused)
+  TimelineSink timeline;            // spans of every CTA (a build with POUNCE_TIMELINE; else unused)
   RankState rank_state[kMaxRanks];  // [launch_ranks]
   PeerView peers;
 };
