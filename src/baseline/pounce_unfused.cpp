@@ -27,7 +27,8 @@ void PounceUnfusedMoe::set_routing(std::span<const int32_t> topk_ids, int64_t to
   has_routing_ = true;
 }
 
-gemm::GroupedGemmArgs PounceUnfusedMoe::gemm_args(Gemm which, const int32_t* expert_offsets) {
+gemm::GroupedGemmArgs PounceUnfusedMoe::gemm_args(Gemm which, const int32_t* expert_offsets,
+                                                  const int32_t* expert_rows) {
   TimelineSink timeline = timeline_;
   timeline.kernel = uint8_t(timeline.kernel + (which == Gemm::kGateUp ? 0 : 1));
   gemm_.set_timeline(timeline);
@@ -35,6 +36,7 @@ gemm::GroupedGemmArgs PounceUnfusedMoe::gemm_args(Gemm which, const int32_t* exp
   g.a_rows = capacity_rows_;
   g.experts = int(dims_.experts);
   g.expert_offsets = expert_offsets;
+  g.expert_rows = expert_rows;
   if (which == Gemm::kGateUp) {
     g.a = pool_.data();
     g.b = w13_;
@@ -55,7 +57,7 @@ gemm::GroupedGemmArgs PounceUnfusedMoe::gemm_args(Gemm which, const int32_t* exp
 
 void PounceUnfusedMoe::run_gemm(Gemm which, cudaStream_t stream, const gemm::GemmTuning& tuning) {
   POUNCE_REQUIRE(w13_ && has_routing_, "PounceUnfusedMoe: call set_weights and set_routing first");
-  gemm::GroupedGemmArgs args = gemm_args(which, plan_.expert_offsets_dev.data());
+  gemm::GroupedGemmArgs args = gemm_args(which, plan_.expert_offsets_dev.data(), plan_.expert_routes_dev.data());
   args.tuning = tuning;
   gemm_.run(args, stream);
 }
@@ -64,8 +66,8 @@ void PounceUnfusedMoe::forward(const __nv_bfloat16* x, const float* topk_weights
                                cudaStream_t stream) {
   POUNCE_REQUIRE(w13_ && has_routing_, "PounceUnfusedMoe: call set_weights and set_routing first");
   permute_rows(x, plan_.row_token.data(), plan_.padded_rows, dims_.hidden, pool_.data(), stream);
-  gemm_.run(gemm_args(Gemm::kGateUp, plan_.expert_offsets_dev.data()), stream);
-  gemm_.run(gemm_args(Gemm::kDown, plan_.expert_offsets_dev.data()), stream);
+  gemm_.run(gemm_args(Gemm::kGateUp, plan_.expert_offsets_dev.data(), plan_.expert_routes_dev.data()), stream);
+  gemm_.run(gemm_args(Gemm::kDown, plan_.expert_offsets_dev.data(), plan_.expert_routes_dev.data()), stream);
   weighted_combine(out_.data(), plan_.route_row.data(), topk_weights, plan_.tokens, dims_.topk, dims_.hidden, y,
                    stream);
 }
@@ -96,8 +98,8 @@ void PounceUnfusedMoe::forward_with_device_schedule(const __nv_bfloat16* x, cons
   // The schedule's length is on the device: permute every row the capacity allows (padding rows and
   // rows past the schedule become zeros).
   permute_rows(x, plan.row_token(), capacity_rows_, dims_.hidden, pool_.data(), stream);
-  gemm_.run(gemm_args(Gemm::kGateUp, plan.expert_offsets()), stream);
-  gemm_.run(gemm_args(Gemm::kDown, plan.expert_offsets()), stream);
+  gemm_.run(gemm_args(Gemm::kGateUp, plan.expert_offsets(), plan.expert_routes()), stream);
+  gemm_.run(gemm_args(Gemm::kDown, plan.expert_offsets(), plan.expert_routes()), stream);
   weighted_combine(out_.data(), plan.route_row(), topk_weights, tokens, dims_.topk, dims_.hidden, y, stream);
 }
 

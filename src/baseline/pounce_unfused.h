@@ -49,7 +49,7 @@ class PounceUnfusedMoe {
 
  private:
   // Also points the GEMM's timeline at this GEMM's tag.
-  gemm::GroupedGemmArgs gemm_args(Gemm which, const int32_t* expert_offsets);
+  gemm::GroupedGemmArgs gemm_args(Gemm which, const int32_t* expert_offsets, const int32_t* expert_rows);
 
   MoeDims dims_;
   int64_t capacity_rows_ = 0;

@@ -23,6 +23,7 @@ RoutingPlan make_routing_plan(const EpConfig& config, std::span<const int32_t> t
   plan.row_token = DeviceBuffer<int32_t>(s.row_token);
   plan.route_row = DeviceBuffer<int32_t>(route_row);
   plan.expert_offsets_dev = DeviceBuffer<int32_t>(s.expert_offsets);
+  plan.expert_routes_dev = DeviceBuffer<int32_t>(s.expert_routes);
   return plan;
 }
 

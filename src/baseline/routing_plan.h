@@ -18,6 +18,7 @@ struct RoutingPlan {
   DeviceBuffer<int32_t> row_token;           // [padded rows], -1 for padding
   DeviceBuffer<int32_t> route_row;           // [tokens * topk]: the pool row of route (t, k)
   DeviceBuffer<int32_t> expert_offsets_dev;  // [E + 1]
+  DeviceBuffer<int32_t> expert_routes_dev;   // [E]
 };
 
 // Validates topk_ids [tokens, k] against the config (ranks must be 1) and plans.

@@ -97,11 +97,13 @@ void UnfusedEpMoe::set_routing(std::span<const std::vector<int32_t>> topk_ids) {
   reserve(pool_source_, padded_rows_);
   reserve(pool_row_, received);
   reserve(expert_offsets_, local + 1);
+  reserve(expert_rows_, local);
   send_token_.upload(send_token);
   route_row_.upload(route_row);
   pool_source_.upload(pool_source);
   pool_row_.upload(pool_row);
   expert_offsets_.upload(offsets);
+  expert_rows_.upload(std::vector<int32_t>(expert_routes.begin(), expert_routes.end()));
   for (auto [buffer, rows] :
        {std::pair(&send_, sent), std::pair(&back_recv_, sent), std::pair(&recv_, received),
         std::pair(&back_send_, received), std::pair(&pool_, padded_rows_), std::pair(&out_, padded_rows_)})
@@ -128,6 +130,7 @@ void UnfusedEpMoe::run_experts(cudaStream_t stream) {
     g.k = k;
     g.c = c;
     g.expert_offsets = expert_offsets_.data();
+    g.expert_rows = expert_rows_.data();
     g.epilogue = epilogue;
     gemm_.run(g, stream);
   };

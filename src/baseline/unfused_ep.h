@@ -73,6 +73,7 @@ class UnfusedEpMoe {
   DeviceBuffer<int32_t> pool_source_;     // [padded rows]: the received row of each GEMM row, -1: padding
   DeviceBuffer<int32_t> pool_row_;        // [received rows]: the GEMM row of each received row
   DeviceBuffer<int32_t> expert_offsets_;  // [E/P + 1]
+  DeviceBuffer<int32_t> expert_rows_;     // [E/P]: the routed rows of each expert
   DeviceBuffer<__nv_bfloat16> send_, recv_, pool_, hidden_, out_, back_send_, back_recv_;
   gemm::GroupedGemm gemm_;
 };

@@ -57,6 +57,8 @@ struct TileInfo {
   int32_t k_blocks;  // K slices; 0 gives C = 0 (kAddF32: C unchanged)
   int32_t valid;     // 0: no more tiles (queue drained, or the producer gave up): consumers exit
   int32_t keep_row;  // kSwiGLU with GemmOperands::keep: first row of the kept gate/up rows
+  int32_t rows;      // rows of the tile that hold routes; a consumer whose rows all lie past them skips its
+                     // MMAs and its stores (padding rows: no work done for them)
 };
 
 // Every TMA tile starts on a 1024-byte boundary: the 128-byte swizzle pattern repeats every 8 rows
@@ -286,12 +288,22 @@ __device__ __forceinline__ void release_done(uint32_t*& counter) {
 // One tile's mainloop: one wgmma group per K slice; keep one group in flight and release a stage as soon
 // as the group reading it has completed. K-major slices step K by 32 bytes per wgmma, MN-major ones by
 // 16 rows of 128 bytes; each consumer reads its 64 rows of A (8 KB into the stage either way).
+// `skip`: this consumer's rows are all padding: it only waits for each stage and releases it at once.
 template <bool kTransA, bool kTransB>
-__device__ __forceinline__ void run_mainloop(SharedStorage& s, float (&acc)[128], int k_blocks, uint32_t& stage,
-                                             uint32_t& phase, uint32_t*& pending_done, const WaitSite& pipe_site,
-                                             int consumer, int thread) {
+__device__ __forceinline__ void run_mainloop(SharedStorage& s, float (&acc)[128], int k_blocks, bool skip,
+                                             uint32_t& stage, uint32_t& phase, uint32_t*& pending_done,
+                                             const WaitSite& pipe_site, int consumer, int thread) {
   constexpr uint32_t kStepA = kTransA ? 16 * 128 : 32, kStepB = kTransB ? 16 * 128 : 32;
   const int lane = thread % 32;
+  if (skip) {
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+      if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
+      if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+    return;
+  }
   uint32_t previous_stage = 0;
   for (int kb = 0; kb < k_blocks; ++kb) {
     mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
@@ -338,8 +350,10 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
     const GemmOperands& op = tiles.operands(tile.gemm);
 
     constexpr bool kTransA = kKind == TileKind::kWeightGrad, kTransB = kKind != TileKind::kForward;
+    const bool padding = tile.rows <= consumer * kRowsPerConsumer;  // this consumer's 64 rows hold no route
     const timeline::Stamp started = timeline::now();
-    run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, stage, phase, pending_done, pipe_site, consumer, thread);
+    run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, padding, stage, phase, pending_done, pipe_site, consumer,
+                                   thread);
     if (thread == 0) release_done(pending_done);  // a tile of at most kDoneLagSlices K slices
     const timeline::Stamp multiplied = timeline::now();
     if (thread == 0)
@@ -349,16 +363,17 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
     const StoreTarget to{op.c, op.row_scale, tile.c_row, tile.n_block * (swiglu ? kBlockN / 2 : kBlockN),
                          tile.c_expert};
     if constexpr (kKind == TileKind::kForward) {
-      if (swiglu) {
+      // Padding rows are left unwritten: nothing reads them (GroupedGemmArgs::expert_rows).
+      if (!padding && swiglu) {
         store_tile<Epilogue::kSwiGLU>(acc, s, to, false, consumer, thread);
         if (op.keep != nullptr)
           store_tile<Epilogue::kStore>(acc, s, {op.keep, nullptr, tile.keep_row, tile.n_block * kBlockN, 0}, false,
                                        consumer, thread);
-      } else {
+      } else if (!padding) {
         store_tile<Epilogue::kStore>(acc, s, to, false, consumer, thread);
       }
     } else if constexpr (kKind == TileKind::kDataGrad) {
-      store_tile<Epilogue::kStore>(acc, s, to, false, consumer, thread);
+      if (!padding) store_tile<Epilogue::kStore>(acc, s, to, false, consumer, thread);
     } else {
       // An expert without rows stores zeros; its accumulators hold stale values. Selecting in the store
       // rather than clearing them first keeps ptxas from spilling (measured: ~3 KB).

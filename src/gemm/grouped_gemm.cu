@@ -26,6 +26,7 @@ struct KernelParams {
   int32_t m, n, k;  // k-grouped: m and n of every expert's C (k comes from the schedule); m-grouped: n, k
   int64_t rows;     // of the row buffers: A (m-grouped), A and B (k-grouped)
   const int32_t* expert_offsets;
+  const int32_t* expert_rows;  // m-grouped, optional
   const float* row_scale;
   Epilogue epilogue;
   const uint32_t* m_block_ready;
@@ -77,7 +78,8 @@ class QueueTiles {
               m_block,
               k_blocks,
               1,
-              0};
+              0,
+              kBlockM};
       return true;
     } else {
       return next_m_grouped(tile, info);
@@ -103,7 +105,11 @@ class QueueTiles {
     const pipeline::OperandOrigin b = kKind == TileKind::kForward
                                           ? pipeline::OperandOrigin{t.expert * p_.n + t.n_block * kBlockN, 0}
                                           : pipeline::OperandOrigin{t.expert * p_.k, t.n_block * kBlockN};
-    info = {0, {t.m_block * kBlockM, 0}, b, t.m_block * kBlockM, 0, t.n_block, t.m_block, p_.k / kBlockK, 1, 0};
+    // Rows of the tile that hold routes: all of them unless the expert's routed rows end inside it.
+    int32_t rows = kBlockM;
+    if (p_.expert_rows != nullptr)
+      rows = min(kBlockM, max(0, p_.expert_offsets[t.expert] + p_.expert_rows[t.expert] - t.m_block * kBlockM));
+    info = {0, {t.m_block * kBlockM, 0}, b, t.m_block * kBlockM, 0, t.n_block, t.m_block, p_.k / kBlockK, 1, 0, rows};
     return true;
   }
 
@@ -181,6 +187,7 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   params.k = int32_t(args.k);
   params.rows = args.a_rows;
   params.expert_offsets = args.expert_offsets;
+  params.expert_rows = args.expert_rows;
   params.row_scale = args.row_scale;
   params.epilogue = args.epilogue;
   params.m_block_ready = args.m_block_ready;

@@ -68,6 +68,10 @@ struct GroupedGemmArgs {
   const int32_t* expert_offsets = nullptr;
   // Optional device [a_rows]: every output row is multiplied by its scale (the router weight).
   const float* row_scale = nullptr;
+  // Optional device [experts]: the rows of each expert that hold routes (the rest of its m-blocks is
+  // padding). A consumer warpgroup whose 64 rows of a tile are all padding skips its MMAs and leaves those
+  // rows of C unwritten; without it padding rows are computed like any other.
+  const int32_t* expert_rows = nullptr;
   // Optional device [a_rows / 128] readiness counters; tiles of m-block b wait for counter >= ready_target.
   const uint32_t* m_block_ready = nullptr;
   uint32_t ready_target = 0;

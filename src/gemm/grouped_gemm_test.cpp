@@ -336,6 +336,41 @@ TEST(GroupedGemm, TuningNeverChangesResults) {
   }
 }
 
+// With each expert's routed rows given, a consumer whose 64 rows of a tile are all padding does no work:
+// the routed rows come out as without them, bit for bit, and those padding rows are never written.
+TEST(GroupedGemm, PaddingHalvesOfTilesAreSkipped) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  for (const Epilogue epilogue : {Epilogue::kStore, Epilogue::kSwiGLU}) {
+    SCOPED_TRACE(epilogue == Epilogue::kSwiGLU ? "SwiGLU" : "store");
+    const std::vector<int32_t> counts = {1, 64, 65, 127, 128, 129, 0, 192, 300};
+    const Problem p = make_problem(rng, int(counts.size()), 256, 320, counts, epilogue, true);
+    DeviceProblem d(p);
+    GroupedGemm gemm;
+    const auto computed = run(gemm, d, d.args(p));
+    DeviceBuffer<int32_t> rows(counts);
+    GroupedGemmArgs args = d.args(p);
+    args.expert_rows = rows.data();
+    const auto skipped = run(gemm, d, args);
+    expect_matches(p, skipped);
+    const int64_t cols = p.out_cols();
+    int64_t differing = 0, written = 0, halves = 0;
+    for (int e = 0; e < p.experts; ++e) {
+      for (int64_t r = p.offsets[e]; r < p.offsets[e] + counts[e]; ++r)
+        for (int64_t j = 0; j < cols; ++j) differing += skipped[r * cols + j] != computed[r * cols + j];
+      // The second half of the last m-block when the routed rows end in its first half.
+      const int64_t last = p.offsets[e + 1] - kBlockM, in_last = p.offsets[e] + counts[e] - last;
+      if (counts[e] == 0 || in_last > kBlockM / 2) continue;
+      ++halves;
+      for (int64_t r = last + kBlockM / 2; r < last + kBlockM; ++r)
+        for (int64_t j = 0; j < cols; ++j) written += skipped[r * cols + j] != kPoisonBits;
+    }
+    EXPECT_EQ(differing, 0) << "skipping padding changed routed rows";
+    EXPECT_EQ(halves, 5) << "the counts should leave five all-padding halves";
+    EXPECT_EQ(written, 0) << "a consumer wrote rows that hold no route";
+  }
+}
+
 // The counters start below the target and are raised from another stream while the GEMM runs: first
 // half of them, then (after the GEMM has shown it is still waiting) the rest. A GEMM that ignored them
 // would be done long before either release; its output must also be right.

@@ -444,6 +444,7 @@ bool FusedLayer::kept_forward_matches(std::span<const RankIO> inputs) const {
 KeptForward FusedLayer::kept_rows(int lr) const {
   const int64_t rows = capacity_.max_padded_rows, E = config_.local_experts();
   return {expert_offsets_.data() + lr * (E + 1),
+          expert_routes_.data() + lr * E,
           row_source_rank_.data() + lr * rows,
           row_token_.data() + lr * rows,
           row_k_.data() + lr * rows,

@@ -62,7 +62,10 @@ class FusedTiles {
     const int32_t k_blocks = (gemm == 0 ? p_.hidden : p_.intermediate) / kBlockK;
     // Kept gate/up rows sit in schedule order (the ring's rows are reused), one capacity of rows per rank.
     const int32_t keep_row = int32_t(lr_ * p_.capacity_rows + int64_t(m_block) * kBlockM);
-    info = {gemm, {row, 0}, {expert * n + n_block * kBlockN, 0}, row, 0, n_block, m_block, k_blocks, 1, keep_row};
+    // Rows of the m-block that hold routes: the rest is padding, skipped by the consumers it fills.
+    const int32_t rows =
+        min(kBlockM, max(0, rs_.expert_offsets[expert] + rs_.expert_routes[expert] - m_block * kBlockM));
+    info = {gemm, {row, 0}, {expert * n + n_block * kBlockN, 0}, row, 0, n_block, m_block, k_blocks, 1, keep_row, rows};
     return true;
   }
 

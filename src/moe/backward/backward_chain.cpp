@@ -97,6 +97,7 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
     backward::set_plan_inputs(ids_table_.data(), token_count_.data(), from, P, stream);
     planner_.plan(rank, ids_table_.data(), token_count_.data(), stream);
     rows_in_use_ = {planner_.expert_offsets(),
+                    planner_.expert_routes(),
                     planner_.row_source_rank(),
                     planner_.row_token(),
                     planner_.row_k(),
@@ -175,6 +176,7 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
     g.k = k;
     g.c = c;
     g.expert_offsets = offsets;
+    g.expert_rows = rows_in_use_.expert_rows;  // padding halves of tiles skip their MMAs
     gemm_.run(g, stream);
   };
   const auto k_grouped = [&](const __nv_bfloat16* a, int64_t m, const __nv_bfloat16* b, int64_t n) {

@@ -52,6 +52,7 @@ struct ExpertGradients {
 // forward's schedule order (expert-contiguous, padded to m-blocks).
 struct KeptForward {
   const int32_t* expert_offsets = nullptr;      // [E/P + 1], padded
+  const int32_t* expert_rows = nullptr;         // [E/P], the routed rows of each expert (the rest: padding)
   const int32_t* row_source_rank = nullptr;     // [capacity rows]
   const int32_t* row_token = nullptr;           // [capacity rows], -1 for padding
   const int32_t* row_k = nullptr;               // [capacity rows]
