@@ -4,8 +4,10 @@
 
 Prints, for each kernel in the trace: its span from first to last event, and per kind of span (plan,
 dispatch, tile wait, mainloop G1, epilogue G2, ...) how many there are, their total and mean length,
-their share of the kernel's CTA-time (tracks x span) and the SMs' mean clock over them (cycles / time). With --png, draws every track (one per CTA and
-warpgroup) over time, one colour per kind of span, one panel per kernel; with --json, writes the summary.
+their share of the kernel's CTA-time (tracks x span) and the SMs' mean clock over them (cycles / time).
+With --png, draws per kernel every track (one per CTA and warpgroup) over time, one colour per kind of
+span, and under it the SMs' activity: how many tracks are in each kind of span at each moment, and the
+mean clock of the spans running then. With --json, writes the summary.
 
 Usage: tools/timeline.py TRACE.json [--png OUT.png] [--json OUT.json] [--title TEXT]
 """
@@ -51,6 +53,29 @@ def summarise(kernels):
     return out
 
 
+def activity(events, bins):
+    """Per kind of span, the number of tracks in it in each of `bins` equal slices of the kernel's time
+    (time-weighted), and the mean clock (MHz) of all spans in each slice; returns (edges, counts, clock)."""
+    begin = min(e["ts"] for e in events)
+    end = max(e["ts"] + e["dur"] for e in events)
+    width = (end - begin) / bins if end > begin else 1.0
+    counts = collections.defaultdict(lambda: [0.0] * bins)
+    busy, cycles = [0.0] * bins, [0.0] * bins
+    for e in events:
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        rate = e["args"].get("cycles", 0) / e["dur"] if e["dur"] > 0 else 0.0
+        for b in range(int((start - begin) // width), min(bins, int((stop - begin) // width) + 1)):
+            lo, hi = begin + b * width, begin + (b + 1) * width
+            overlap = min(stop, hi) - max(start, lo)
+            if overlap > 0:
+                counts[e["name"]][b] += overlap / width
+                busy[b] += overlap
+                cycles[b] += overlap * rate
+    edges = [begin + b * width for b in range(bins + 1)]
+    clock = [cycles[b] / busy[b] if busy[b] > 0 else 0.0 for b in range(bins)]
+    return edges, dict(counts), clock
+
+
 def print_summary(summary):
     for k in summary:
         print(f"{k['kernel']}: {k['span_us']:.1f} us from {k['begin_us']:.1f}, {k['tracks']} tracks")
@@ -60,7 +85,7 @@ def print_summary(summary):
                   f"{s['mean_clock_mhz']:6.0f} MHz")
 
 
-def draw(kernels, path, title):
+def draw(kernels, path, title, bins=200):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -69,24 +94,32 @@ def draw(kernels, path, title):
     names = sorted({e["name"] for _, events in kernels.values() for e in events})
     cmap = plt.get_cmap("tab20")
     colour = {n: cmap(i % 20) for i, n in enumerate(names)}
-    fig, axes = plt.subplots(len(kernels), 1, figsize=(14, 3 + 2.5 * len(kernels)), squeeze=False,
-                             sharex=True)
-    for ax, (name, events) in zip(axes[:, 0], kernels.values()):
-        rows = {tid: i for i, tid in enumerate(sorted({e["tid"] for e in events}))}
+    fig, axes = plt.subplots(2 * len(kernels), 1, figsize=(14, 1 + 4.5 * len(kernels)), squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 1.4] * len(kernels)})
+    for i, (name, events) in enumerate(kernels.values()):
+        tracks, profile = axes[2 * i, 0], axes[2 * i + 1, 0]
+        rows = {tid: r for r, tid in enumerate(sorted({e["tid"] for e in events}))}
         bars = collections.defaultdict(lambda: collections.defaultdict(list))
         for e in events:
             bars[e["name"]][rows[e["tid"]]].append((e["ts"], max(e["dur"], 0.05)))
         for kind, by_row in bars.items():
             for row, spans in by_row.items():
-                ax.broken_barh(spans, (row, 0.9), facecolors=colour[kind], linewidth=0)
-        ax.set_ylim(0, len(rows))
-        ax.set_ylabel(f"{name}\n(CTA x warpgroup)")
-        ax.invert_yaxis()
+                tracks.broken_barh(spans, (row, 0.9), facecolors=colour[kind], linewidth=0)
+        tracks.set_ylim(0, len(rows))
+        tracks.invert_yaxis()
+        tracks.set_ylabel(f"{name}\n(CTA x warpgroup)")
+        edges, counts, clock = activity(events, bins)
+        kinds = sorted(counts)
+        profile.stackplot(edges[:-1], [counts[k] for k in kinds], step="post", colors=[colour[k] for k in kinds])
+        profile.set_ylabel("tracks in span")
+        profile.set_xlim(tracks.get_xlim())
+        mhz = profile.twinx()
+        mhz.step(edges[:-1], clock, where="post", color="black", linewidth=0.8)
+        mhz.set_ylabel("SM clock (MHz)")
     axes[-1, 0].set_xlabel("time (us)")
     fig.legend(handles=[Patch(color=colour[n], label=n) for n in names], loc="upper right", ncol=4, fontsize=8)
     fig.suptitle(title)
     fig.savefig(path, dpi=110, bbox_inches="tight")
-    return True
 
 
 def main():
