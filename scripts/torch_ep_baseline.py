@@ -379,6 +379,8 @@ def main():
     failed = [
         f"{e['shape']}: {key}" for e in result["shapes"] for key, c in e.get("checks", {}).items() if not c["passed"]
     ]
+    # pounce not compared is a failure too: the run would otherwise pass without measuring it.
+    failed += [f"{e['shape']}: pounce ({e['pounce_error']})" for e in result["shapes"] if e.get("pounce_error")]
     if rank == 0 and failed:
         print("FAILED checks: " + "; ".join(failed), flush=True)
     dist.destroy_process_group()

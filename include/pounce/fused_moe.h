@@ -155,7 +155,8 @@ class FusedMoe {
   // and when: planning, row moves, each GEMM tile's mainloop and epilogue, the sums (up to max_events
   // spans; a second start_timeline starts afresh). stop_timeline synchronizes the device and returns them
   // as Chrome trace JSON (open it in ui.perfetto.dev; tools/timeline.py draws it). It throws if the
-  // buffer overflowed.
+  // buffer overflowed. Do not capture a CUDA graph while a timeline records: its launches would keep
+  // writing into the buffer that stop_timeline frees.
   void start_timeline(int64_t max_events = int64_t(1) << 21);
   std::string stop_timeline();
 

@@ -42,7 +42,8 @@ class UnfusedEpMoe {
 
   // This rank's experts: w13 [E/P, 2I, H] (gate and up rows interleaved in groups of 8), w2 [E/P, H, I].
   void set_weights(const __nv_bfloat16* w13, const __nv_bfloat16* w2);
-  // Every rank's routing, topk_ids[r] = rank r's [tokens_r, k] (host); validated, then planned.
+  // Every rank's routing, topk_ids[r] = rank r's [tokens_r, k] (host): expert ids checked against the
+  // range, then planned. It replaces the chain's tables: synchronize with its last forward first.
   void set_routing(std::span<const std::vector<int32_t>> topk_ids);
 
   // The forward's steps, on one stream, with the two exchanges between them (exchange_on_one_gpu or

@@ -76,6 +76,24 @@ std::string span_label(const TimelineEvent& e) {
   return name;
 }
 
+// A JSON string's contents: quotes, backslashes and control characters escaped.
+std::string json_escaped(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char code[8];
+      std::snprintf(code, sizeof(code), "\\u%04x", unsigned(c));
+      out += code;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string chrome_trace_json(const std::vector<TimelineEvent>& events, const std::vector<std::string>& kernel_names) {
@@ -100,10 +118,9 @@ std::string chrome_trace_json(const std::vector<TimelineEvent>& events, const st
   }
   for (uint32_t kernel : kernels) {
     const std::string name = kernel < kernel_names.size() ? kernel_names[kernel] : "kernel " + std::to_string(kernel);
-    std::snprintf(buffer, sizeof(buffer),
-                  "%s{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%u,\"args\":{\"name\":\"%s\"}}", separator, kernel,
-                  name.c_str());
-    out += buffer;
+    out += separator;
+    out += "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" + std::to_string(kernel) + ",\"args\":{\"name\":\"" +
+           json_escaped(name) + "\"}}";
     separator = ",\n";
   }
   for (const auto& [kernel, track] : tracks) {

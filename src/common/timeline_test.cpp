@@ -29,6 +29,10 @@ TEST(Timeline, ChromeTraceNamesKernelsTracksAndSpans) {
   EXPECT_EQ(trace.front(), '{');
   EXPECT_EQ(trace.substr(trace.size() - 4), "\n]}\n");
   EXPECT_EQ(chrome_trace_json({}, {}), "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[\n]}\n");
+  // Names are escaped, however long.
+  const std::string name = std::string(400, 'x') + " \"quoted\" back\\slash";
+  EXPECT_THAT(chrome_trace_json(events, {name}),
+              HasSubstr(std::string(R"("args":{"name":")") + std::string(400, 'x') + R"( \"quoted\" back\\slash"}})"));
 }
 
 TEST(Timeline, RefusesToRecordInABuildWithoutIt) {
