@@ -28,11 +28,10 @@ void PounceUnfusedMoe::set_routing(std::span<const int32_t> topk_ids, int64_t to
 }
 
 gemm::GroupedGemmArgs PounceUnfusedMoe::gemm_args(Gemm which, const int32_t* expert_offsets,
-                                                  const int32_t* expert_rows) {
-  TimelineSink timeline = timeline_;
-  timeline.kernel = uint8_t(timeline.kernel + (which == Gemm::kGateUp ? 0 : 1));
-  gemm_.set_timeline(timeline);
+                                                  const int32_t* expert_rows) const {
   gemm::GroupedGemmArgs g;
+  g.timeline = timeline_;
+  g.timeline.kernel = uint8_t(timeline_.kernel + (which == Gemm::kGateUp ? 0 : 1));
   g.a_rows = capacity_rows_;
   g.experts = int(dims_.experts);
   g.expert_offsets = expert_offsets;

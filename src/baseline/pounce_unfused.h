@@ -48,8 +48,7 @@ class PounceUnfusedMoe {
   const __nv_bfloat16* expert_out() const { return out_.data(); }
 
  private:
-  // Also points the GEMM's timeline at this GEMM's tag.
-  gemm::GroupedGemmArgs gemm_args(Gemm which, const int32_t* expert_offsets, const int32_t* expert_rows);
+  gemm::GroupedGemmArgs gemm_args(Gemm which, const int32_t* expert_offsets, const int32_t* expert_rows) const;
 
   MoeDims dims_;
   int64_t capacity_rows_ = 0;

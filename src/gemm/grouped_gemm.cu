@@ -196,7 +196,7 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   params.ticket = ticket_.data();
   params.error = errors_.device_sink();
   params.wait_timeout_ns = args.wait_timeout_ns;
-  params.timeline = timeline_;
+  params.timeline = args.timeline;
 
   const uint64_t E = args.experts, n = args.n, k = args.k;
   const int64_t out_cols = args.epilogue == Epilogue::kSwiGLU ? args.n / 2 : args.n;
@@ -233,7 +233,7 @@ void GroupedGemm::run_k_grouped(const KGroupedGemmArgs& args, cudaStream_t strea
   params.ticket = ticket_.data();
   params.error = errors_.device_sink();
   params.wait_timeout_ns = args.wait_timeout_ns;
-  params.timeline = timeline_;
+  params.timeline = args.timeline;
 
   // Both operands are row buffers read transposed: boxes of 64 columns by kBlockK rows.
   const bool fp32 = args.epilogue != Epilogue::kStore;

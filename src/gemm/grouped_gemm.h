@@ -78,6 +78,7 @@ struct GroupedGemmArgs {
   GemmTuning tuning;
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait
   int max_ctas = 0;                             // 0: one per multiprocessor
+  TimelineSink timeline;  // where the launch records its spans (a build with POUNCE_TIMELINE); {}: nowhere
 };
 
 // C[e] (+)= A[rows of e]^T . B[rows of e] for every expert e: weight gradients.
@@ -94,6 +95,7 @@ struct KGroupedGemmArgs {
   Epilogue epilogue = Epilogue::kStoreF32;
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait
   int max_ctas = 0;                             // 0: one per multiprocessor
+  TimelineSink timeline;  // where the launch records its spans (a build with POUNCE_TIMELINE); {}: nowhere
 };
 
 // Owns the queue ticket and error record of one stream's GEMM launches.
@@ -106,13 +108,10 @@ class GroupedGemm {
   // After the stream has synchronized: throws pounce::Error if a launch reported a device-side error
   // (a readiness wait that timed out, expert_offsets beyond the A buffer).
   void check_device_errors() { errors_.check(); }
-  // The GEMMs enqueued from now on record their spans there (a build with POUNCE_TIMELINE); {}: stop.
-  void set_timeline(const TimelineSink& sink) { timeline_ = sink; }
 
  private:
   DeviceBuffer<uint32_t> ticket_;
   DeviceErrorSlot errors_;
-  TimelineSink timeline_;
 };
 
 }  // namespace pounce::gemm

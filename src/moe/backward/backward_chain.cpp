@@ -163,7 +163,6 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
   const int32_t* offsets = rows_in_use_.expert_offsets;
   TimelineSink timeline = timeline_;
   timeline.kernel = uint8_t(timeline.kernel + int(which));
-  gemm_.set_timeline(timeline);
   const auto m_grouped = [&](const __nv_bfloat16* a, const __nv_bfloat16* b, gemm::Major b_major, int64_t n, int64_t k,
                              __nv_bfloat16* c) {
     gemm::GroupedGemmArgs g;
@@ -177,6 +176,7 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
     g.c = c;
     g.expert_offsets = offsets;
     g.expert_rows = rows_in_use_.expert_rows;  // padding halves of tiles skip their MMAs
+    g.timeline = timeline;
     gemm_.run(g, stream);
   };
   const auto k_grouped = [&](const __nv_bfloat16* a, int64_t m, const __nv_bfloat16* b, int64_t n) {
@@ -190,6 +190,7 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
     g.expert_offsets = offsets;
     g.c = weight_grad;
     g.epilogue = epilogue;
+    g.timeline = timeline;
     gemm_.run_k_grouped(g, stream);
   };
   switch (which) {
