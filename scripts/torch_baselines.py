@@ -19,9 +19,8 @@ usage: torch_baselines.py --bench-json BENCH.json --out TORCH.json [--reps N] [-
 """
 import argparse
 import json
-import statistics
 
-from bench_env import pounce  # first: multicast off, this checkout's pounce
+from torch_bench import interleaved_times, pounce, summarize  # first: multicast off, this checkout's pounce
 
 import torch
 import torch.nn.functional as F
@@ -29,26 +28,9 @@ import torch.nn.functional as F
 BLOCK_M = 128
 
 
-def summarize(times):
-    times = sorted(times)
-    return {"median_ms": statistics.median(times), "min_ms": times[0], "p90_ms": times[int(0.9 * (len(times) - 1) + 0.5)],
-            "reps": len(times)}
-
-
 def time_interleaved(fns, warmup, reps):
     """Median times of several functions, repetitions interleaved so clock drift hits all alike."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
-              for _ in range(reps)]
-    for row in events:
-        for fn, (start, stop) in zip(fns, row):
-            start.record()
-            fn()
-            stop.record()
-    torch.cuda.synchronize()
-    return [summarize([row[i][0].elapsed_time(row[i][1]) for row in events]) for i in range(len(fns))]
+    return [summarize(list(times)) for times in zip(*interleaved_times(fns, warmup, reps))]
 
 
 def eager_moe(x, topk_ids, topk_weights, w13, w2, intermediate):

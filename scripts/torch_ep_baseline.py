@@ -31,7 +31,7 @@ import statistics
 import subprocess
 import sys
 
-from bench_env import ROOT, pounce  # first: multicast off, this checkout's pounce
+from torch_bench import ROOT, interleaved_times, pounce, summarize  # first: multicast off, this checkout's pounce
 
 import torch
 import torch.distributed as dist
@@ -149,28 +149,10 @@ def relative_l2(got, want):
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def summarize(times):
-    times = sorted(times)
-    p90 = times[int(0.9 * (len(times) - 1) + 0.5)]
-    return {"median_ms": statistics.median(times), "min_ms": times[0], "p90_ms": p90, "reps": len(times)}
-
-
 def time_interleaved(fns, warmup, reps):
     """Median times of several functions, repetitions interleaved so clock drift hits all alike; each
     repetition's time is the slowest rank's."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    events = [
-        [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns] for _ in range(reps)
-    ]
-    for row in events:
-        for fn, (start, stop) in zip(fns, row):
-            start.record()
-            fn()
-            stop.record()
-    torch.cuda.synchronize()
-    ms = torch.tensor([[start.elapsed_time(stop) for start, stop in row] for row in events], device="cuda")
+    ms = torch.tensor(interleaved_times(fns, warmup, reps), device="cuda")
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
     return [summarize(ms[:, i].tolist()) for i in range(len(fns))]
 
