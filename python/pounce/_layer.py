@@ -93,6 +93,19 @@ class Layer:
             return tokens
         return _ceil_to(-(-tokens // self.virtual_ranks), _TOKEN_ALIGN)
 
+    def _rank_spans(self, tokens: int):
+        """(first token, end) of each rank's share of `tokens` tokens, in rank order."""
+        chunk = self._tokens_per_rank(tokens)
+        return [(min(r * chunk, tokens), min((r + 1) * chunk, tokens)) for r in range(self.virtual_ranks)]
+
+    def _rank_ios(self, x, topk_ids, topk_weights, y=None):
+        """Every rank's RankIO for these tensors (y: the forward's output; none for a backward)."""
+        ios = (_lib.RankIO * self.virtual_ranks)()
+        for r, (t0, t1) in enumerate(self._rank_spans(x.shape[0])):
+            out = _address(y, t0) if y is not None else 0
+            ios[r] = _lib.RankIO(_address(x, t0), _address(topk_ids, t0), _address(topk_weights, t0), t1 - t0, out)
+        return ios
+
     def _create(self, tokens_per_rank: int, device: torch.device) -> None:
         lib = _lib.library()
         handle = ctypes.c_void_p()
@@ -172,13 +185,7 @@ class Layer:
             self.check_device_errors(synchronize=False)
             self._set_weights(w13, w2)
             y = torch.empty_like(x)
-            chunk = self._tokens_per_rank(tokens)
-            ios = (_lib.RankIO * self.virtual_ranks)()
-            for r in range(self.virtual_ranks):
-                t0, t1 = min(r * chunk, tokens), min((r + 1) * chunk, tokens)
-                ios[r] = _lib.RankIO(
-                    _address(x, t0), _address(topk_ids, t0), _address(topk_weights, t0), t1 - t0, _address(y, t0)
-                )
+            ios = self._rank_ios(x, topk_ids, topk_weights, y)
             stream = torch.cuda.current_stream(x.device).cuda_stream
             _lib.check(_lib.library().pounce_moe_forward(self._handle, self.virtual_ranks, ios, int(keep), stream))
         return y
@@ -201,12 +208,9 @@ class Layer:
             dx = torch.empty_like(x)
             d_topk_weights = torch.empty_like(topk_weights)
             dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)  # bf16, as the op's inputs are
-            chunk = self._tokens_per_rank(tokens)
-            ios, grads = (_lib.RankIO * n)(), (_lib.RankGrads * n)()
+            ios, grads = self._rank_ios(x, topk_ids, topk_weights), (_lib.RankGrads * n)()
             dw13_ranks, dw2_ranks = dw13.chunk(n), dw2.chunk(n)
-            for r in range(n):
-                t0, t1 = min(r * chunk, tokens), min((r + 1) * chunk, tokens)
-                ios[r] = _lib.RankIO(_address(x, t0), _address(topk_ids, t0), _address(topk_weights, t0), t1 - t0, 0)
+            for r, (t0, _) in enumerate(self._rank_spans(tokens)):
                 grads[r] = _lib.RankGrads(
                     _address(dy, t0),
                     _address(dx, t0),
