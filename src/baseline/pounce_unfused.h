@@ -42,8 +42,9 @@ class PounceUnfusedMoe {
   void set_timeline(const TimelineSink& sink) { timeline_ = sink; }
 
   const RoutingPlan& plan() const { return plan_; }
-  // What the last forward() or run_gemm() left, expert-contiguous: GEMM1's SwiGLU output [rows, I] and
-  // GEMM2's output [rows, H].
+  // What the last forward() or run_gemm() left, expert-contiguous: the permuted tokens, GEMM1's SwiGLU
+  // output [rows, I] and GEMM2's output [rows, H].
+  const __nv_bfloat16* pool() const { return pool_.data(); }  // the permuted tokens [rows, H]
   const __nv_bfloat16* hidden() const { return hidden_.data(); }
   const __nv_bfloat16* expert_out() const { return out_.data(); }
 

@@ -21,6 +21,7 @@
 #include "common/require.h"
 #include "common/tiles.h"
 #include "common/timeline.h"
+#include "formats/quantize_kernel.h"
 #include "moe/backward/backward_chain.h"
 #include "pounce/fused_moe.h"
 #include "reference/synthetic_routing.h"
@@ -162,6 +163,107 @@ Json compare(const std::string& shape, const std::string& what, double flops, co
     out.push_back(std::move(j));
   }
   return out;
+}
+
+// The FP8 grouped GEMMs on the tokens and weights of the BF16 ones: the operands quantized as FP8
+// training would (activations 1 x 128, weights 128 x 128, on the device), timed interleaved with pounce's
+// BF16 GEMM and both dense ceilings. Each FP8 output is checked against pounce's BF16 GEMM on the same
+// operands dequantized (exactly the values the FP8 GEMM multiplies); its distance from the BF16 chain's
+// output (what quantization costs) is recorded beside it.
+Json bench_fp8_gemms(const MoeModelShape& s, baseline::PounceUnfusedMoe& unfused, const __nv_bfloat16* w13,
+                     const __nv_bfloat16* w2, const DeviceBuffer<__nv_bfloat16>& bf16_hidden,
+                     const DeviceBuffer<__nv_bfloat16>& bf16_out, const Candidate& dense_bf16, const Options& o,
+                     double dense_tflops, Report& report, cudaStream_t stream) {
+  const int64_t H = s.hidden, I = s.intermediate, E = s.slice_experts;
+  const baseline::RoutingPlan& plan = unfused.plan();
+  const int64_t rows = plan.padded_rows;
+  struct Quantized {
+    DeviceBuffer<uint8_t> q;
+    DeviceBuffer<float> scale;
+    DeviceBuffer<__nv_bfloat16> exact;  // q dequantized
+  };
+  const auto quantize = [&](const __nv_bfloat16* x, int64_t r, int64_t c, bool weights) {
+    Quantized out{DeviceBuffer<uint8_t>(r * c), DeviceBuffer<float>(weights ? r / 128 * (c / 128) : r * (c / 128)),
+                  DeviceBuffer<__nv_bfloat16>(r * c)};
+    const auto* bits = reinterpret_cast<const uint16_t*>(x);
+    if (weights)
+      formats::quantize_128x128_device(bits, r, c, out.q.data(), out.scale.data(), stream);
+    else
+      formats::quantize_1x128_device(bits, r, c, out.q.data(), out.scale.data(), stream);
+    formats::dequantize_blockwise_device(out.q.data(), out.scale.data(), r, c, weights ? 128 : 1,
+                                         reinterpret_cast<uint16_t*>(out.exact.data()), stream);
+    return out;
+  };
+  const Quantized x8 = quantize(unfused.pool(), rows, H, false), w13_8 = quantize(w13, E * 2 * I, H, true),
+                  h8 = quantize(unfused.hidden(), rows, I, false), w2_8 = quantize(w2, E * H, I, true);
+
+  gemm::GroupedGemm engine;
+  const auto args = [&](const Quantized& a, const Quantized& b, bool gate_up, __nv_bfloat16* c, bool fp8) {
+    gemm::GroupedGemmArgs g;
+    g.a_rows = rows;
+    g.experts = int(E);
+    g.n = gate_up ? 2 * I : H;
+    g.k = gate_up ? H : I;
+    g.c = c;
+    g.epilogue = gate_up ? gemm::Epilogue::kSwiGLU : gemm::Epilogue::kStore;
+    g.expert_offsets = plan.expert_offsets_dev.data();
+    g.expert_rows = plan.expert_routes_dev.data();
+    if (fp8)
+      g.fp8 = {a.q.data(), a.scale.data(), b.q.data(), b.scale.data()};
+    else
+      g.a = a.exact.data(), g.b = b.exact.data();
+    return g;
+  };
+  DenseFp8Gemm dense_fp8(8192, true);
+  const Candidate dense_fp8_reference{"cublasLt dense fp8 8192^3 (fast accumulation)",
+                                      Role::kReference,
+                                      [&](int) { dense_fp8.run(stream); },
+                                      {},
+                                      dense_fp8.flops()};
+  Json gemms = Json::object();
+  for (const bool gate_up : {true, false}) {
+    const int64_t width = gate_up ? I : H;
+    DeviceBuffer<__nv_bfloat16> want(rows * width), got(rows * width);
+    const gemm::GroupedGemmArgs fp8_args =
+        gate_up ? args(x8, w13_8, true, got.data(), true) : args(h8, w2_8, false, got.data(), true);
+    engine.run(gate_up ? args(x8, w13_8, true, want.data(), false) : args(h8, w2_8, false, want.data(), false), stream);
+    const Output output{got.data(),
+                        [&want](int) -> const __nv_bfloat16* { return want.data(); },
+                        rows,
+                        width,
+                        plan.row_token.data(),
+                        "pounce bf16 GEMM on the dequantized FP8 operands",
+                        "row"};
+    const Output bf16_output{gate_up ? unfused.hidden() : unfused.expert_out(),
+                             [&](int) -> const __nv_bfloat16* { return (gate_up ? bf16_hidden : bf16_out).data(); },
+                             rows,
+                             width,
+                             plan.row_token.data(),
+                             gate_up ? "cuBLAS chain's SwiGLU output" : "cuBLAS chain's GEMM2 output",
+                             "row"};
+    const Gemm which = gate_up ? Gemm::kGateUp : Gemm::kDown;
+    const std::vector<Candidate> candidates = {
+        {"pounce bf16", Role::kBaseline, [&, which](int) { unfused.run_gemm(which, stream); }, bf16_output},
+        {"pounce fp8", Role::kPounce, [&](int) { engine.run(fp8_args, stream); }, output},
+        dense_bf16,
+        dense_fp8_reference};
+    const double flops = (gate_up ? 4.0 : 2.0) * double(plan.routes) * double(H) * double(I);
+    const char* what = gate_up ? "FP8 GEMM1 gate/up (SwiGLU)" : "FP8 GEMM2 down";
+    Json rows_json = compare(s.name, what, flops, candidates, o, dense_tflops, report, stream);
+    const double fp8_ceiling = rows_json.back()["tflops"].get<double>();
+    for (Json& row : rows_json) row["fraction_of_dense_fp8"] = row["tflops"].get<double>() / fp8_ceiling;
+    // What quantization costs: the FP8 output against the BF16 chain's.
+    RowComparison quantization(rows);
+    quantization.enqueue(got.data(), (gate_up ? bf16_hidden : bf16_out).data(), width, plan.row_token.data(), stream);
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    engine.check_device_errors();
+    const OutputError q = quantization.error();
+    gemms[gate_up ? "gemm1_gate_up" : "gemm2_down"] = {
+        {"rows", rows_json}, {"fp8_vs_bf16_chain", {{"relative_l2", q.relative_l2}, {"worst_row", q.worst_row}}}};
+    std::printf("  %s: FP8 output vs the BF16 chain's: relative L2 %.3g, worst row %.3g\n", what, q.relative_l2,
+                q.worst_row);
+  }
+  return gemms;
 }
 
 }  // namespace
@@ -436,6 +538,8 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
           compare(s.name, gate_up ? "GEMM1 gate/up" : "GEMM2 down", flops, candidates, o, dense_tflops, report, stream);
     }
     result["grouped_gemms"] = gemms;
+    result["grouped_gemms_fp8"] = bench_fp8_gemms(s, unfused, w13.data(), w2.data(), ref_hidden, ref_out,
+                                                  dense_reference, o, dense_tflops, report, stream);
   }
 
   if (o.backward) {

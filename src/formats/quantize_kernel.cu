@@ -16,6 +16,8 @@
 // - the scale exponent from the amax's exponent and fraction bits (subnormal bf16 normalized by hand).
 // - x * 2^-e is exact (or a float subnormal, which E4M3 turns into +-0 either way), so the only rounding
 //   is cvt.rn.satfinite, whose NaN output is made canonical (0x7F) here.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <climits>
@@ -154,7 +156,117 @@ void launch(const char* name, const uint16_t* x, int64_t rows, int64_t cols, uin
   CUDA_CHECK_LAUNCH();
 }
 
+// One CTA per 128 x 128 block (weights): thread t takes 8 of the block's rows (t / 16 + 16 i), 8 columns
+// each, so a row is 16 lanes and every load is 16 contiguous bytes. amax over the block by warp
+// shuffles and one shared-memory round.
+__global__ void __launch_bounds__(kThreadsPerCta)
+    quantize_128x128_kernel(const uint16_t* __restrict__ x, int64_t cols, uint8_t* __restrict__ out,
+                            float* __restrict__ scales) {
+  constexpr int kRowsPerThread = kWeightBlock * kWeightBlock / kElemsPerThread / kThreadsPerCta;  // 8
+  constexpr int kRowStep = kThreadsPerCta / (kWeightBlock / kElemsPerThread);                     // 16
+  const int64_t col = int64_t(blockIdx.x) * kWeightBlock + (threadIdx.x % 16) * kElemsPerThread;
+  const int64_t row0 = int64_t(blockIdx.y) * kWeightBlock + threadIdx.x / 16;
+  uint4 raw[kRowsPerThread];
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i)
+    raw[i] = *reinterpret_cast<const uint4*>(x + (row0 + i * kRowStep) * cols + col);
+
+  uint32_t amax = 0;
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t a = (words[j / 2] >> (16 * (j % 2))) & 0x7FFF;
+      if (a < 0x7F80) amax = max(amax, a);
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+  __shared__ uint32_t warp_amax[kThreadsPerCta / 32];
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kThreadsPerCta / 32; ++w) amax = max(amax, warp_amax[w]);
+
+  const int e = scale_exponent<false>(amax);
+  const float inv_scale = exp2_int(-e);
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+    uint32_t codes[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float x0 = __uint_as_float(words[2 * h] << 16), x1 = __uint_as_float(words[2 * h] & 0xFFFF0000u);
+      const float x2 = __uint_as_float(words[2 * h + 1] << 16), x3 = __uint_as_float(words[2 * h + 1] & 0xFFFF0000u);
+      codes[h] = e4m3x2(mul_rn(x0, inv_scale), mul_rn(x1, inv_scale)) |
+                 e4m3x2(mul_rn(x2, inv_scale), mul_rn(x3, inv_scale)) << 16;
+    }
+    *reinterpret_cast<uint2*>(out + (row0 + i * kRowStep) * cols + col) = make_uint2(codes[0], codes[1]);
+  }
+  if (threadIdx.x == 0) scales[int64_t(blockIdx.y) * gridDim.x + blockIdx.x] = exp2_int(e);
+}
+
+// One thread per 8 elements: E4M3 -> float (exact) times the block's power-of-two scale (exact unless
+// subnormal) -> bf16 (exact for 4 significant bits; the host reference rounds the same two steps).
+__global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scales, int64_t rows,
+                                  int64_t cols, int block_rows, uint16_t* __restrict__ out) {
+  const int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kElemsPerThread;
+  if (first >= rows * cols) return;
+  const int64_t row = first / cols, col = first % cols;
+  const float scale = scales[(row / block_rows) * (cols / kActivationBlock) + col / kActivationBlock];
+  const uint2 codes = *reinterpret_cast<const uint2*>(q + first);
+  const uint32_t words[2] = {codes.x, codes.y};
+  uint32_t bf16x2[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t pair = (words[i / 2] >> (16 * (i % 2))) & 0xFFFF;
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair), __NV_E4M3);
+    const float lo = mul_rn(__half2float(__ushort_as_half(h.x)), scale);
+    const float hi = mul_rn(__half2float(__ushort_as_half(h.y)), scale);
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    bf16x2[i] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+  *reinterpret_cast<uint4*>(out + first) = make_uint4(bf16x2[0], bf16x2[1], bf16x2[2], bf16x2[3]);
+}
+
 }  // namespace
+
+void dequantize_blockwise_device(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, int block_rows,
+                                 uint16_t* out_bf16, cudaStream_t stream) {
+  constexpr const char* name = "dequantize_blockwise_device";
+  POUNCE_REQUIRE(block_rows == 1 || block_rows == kWeightBlock, name, ": block_rows = ", block_rows,
+                 " (1 for 1 x 128 blocks, 128 for 128 x 128)");
+  POUNCE_REQUIRE(rows >= 0 && cols >= 0 && cols % kActivationBlock == 0 && rows % block_rows == 0, name, ": shape [",
+                 rows, ", ", cols, "] is not made of whole ", block_rows, " x 128 blocks");
+  if (rows == 0 || cols == 0) return;
+  POUNCE_REQUIRE(q != nullptr && scales != nullptr && out_bf16 != nullptr, name, ": q, scales and out must be set");
+  POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(q) % 8 == 0 && reinterpret_cast<uintptr_t>(out_bf16) % 16 == 0, name,
+                 ": q must be 8-byte and out 16-byte aligned");
+  const int64_t threads = rows * cols / kElemsPerThread;
+  const int64_t ctas = (threads + kThreadsPerCta - 1) / kThreadsPerCta;
+  POUNCE_REQUIRE(ctas <= INT_MAX, name, ": ", rows, " x ", cols, " elements need more than 2^31 - 1 CTAs");
+  dequantize_kernel<<<unsigned(ctas), kThreadsPerCta, 0, stream>>>(q, scales, rows, cols, block_rows, out_bf16);
+  CUDA_CHECK_LAUNCH();
+}
+
+void quantize_128x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,
+                             cudaStream_t stream) {
+  constexpr const char* name = "quantize_128x128_device";
+  POUNCE_REQUIRE(rows >= 0 && cols >= 0, name, ": shape [", rows, ", ", cols, "] has a negative extent");
+  POUNCE_REQUIRE(rows % kWeightBlock == 0 && cols % kWeightBlock == 0, name, ": shape [", rows, ", ", cols,
+                 "] is not made of whole ", kWeightBlock, " x ", kWeightBlock, " blocks");
+  if (rows == 0 || cols == 0) return;
+  POUNCE_REQUIRE(x_bf16 != nullptr && out != nullptr && scales != nullptr, name, ": x, out and scales must be set");
+  POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(x_bf16) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0 &&
+                     reinterpret_cast<uintptr_t>(scales) % 4 == 0,
+                 name, ": x must be 16-byte, out 8-byte and scales 4-byte aligned");
+  POUNCE_REQUIRE(rows / kWeightBlock <= 65535 && cols / kWeightBlock <= INT_MAX, name, ": [", rows, ", ", cols,
+                 "] has too many blocks for one launch");
+  const dim3 grid(unsigned(cols / kWeightBlock), unsigned(rows / kWeightBlock));
+  quantize_128x128_kernel<<<grid, kThreadsPerCta, 0, stream>>>(x_bf16, cols, out, scales);
+  CUDA_CHECK_LAUNCH();
+}
 
 void quantize_1x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,
                            cudaStream_t stream) {

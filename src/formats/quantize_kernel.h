@@ -18,6 +18,17 @@ namespace pounce::formats {
 void quantize_1x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,
                            cudaStream_t stream);
 
+// out: [rows, cols] E4M3; scales: [rows / 128, cols / 128] fp32 powers of two, one per 128 x 128 block
+// (weights; same rule as quantize_128x128). rows and cols multiples of 128.
+void quantize_128x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,
+                             cudaStream_t stream);
+
+// The inverse of the two blockwise quantizers: bf16 out [rows, cols] = e4m3 q * its block's scale, rounded
+// as the host's float product converted to bf16 (exact unless the product is subnormal). block_rows 1: scales [rows,
+// cols / 128] (1 x 128 blocks); 128: scales [rows / 128, cols / 128] (128 x 128 blocks).
+void dequantize_blockwise_device(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, int block_rows,
+                                 uint16_t* out_bf16, cudaStream_t stream);
+
 // out: [rows, cols] E4M3; scales: [rows, cols / 32] E8M0 (OCP MX rule). cols % 32 == 0.
 void quantize_mxfp8_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, uint8_t* scales,
                            cudaStream_t stream);

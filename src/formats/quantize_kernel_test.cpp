@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -72,8 +73,29 @@ std::vector<uint8_t> as_bytes(const std::vector<T>& v) {
   return bytes;
 }
 
-// Runs both device quantizers on x (bf16 bits, [rows, cols]) and compares them to the host reference.
-// The 1x128 quantizer runs only when cols is a multiple of 128.
+// The device dequantizer on what a device quantizer wrote, against the host's dequantized values.
+void check_dequantized(const GuardedBuffer& q, const GuardedBuffer& scales, int64_t rows, int64_t cols, int block_rows,
+                       const std::vector<float>& want, cudaStream_t stream) {
+  GuardedBuffer d_out(want.size() * sizeof(uint16_t));
+  d_out.poison();
+  dequantize_blockwise_device(q.as<uint8_t>(), scales.as<float>(), rows, cols, block_rows, d_out.as<uint16_t>(),
+                              stream);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<uint8_t> bytes = d_out.download();
+  const std::vector<uint16_t> want_bits = testing::to_bf16_bits(want);
+  int64_t mismatches = 0, first = -1;
+  for (size_t i = 0; i < want.size(); ++i) {
+    uint16_t got;
+    std::memcpy(&got, bytes.data() + 2 * i, 2);
+    const bool same = got == want_bits[i] || (std::isnan(bf16_to_float(got)) && std::isnan(want[i]));
+    if (!same && mismatches++ == 0) first = int64_t(i);
+  }
+  EXPECT_EQ(mismatches, 0) << (block_rows == 1 ? "1x128" : "128x128") << " dequantized: first mismatch at element "
+                           << first << " (row " << first / cols << ", column " << first % cols << ")";
+}
+
+// Runs the device quantizers on x (bf16 bits, [rows, cols]) and compares them to the host reference.
+// The 1x128 quantizer runs only when cols is a multiple of 128, the 128x128 one when rows is too.
 void check_against_host(const std::vector<uint16_t>& x, int64_t rows, int64_t cols) {
   SCOPED_TRACE(::testing::Message() << "shape [" << rows << ", " << cols << "]");
   std::vector<float> xf(x.size());
@@ -93,6 +115,18 @@ void check_against_host(const std::vector<uint16_t>& x, int64_t rows, int64_t co
     CUDA_CHECK(cudaStreamSynchronize(stream));
     expect_bytes_equal(d_out.download(), want.data, "1x128 data", cols);
     expect_bytes_equal(d_scales.download(), as_bytes(want.scales), "1x128 scales", cols / kActivationBlock * 4);
+    check_dequantized(d_out, d_scales, rows, cols, 1, dequantize(want), stream);
+  }
+  if (cols % kWeightBlock == 0 && rows % kWeightBlock == 0) {
+    const Fp8Blocks128x128 want = quantize_128x128(xf, rows, cols);
+    GuardedBuffer d_scales(want.scales.size() * sizeof(float));
+    d_out.poison();
+    d_scales.poison();
+    quantize_128x128_device(d_x.as<uint16_t>(), rows, cols, d_out.as<uint8_t>(), d_scales.as<float>(), stream);
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    expect_bytes_equal(d_out.download(), want.data, "128x128 data", cols);
+    expect_bytes_equal(d_scales.download(), as_bytes(want.scales), "128x128 scales", cols / kWeightBlock * 4);
+    check_dequantized(d_out, d_scales, rows, cols, kWeightBlock, dequantize(want), stream);
   }
 
   const Mxfp8 want = quantize_mxfp8(xf, rows, cols);
@@ -125,7 +159,8 @@ std::vector<uint16_t> wide_range_bf16(std::mt19937_64& rng, size_t n, int spread
 TEST(QuantizeKernel, RandomUniformMatchesHost) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
-  const std::pair<int64_t, int64_t> shapes[] = {{1, 128}, {1, 7168}, {3, 384}, {333, 128}, {2048, 7168}, {1000, 2048}};
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 128},     {1, 7168},    {3, 384},  {333, 128},
+                                                {2048, 7168}, {1000, 2048}, {384, 640}};
   for (auto [rows, cols] : shapes) {
     const std::vector<float> v = testing::random_bf16_values(rng, size_t(rows * cols), -4.0f, 4.0f);
     check_against_host(testing::to_bf16_bits(v), rows, cols);
@@ -173,6 +208,29 @@ TEST(QuantizeKernel, EdgeCasesMatchHost) {
   check_against_host(x, rows, cols);
 }
 
+// 128 x 128 blocks that hold only zeros, only subnormals, NaN and Inf beside finite values, amax exactly
+// 448, and a block of NaN and Inf only.
+TEST(QuantizeKernel, WeightBlockEdgeCasesMatchHost) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const int64_t rows = 256, cols = 384;
+  std::vector<uint16_t> x = testing::to_bf16_bits(testing::random_bf16_values(rng, size_t(rows * cols)));
+  const auto at = [&](int64_t block_row, int64_t block_col, int64_t r, int64_t c) -> uint16_t& {
+    return x[(block_row * 128 + r) * cols + block_col * 128 + c];
+  };
+  for (int r = 0; r < 128; ++r)
+    for (int c = 0; c < 128; ++c) {
+      at(0, 0, r, c) = (r + c) % 5 == 0 ? 0x8000 : 0x0000;              // zeros and -0
+      at(0, 2, r, c) = uint16_t(((r * 7 + c) & 0x7F) | (c & 1) << 15);  // only subnormals (and zeros)
+      at(1, 2, r, c) = (r + c) % 2 ? 0x7FC0 : 0xFF80;                   // NaN and -Inf only
+    }
+  at(0, 1, 5, 9) = 0x7FC0;  // NaN, +Inf and exactly 448 among random values
+  at(0, 1, 77, 127) = 0x7F80;
+  at(0, 1, 127, 0) = 0x43E0;
+  at(1, 0, 64, 64) = 0x43E1;  // just above 448
+  check_against_host(x, rows, cols);
+}
+
 TEST(QuantizeKernel, RejectsBadArguments) {
   POUNCE_REQUIRE_HOPPER();
   GuardedBuffer d_x(1024 * 2), d_out(1024), d_scales(64);
@@ -186,9 +244,12 @@ TEST(QuantizeKernel, RejectsBadArguments) {
   EXPECT_THROW(quantize_mxfp8_device(x, 1, 128, out, nullptr, nullptr), Error);
   EXPECT_THROW(quantize_1x128_device(x + 1, 1, 128, out, d_scales.as<float>(), nullptr), Error);  // misaligned
   EXPECT_THROW(quantize_1x128_device(x, 1, 128, out + 4, d_scales.as<float>(), nullptr), Error);
+  EXPECT_THROW(quantize_128x128_device(x, 64, 128, out, d_scales.as<float>(), nullptr), Error);  // half a block
+  EXPECT_THROW(quantize_128x128_device(x, 128, 128, out, nullptr, nullptr), Error);
   // Empty matrices launch nothing, even with null pointers.
   EXPECT_NO_THROW(quantize_1x128_device(nullptr, 0, 128, nullptr, nullptr, nullptr));
   EXPECT_NO_THROW(quantize_mxfp8_device(nullptr, 4, 0, nullptr, nullptr, nullptr));
+  EXPECT_NO_THROW(quantize_128x128_device(nullptr, 0, 256, nullptr, nullptr, nullptr));
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 

@@ -6,15 +6,20 @@
 //   warpgroup 0: producer. One thread takes tiles from a TileSource (which also waits, bounded, for the
 //                tile's inputs to be ready), publishes each to the consumers and streams A/B K-slices
 //                with TMA into a kStages-deep mbarrier ring.
-//   warpgroups 1-2: consumers. Each owns 64 of the tile's 128 rows: wgmma m64n256k16 from shared memory,
-//                fp32 accumulators in registers, then the epilogue (SwiGLU, row scale) writes bf16 into
-//                a swizzled staging box that a TMA store copies out while the next tile's mainloop runs.
+//   warpgroups 1-2: consumers. Each owns 64 of the tile's 128 rows: wgmma from shared memory, fp32
+//                accumulators in registers, then the epilogue (SwiGLU, row scale) writes bf16 into a
+//                swizzled staging box that a TMA store copies out while the next tile's mainloop runs.
+// Two stage formats: bf16 tiles of 128 x 256 with 64-wide K slices (m64n256k16), and E4M3 tiles of
+// 128 x 128 with 128-wide K slices (m64n128k32), each slice one block of the operands' scales, applied
+// in fp32 between slices (a second accumulator set: 64 + 64 registers, where 128 x 256 would need 256).
 // A tile belongs to one of (at most) two GEMMs, each with its own operands; the fused kernel interleaves
 // GEMM1 and GEMM2 tiles in one queue.
 #pragma once
 
 #include <cuda.h>
 #include <cuda_bf16.h>
+
+#include <type_traits>
 
 #include "common/bounded_wait.cuh"
 #include "common/timeline.cuh"
@@ -25,7 +30,6 @@ namespace pounce::gemm::pipeline {
 
 // ---- configuration and shared memory ---------------------------------------------------------------
 
-constexpr int kStages = 4;
 constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
 constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
 constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;  // 64: one wgmma M
@@ -33,13 +37,37 @@ static_assert(kStoreBoxRows == kRowsPerConsumer, "a store box is one consumer's 
 constexpr int kStoreSlots = 2;     // per consumer: fill one box while the previous one is stored
 constexpr int kTileSlots = 2;      // the producer may run one tile ahead of the consumers
 constexpr int kDoneLagSlices = 4;  // a tile's completion counter is released this many K slices into the next
-constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK * sizeof(__nv_bfloat16);
 // setmaxnreg: 128 x 56 + 256 x 224 = 64512 of the SM's 65536 registers.
 constexpr uint32_t kProducerRegisters = 56;
 constexpr uint32_t kConsumerRegisters = 224;
 
 // Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue.
 enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1 };
+
+// ---- tile kinds and stage formats --------------------------------------------------------------------
+//
+// What a kernel's tiles can be, fixed at compile time: each kernel carries only its own mainloop and
+// epilogues (with every variant in one kernel, ptxas spilled ~2 KB of accumulators per thread).
+enum class TileKind {
+  kForward,     // A and B K-major; bf16 out, kStore or kSwiGLU                  (m-grouped)
+  kForwardFp8,  // kForward with E4M3 A and B and their block scales (GemmOperands::a_scale, b_scale)
+  kDataGrad,    // A K-major, B MN-major (weights used transposed); bf16 kStore   (m-grouped)
+  kWeightGrad,  // A and B MN-major (row buffers used transposed); 3-D C, kStoreF32, kAddF32 or bf16 kStore
+                // (k-grouped; a tile may have no K slices)
+};
+
+// A stage holds one K slice of a tile's A rows and B columns; a slice row is one 128-byte swizzle row.
+struct Bf16Stages {
+  using Element = __nv_bfloat16;
+  static constexpr int kTileN = kBlockN, kSliceK = kBlockK, kStages = 4;
+};
+// One slice is one 128-wide block of the activation (1 x 128) and weight (128 x 128) scales.
+struct Fp8Stages {
+  using Element = uint8_t;
+  static constexpr int kTileN = 128, kSliceK = 128, kStages = 6;
+};
+template <TileKind kKind>
+using StagesOf = std::conditional_t<kKind == TileKind::kForwardFp8, Fp8Stages, Bf16Stages>;
 
 // Where a tile's operands start. A K-major operand's slice kb is the box at (col + kb * kBlockK, row); an
 // MN-major operand's is the boxes at (col + 64 j, row + kb * kBlockK), one per 64 elements of M or N.
@@ -52,7 +80,7 @@ struct TileInfo {
   OperandOrigin a, b;
   int32_t c_row;     // first C row (of the expert's matrix when C is 3-D)
   int32_t c_expert;  // 3-D C only
-  int32_t n_block;
+  int32_t n_block;   // of the stage format's kTileN columns
   int32_t m_block;   // index of the tile's completion counter (GemmOperands::done)
   int32_t k_blocks;  // K slices; 0 gives C = 0 (kAddF32: C unchanged)
   int32_t valid;     // 0: no more tiles (queue drained, or the producer gave up): consumers exit
@@ -63,9 +91,15 @@ struct TileInfo {
 
 // Every TMA tile starts on a 1024-byte boundary: the 128-byte swizzle pattern repeats every 8 rows
 // of 128 bytes and is computed from absolute shared-memory address bits.
+template <class Stages>
 struct SharedStorage {
-  alignas(1024) __nv_bfloat16 a[kStages][kBlockM * kBlockK];
-  alignas(1024) __nv_bfloat16 b[kStages][kBlockN * kBlockK];
+  using Element = typename Stages::Element;
+  static constexpr int kStages = Stages::kStages;
+  static constexpr uint32_t kStageBytes = (kBlockM + Stages::kTileN) * Stages::kSliceK * sizeof(Element);
+  static_assert(Stages::kSliceK * sizeof(Element) == 128, "one K slice row must be one 128-byte swizzle row");
+
+  alignas(1024) Element a[kStages][kBlockM * Stages::kSliceK];
+  alignas(1024) Element b[kStages][Stages::kTileN * Stages::kSliceK];
   alignas(1024) __nv_bfloat16 c[kConsumerWarpgroups][kStoreSlots][kStoreBoxRows * kStoreBoxCols];
   uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes)
   uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer warp)
@@ -73,26 +107,21 @@ struct SharedStorage {
   uint64_t tile_empty[kTileSlots];
   TileInfo tiles[kTileSlots];
 };
-constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;  // + slack to align the dynamic base
-static_assert(kSharedBytes <= 232448, "shared memory exceeds the sm_90 per-block limit");
-static_assert(kBlockK * sizeof(__nv_bfloat16) == 128, "one K slice row must be one 128-byte swizzle row");
+// Dynamic shared memory of a kernel whose tiles are of kind kKind: + slack to align the dynamic base.
+template <TileKind kKind>
+constexpr size_t kSharedBytesOf = sizeof(SharedStorage<StagesOf<kKind>>) + 1024;
+constexpr size_t kSharedBytes = kSharedBytesOf<TileKind::kForward>;
+static_assert(kSharedBytes <= 232448 && kSharedBytesOf<TileKind::kForwardFp8> <= 232448,
+              "shared memory exceeds the sm_90 per-block limit");
 
 constexpr uint32_t kConsumerWarps = kConsumerWarpgroups * 4;
 
-__device__ __forceinline__ SharedStorage& shared_storage(uint8_t* smem_raw) {
-  return *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+template <class Stages>
+__device__ __forceinline__ SharedStorage<Stages>& shared_storage(uint8_t* smem_raw) {
+  return *reinterpret_cast<SharedStorage<Stages>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 }
 
 // ---- tile source contract ---------------------------------------------------------------------------
-//
-// What a kernel's tiles can be, fixed at compile time: each kernel carries only its own mainloop and
-// epilogues (with every variant in one kernel, ptxas spilled ~2 KB of accumulators per thread).
-enum class TileKind {
-  kForward,     // A and B K-major; bf16 out, kStore or kSwiGLU                  (m-grouped)
-  kDataGrad,    // A K-major, B MN-major (weights used transposed); bf16 kStore   (m-grouped)
-  kWeightGrad,  // A and B MN-major (row buffers used transposed); 3-D C, kStoreF32, kAddF32 or bf16 kStore
-                // (k-grouped; a tile may have no K slices)
-};
 
 // The producer asks its TileSource for tiles; TileSource::kKind is one of the kinds above.
 //   bool next(TileInfo& tile)  takes the next tile, waits (bounded) until its A rows are ready and fences
@@ -116,6 +145,10 @@ struct GemmOperands {
   // kSwiGLU only, optional: bf16 [rows, n] (store box) that also receives the tile before SwiGLU, at
   // TileInfo::keep_row: the gate/up rows a training forward keeps for the backward.
   const CUtensorMap* keep;
+  // kForwardFp8 only: fp32 power-of-two scales of A, [rows, k / 128] (1 x 128 blocks of each row), and of
+  // B, [experts * n / 128, k / 128] (128 x 128 blocks).
+  const float* a_scale;
+  const float* b_scale;
 };
 
 // Waits inside the CTA must outlast the producer's readiness wait, which they may sit behind.
@@ -125,22 +158,25 @@ __device__ __forceinline__ uint64_t pipeline_timeout_ns(uint64_t ready_timeout_n
 
 // ---- producer ---------------------------------------------------------------------------------------
 
-// K slice kb of an operand tile with kRows rows of M or N: one box when K-major, a 64 x kBlockK box per
-// 64 elements of M or N when MN-major (TMA boxes are at most 128 bytes wide with the 128-byte swizzle).
-template <int kRows, bool kMNMajor>
-__device__ __forceinline__ void load_slice(__nv_bfloat16* dst, const CUtensorMap* map, const OperandOrigin& at, int kb,
+// K slice kb (kSliceK wide) of an operand tile with kRows rows of M or N: one box when K-major, a
+// 64 x kSliceK box per 64 elements of M or N when MN-major (TMA boxes are at most 128 bytes wide with
+// the 128-byte swizzle; MN-major operands are bf16 only).
+template <int kRows, bool kMNMajor, int kSliceK, class Element>
+__device__ __forceinline__ void load_slice(Element* dst, const CUtensorMap* map, const OperandOrigin& at, int kb,
                                            uint64_t* full) {
   if constexpr (kMNMajor) {
 #pragma unroll
     for (int atom = 0; atom < kRows / 64; ++atom)
-      ptx::tma_load_2d(dst + atom * 64 * kBlockK, map, full, at.col + atom * 64, at.row + kb * kBlockK);
+      ptx::tma_load_2d(dst + atom * 64 * kSliceK, map, full, at.col + atom * 64, at.row + kb * kSliceK);
   } else {
-    ptx::tma_load_2d(dst, map, full, at.col + kb * kBlockK, at.row);
+    ptx::tma_load_2d(dst, map, full, at.col + kb * kSliceK, at.row);
   }
 }
 
-template <class Tiles>
-__device__ void run_producer(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site) {
+template <class Tiles, class Storage>
+__device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site) {
+  using Stages = StagesOf<Tiles::kKind>;
+  constexpr int kStages = Storage::kStages;
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
   for (;;) {
     TileInfo info{};
@@ -156,11 +192,13 @@ __device__ void run_producer(SharedStorage& s, Tiles& tiles, const WaitSite& pip
     const GemmOperands& op = tiles.operands(info.gemm);
     for (int kb = 0; kb < info.k_blocks; ++kb) {
       mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
-      ptx::mbarrier_arrive_expect_tx(&s.full[stage], kStageBytes);
-      load_slice<kBlockM, Tiles::kKind == TileKind::kWeightGrad>(s.a[stage], op.a, info.a, kb, &s.full[stage]);
+      ptx::mbarrier_arrive_expect_tx(&s.full[stage], Storage::kStageBytes);
+      load_slice<kBlockM, Tiles::kKind == TileKind::kWeightGrad, Stages::kSliceK>(s.a[stage], op.a, info.a, kb,
+                                                                                  &s.full[stage]);
       // B rows past the last expert are out of bounds and zero-filled; rows past this expert's N belong
       // to the next expert and only feed output columns the clipped store never writes.
-      load_slice<kBlockN, Tiles::kKind != TileKind::kForward>(s.b[stage], op.b, info.b, kb, &s.full[stage]);
+      constexpr bool kTransB = Tiles::kKind == TileKind::kDataGrad || Tiles::kKind == TileKind::kWeightGrad;
+      load_slice<Stages::kTileN, kTransB, Stages::kSliceK>(s.b[stage], op.b, info.b, kb, &s.full[stage]);
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
   }
@@ -191,23 +229,23 @@ struct StoreTarget {
   int32_t row, col, expert;
 };
 
-// Accumulator fragment of wgmma m64nN: warp w of the warpgroup holds rows 16w + lane/4 and that + 8;
-// for 8-column chunk j it holds columns 8j + 2*(lane%4) + {0,1} in acc[4j + {0,1}] (first row) and
-// acc[4j + {2,3}] (second row). With gate/up interleaved in groups of 8, chunk 2i is gate and chunk
-// 2i + 1 the matching up: SwiGLU needs no data exchange between threads.
-// Outputs leave in boxes one swizzle row (128 bytes) wide: 64 bf16 or 32 fp32 columns.
-// A k-grouped tile (kKGrouped) writes its expert's matrix of a 3-D C; `empty` (no K slices) stores zeros.
-template <Epilogue kEpilogue, bool kKGrouped = false>
-__device__ void store_tile(const float (&acc)[128], SharedStorage& s, const StoreTarget& to, bool empty, int consumer,
-                           int thread) {
+// Accumulator fragment of wgmma m64nN (N / 2 floats per thread): warp w of the warpgroup holds rows 16w + lane/4 and
+// that + 8; for 8-column chunk j it holds columns 8j + 2*(lane%4) + {0,1} in acc[4j + {0,1}] (first row) and acc[4j +
+// {2,3}] (second row). With gate/up interleaved in groups of 8, chunk 2i is gate and chunk 2i + 1 the matching up:
+// SwiGLU needs no data exchange between threads. Outputs leave in boxes one swizzle row (128 bytes) wide: 64 bf16 or 32
+// fp32 columns. A k-grouped tile (kKGrouped) writes its expert's matrix of a 3-D C; `empty` (no K slices) stores zeros.
+// Boxes take the store slots in turn, from `slot` on (the consumer's running count: a tile may store an
+// odd number of boxes, and the slot its last box used must not be refilled before that store has read it).
+template <Epilogue kEpilogue, bool kKGrouped = false, int kAcc, class Storage>
+__device__ void store_tile(const float (&acc)[kAcc], Storage& s, const StoreTarget& to, bool empty, uint32_t& slot,
+                           int consumer, int thread) {
   const bool zeros = kKGrouped && empty;
   const auto value = [&](int i) { return zeros ? 0.0f : acc[i]; };
   constexpr bool kF32 = kEpilogue == Epilogue::kStoreF32 || kEpilogue == Epilogue::kAddF32;
-  constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
+  constexpr int kTileN = 2 * kAcc;
+  constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kTileN / 2 : kTileN;
   constexpr int kBoxCols = kF32 ? 32 : kStoreBoxCols;
   constexpr int kBoxes = kOutCols / kBoxCols;
-  // Boxes alternate between the store slots; an even count leaves the next call starting on a free slot.
-  static_assert(kBoxes % kStoreSlots == 0, "a tile's boxes must fill whole rounds of the store slots");
   const int warp = thread / 32, lane = thread % 32;
   const int row = warp * 16 + lane / 4;  // within this consumer's 64 rows; the second row is row + 8
   const int32_t out_row = to.row + consumer * kRowsPerConsumer;
@@ -220,7 +258,7 @@ __device__ void store_tile(const float (&acc)[128], SharedStorage& s, const Stor
 
 #pragma unroll
   for (int box = 0; box < kBoxes; ++box) {
-    const int store_slot = box % kStoreSlots;
+    const uint32_t store_slot = (slot + box) % kStoreSlots;
     const uint32_t base = ptx::smem_addr(s.c[consumer][store_slot]);
     // The store issued from this slot kStoreSlots boxes ago (maybe in the previous tile) must have read it.
     if (thread == 0) ptx::bulk_wait_group_read<kStoreSlots - 1>();
@@ -268,6 +306,7 @@ __device__ void store_tile(const float (&acc)[128], SharedStorage& s, const Stor
       ptx::bulk_commit_group();
     }
   }
+  slot = (slot + kBoxes) % kStoreSlots;
 }
 
 // Releases a finished tile's completion counter (consumer thread 0) once its stores have landed.
@@ -285,25 +324,29 @@ __device__ __forceinline__ void release_done(uint32_t*& counter) {
   counter = nullptr;
 }
 
-// One tile's mainloop: one wgmma group per K slice; keep one group in flight and release a stage as soon
-// as the group reading it has completed. K-major slices step K by 32 bytes per wgmma, MN-major ones by
-// 16 rows of 128 bytes; each consumer reads its 64 rows of A (8 KB into the stage either way).
-// `skip`: this consumer's rows are all padding: it only waits for each stage and releases it at once.
+// A consumer whose rows are all padding (`skip` below): waits for each stage and releases it at once.
+template <class Storage>
+__device__ __forceinline__ void drain_stages(Storage& s, int k_blocks, uint32_t& stage, uint32_t& phase,
+                                             uint32_t*& pending_done, const WaitSite& pipe_site, int thread) {
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+    if (thread % 32 == 0) ptx::mbarrier_arrive(&s.empty[stage]);
+    if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
+    if (++stage == Storage::kStages) stage = 0, phase ^= 1;
+  }
+}
+
+// One bf16 tile's mainloop: one wgmma group per K slice; keep one group in flight and release a stage as
+// soon as the group reading it has completed. K-major slices step K by 32 bytes per wgmma, MN-major ones
+// by 16 rows of 128 bytes; each consumer reads its 64 rows of A (8 KB into the stage either way).
+// `skip`: this consumer's rows are all padding.
 template <bool kTransA, bool kTransB>
-__device__ __forceinline__ void run_mainloop(SharedStorage& s, float (&acc)[128], int k_blocks, bool skip,
+__device__ __forceinline__ void run_mainloop(SharedStorage<Bf16Stages>& s, float (&acc)[128], int k_blocks, bool skip,
                                              uint32_t& stage, uint32_t& phase, uint32_t*& pending_done,
                                              const WaitSite& pipe_site, int consumer, int thread) {
   constexpr uint32_t kStepA = kTransA ? 16 * 128 : 32, kStepB = kTransB ? 16 * 128 : 32;
   const int lane = thread % 32;
-  if (skip) {
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-      if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
-      if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
-      if (++stage == kStages) stage = 0, phase ^= 1;
-    }
-    return;
-  }
+  if (skip) return drain_stages(s, k_blocks, stage, phase, pending_done, pipe_site, thread);
   uint32_t previous_stage = 0;
   for (int kb = 0; kb < k_blocks; ++kb) {
     mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
@@ -325,18 +368,68 @@ __device__ __forceinline__ void run_mainloop(SharedStorage& s, float (&acc)[128]
     if (kb > 0 && lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
     if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
     previous_stage = stage;
-    if (++stage == kStages) stage = 0, phase ^= 1;
+    if (++stage == Bf16Stages::kStages) stage = 0, phase ^= 1;
   }
   ptx::wgmma_wait_group<0>();
   ptx::fence_registers(acc);
   if (k_blocks > 0 && lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
 }
 
-template <TileKind kKind, class Tiles>
-__device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSite& pipe_site, int consumer) {
+// One E4M3 tile's mainloop. A K slice is one scale block of both operands: its four m64n128k32 wgmmas
+// sum into `part`, which is then added to `acc` times (A row scale x B block scale) in fp32. Promoting
+// every 128 of K keeps the error independent of K: the tensor cores' FP8 sums carry fewer bits than
+// fp32. The wait for each slice's group idles this warpgroup's MMAs while it scales; the other consumer's
+// slices fill the tensor cores meanwhile. The scales of the next slice are loaded while this one's MMAs
+// run. `skip`: this consumer's rows are all padding.
+__device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, float (&acc)[64], const TileInfo& tile,
+                                                 const GemmOperands& op, bool skip, uint32_t& stage, uint32_t& phase,
+                                                 uint32_t*& pending_done, const WaitSite& pipe_site, int consumer,
+                                                 int thread) {
+  const int k_blocks = tile.k_blocks;
+  if (skip) return drain_stages(s, k_blocks, stage, phase, pending_done, pipe_site, thread);
+  const int lane = thread % 32;
+  // This thread's rows of the fragment: row and row + 8 (see store_tile).
+  const int64_t row = tile.a.row + consumer * kRowsPerConsumer + (thread / 32) * 16 + lane / 4;
+  const float* a_scale = op.a_scale + row * k_blocks;
+  const float* b_scale = op.b_scale + int64_t(tile.b.row / Fp8Stages::kTileN) * k_blocks;
+  float part[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+  float next_lo = __ldg(a_scale), next_hi = __ldg(a_scale + 8 * k_blocks), next_b = __ldg(b_scale);
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+    const uint32_t a_base = ptx::smem_addr(s.a[stage]) + consumer * kRowsPerConsumer * 128;
+    const uint32_t b_base = ptx::smem_addr(s.b[stage]);
+    ptx::fence_registers(part);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Fp8Stages::kSliceK / 32; ++kk)  // 32 bytes of K per wgmma
+      ptx::wgmma_m64n128k32_e4m3(part, ptx::wgmma_desc_k_major_sw128(a_base + kk * 32),
+                                 ptx::wgmma_desc_k_major_sw128(b_base + kk * 32), kk > 0);
+    ptx::wgmma_commit_group();
+    // Powers of two: the products are exact.
+    const float scale_lo = next_lo * next_b, scale_hi = next_hi * next_b;
+    if (kb + 1 < k_blocks) {
+      next_lo = __ldg(a_scale + kb + 1);
+      next_hi = __ldg(a_scale + 8 * k_blocks + kb + 1);
+      next_b = __ldg(b_scale + kb + 1);
+    }
+    ptx::wgmma_wait_group<0>();
+    ptx::fence_registers(part);
+    if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
+    if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i % 4 < 2 ? scale_lo : scale_hi, acc[i]);
+    if (++stage == Fp8Stages::kStages) stage = 0, phase ^= 1;
+  }
+}
+
+template <TileKind kKind, class Tiles, class Storage>
+__device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pipe_site, int consumer) {
+  constexpr int kTileN = StagesOf<kKind>::kTileN;
   const int thread = threadIdx.x % 128, lane = thread % 32;
-  float acc[128];
-  uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
+  float acc[kTileN / 2];
+  uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0, store_slot = 0;
   uint32_t* pending_done = nullptr;  // thread 0: the last tile's counter, its stores still in flight
   for (;;) {
     if (thread == 0 && pending_done != nullptr && !ptx::mbarrier_test_wait(&s.tile_full[slot], slot_phase))
@@ -349,41 +442,45 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
     if (!tile.valid) break;
     const GemmOperands& op = tiles.operands(tile.gemm);
 
-    constexpr bool kTransA = kKind == TileKind::kWeightGrad, kTransB = kKind != TileKind::kForward;
+    constexpr bool kForward = kKind == TileKind::kForward || kKind == TileKind::kForwardFp8;
     const bool padding = tile.rows <= consumer * kRowsPerConsumer;  // this consumer's 64 rows hold no route
     const timeline::Stamp started = timeline::now();
-    run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, padding, stage, phase, pending_done, pipe_site, consumer,
-                                   thread);
+    if constexpr (kKind == TileKind::kForwardFp8) {
+      run_fp8_mainloop(s, acc, tile, op, padding, stage, phase, pending_done, pipe_site, consumer, thread);
+    } else {
+      constexpr bool kTransA = kKind == TileKind::kWeightGrad, kTransB = kKind != TileKind::kForward;
+      run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, padding, stage, phase, pending_done, pipe_site, consumer,
+                                     thread);
+    }
     if (thread == 0) release_done(pending_done);  // a tile of at most kDoneLagSlices K slices
     const timeline::Stamp multiplied = timeline::now();
     if (thread == 0)
       timeline::record(tiles.timeline(), TimelineSpan::kMainloop, started, tile.gemm, tile.m_block, tile.n_block);
 
-    const bool swiglu = kKind == TileKind::kForward && op.epilogue == Epilogue::kSwiGLU;
-    const StoreTarget to{op.c, op.row_scale, tile.c_row, tile.n_block * (swiglu ? kBlockN / 2 : kBlockN),
-                         tile.c_expert};
-    if constexpr (kKind == TileKind::kForward) {
+    const bool swiglu = kForward && op.epilogue == Epilogue::kSwiGLU;
+    const StoreTarget to{op.c, op.row_scale, tile.c_row, tile.n_block * (swiglu ? kTileN / 2 : kTileN), tile.c_expert};
+    if constexpr (kForward) {
       // Padding rows are left unwritten: nothing reads them (GroupedGemmArgs::expert_rows).
       if (!padding && swiglu) {
-        store_tile<Epilogue::kSwiGLU>(acc, s, to, false, consumer, thread);
+        store_tile<Epilogue::kSwiGLU>(acc, s, to, false, store_slot, consumer, thread);
         if (op.keep != nullptr)
-          store_tile<Epilogue::kStore>(acc, s, {op.keep, nullptr, tile.keep_row, tile.n_block * kBlockN, 0}, false,
-                                       consumer, thread);
+          store_tile<Epilogue::kStore>(acc, s, {op.keep, nullptr, tile.keep_row, tile.n_block * kTileN, 0}, false,
+                                       store_slot, consumer, thread);
       } else if (!padding) {
-        store_tile<Epilogue::kStore>(acc, s, to, false, consumer, thread);
+        store_tile<Epilogue::kStore>(acc, s, to, false, store_slot, consumer, thread);
       }
     } else if constexpr (kKind == TileKind::kDataGrad) {
-      if (!padding) store_tile<Epilogue::kStore>(acc, s, to, false, consumer, thread);
+      if (!padding) store_tile<Epilogue::kStore>(acc, s, to, false, store_slot, consumer, thread);
     } else {
       // An expert without rows stores zeros; its accumulators hold stale values. Selecting in the store
       // rather than clearing them first keeps ptxas from spilling (measured: ~3 KB).
       const bool empty = tile.k_blocks == 0;
       if (op.epilogue == Epilogue::kAddF32)
-        store_tile<Epilogue::kAddF32, true>(acc, s, to, empty, consumer, thread);
+        store_tile<Epilogue::kAddF32, true>(acc, s, to, empty, store_slot, consumer, thread);
       else if (op.epilogue == Epilogue::kStoreF32)
-        store_tile<Epilogue::kStoreF32, true>(acc, s, to, empty, consumer, thread);
+        store_tile<Epilogue::kStoreF32, true>(acc, s, to, empty, store_slot, consumer, thread);
       else
-        store_tile<Epilogue::kStore, true>(acc, s, to, empty, consumer, thread);
+        store_tile<Epilogue::kStore, true>(acc, s, to, empty, store_slot, consumer, thread);
     }
     if (thread == 0) {
       timeline::record(tiles.timeline(), TimelineSpan::kEpilogue, multiplied, tile.gemm, tile.m_block, tile.n_block);
@@ -404,10 +501,11 @@ __device__ void run_consumer(SharedStorage& s, const Tiles& tiles, const WaitSit
 // work runs inside the consumers' branch, so ptxas compiles it with their kConsumerRegisters registers;
 // code after this call is also reached by the producer warpgroup and gets only kProducerRegisters.
 template <class Tiles, class ThenConsumers>
-__device__ void run_gemm_cta(SharedStorage& s, Tiles& tiles, const WaitSite& pipe_site,
+__device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pipe_site,
                              ThenConsumers&& then_consumers) {
+  auto& s = shared_storage<StagesOf<Tiles::kKind>>(smem_raw);
   if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
+    for (int i = 0; i < s.kStages; ++i) {
       ptx::mbarrier_init(&s.full[i], 1);
       ptx::mbarrier_init(&s.empty[i], kConsumerWarps);
     }

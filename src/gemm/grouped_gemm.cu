@@ -16,7 +16,7 @@ namespace pounce::gemm {
 namespace {
 
 using pipeline::GemmOperands;
-using pipeline::kSharedBytes;
+using pipeline::kSharedBytesOf;
 using pipeline::kThreads;
 using pipeline::TileInfo;
 using pipeline::TileKind;
@@ -28,6 +28,8 @@ struct KernelParams {
   const int32_t* expert_offsets;
   const int32_t* expert_rows;  // m-grouped, optional
   const float* row_scale;
+  const float* a_scale;  // FP8 only
+  const float* b_scale;
   Epilogue epilogue;
   const uint32_t* m_block_ready;
   uint32_t ready_target;
@@ -45,11 +47,13 @@ class QueueTiles {
  public:
   static constexpr TileKind kKind = kTileKind;
   static constexpr bool kKGrouped = kKind == TileKind::kWeightGrad;
+  static constexpr int kTileN = pipeline::StagesOf<kKind>::kTileN;
+  static constexpr int kSliceK = pipeline::StagesOf<kKind>::kSliceK;
 
   __device__ QueueTiles(const KernelParams& p, const GemmOperands& op)
       : p_(p),
         op_(op),
-        scheduler_{p.expert_offsets, p.experts, n_blocks(p.n), p.band_m_blocks},
+        scheduler_{p.expert_offsets, p.experts, n_blocks(), p.band_m_blocks},
         ready_site_{p.error, DeviceRole::kGemmProducer, p.wait_timeout_ns} {
     // The rows in use come from device memory (the planner's output): check them before any load.
     const int32_t rows_in_use = p.expert_offsets[p.experts];
@@ -66,12 +70,12 @@ class QueueTiles {
     if (tile >= total_tiles_) return false;
     if constexpr (kKGrouped) {
       const int32_t expert = int32_t(tile / tiles_per_expert()), in_expert = int32_t(tile % tiles_per_expert());
-      const int32_t m_block = in_expert / n_blocks(p_.n), n_block = in_expert % n_blocks(p_.n);
+      const int32_t m_block = in_expert / n_blocks(), n_block = in_expert % n_blocks();
       const int32_t first_row = p_.expert_offsets[expert];
-      const int32_t k_blocks = (p_.expert_offsets[expert + 1] - first_row) / kBlockK;
+      const int32_t k_blocks = (p_.expert_offsets[expert + 1] - first_row) / kSliceK;
       info = {0,
               {first_row, m_block * kBlockM},
-              {first_row, n_block * kBlockN},
+              {first_row, n_block * kTileN},
               m_block * kBlockM,
               expert,
               n_block,
@@ -102,18 +106,19 @@ class QueueTiles {
     }
     // B: K-major weights [experts * n, k] start at the expert's n-block row; N-major ones [experts * k, n]
     // at the expert's first K row and the n-block's column.
-    const pipeline::OperandOrigin b = kKind == TileKind::kForward
-                                          ? pipeline::OperandOrigin{t.expert * p_.n + t.n_block * kBlockN, 0}
-                                          : pipeline::OperandOrigin{t.expert * p_.k, t.n_block * kBlockN};
+    const pipeline::OperandOrigin b = kKind != TileKind::kDataGrad
+                                          ? pipeline::OperandOrigin{t.expert * p_.n + t.n_block * kTileN, 0}
+                                          : pipeline::OperandOrigin{t.expert * p_.k, t.n_block * kTileN};
     // Rows of the tile that hold routes: all of them unless the expert's routed rows end inside it.
     int32_t rows = kBlockM;
     if (p_.expert_rows != nullptr)
       rows = min(kBlockM, max(0, p_.expert_offsets[t.expert] + p_.expert_rows[t.expert] - t.m_block * kBlockM));
-    info = {0, {t.m_block * kBlockM, 0}, b, t.m_block * kBlockM, 0, t.n_block, t.m_block, p_.k / kBlockK, 1, 0, rows};
+    info = {0, {t.m_block * kBlockM, 0}, b, t.m_block * kBlockM, 0, t.n_block, t.m_block, p_.k / kSliceK, 1, 0, rows};
     return true;
   }
 
-  __device__ int32_t tiles_per_expert() const { return ((p_.m + kBlockM - 1) / kBlockM) * n_blocks(p_.n); }
+  __device__ int32_t n_blocks() const { return (p_.n + kTileN - 1) / kTileN; }
+  __device__ int32_t tiles_per_expert() const { return ((p_.m + kBlockM - 1) / kBlockM) * n_blocks(); }
 
   const KernelParams& p_;
   const GemmOperands& op_;
@@ -127,10 +132,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                         const __grid_constant__ CUtensorMap c_map, const KernelParams p) {
   extern __shared__ uint8_t smem_raw[];
-  const GemmOperands op{&a_map, &b_map, &c_map, p.epilogue, p.row_scale, nullptr, nullptr};
+  const GemmOperands op{&a_map, &b_map, &c_map, p.epilogue, p.row_scale, nullptr, nullptr, p.a_scale, p.b_scale};
   QueueTiles<kKind> tiles(p, op);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, pipeline::pipeline_timeout_ns(p.wait_timeout_ns)};
-  pipeline::run_gemm_cta(pipeline::shared_storage(smem_raw), tiles, pipe_site, [] {});
+  pipeline::run_gemm_cta(smem_raw, tiles, pipe_site, [] {});
 }
 
 // ---- host -------------------------------------------------------------------------------------------
@@ -140,12 +145,12 @@ void launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMa
             int max_ctas, cudaStream_t stream) {
   static const bool configured = [] {
     CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kKind>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(kSharedBytes)));
+                                    int(kSharedBytesOf<kKind>)));
     return true;
   }();
   (void)configured;
   const int ctas = max_ctas > 0 ? max_ctas : gpu_info().multiprocessors;
-  grouped_gemm_kernel<kKind><<<ctas, kThreads, kSharedBytes, stream>>>(a_map, b_map, c_map, params);
+  grouped_gemm_kernel<kKind><<<ctas, kThreads, kSharedBytesOf<kKind>, stream>>>(a_map, b_map, c_map, params);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -167,12 +172,20 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   POUNCE_REQUIRE(args.experts >= 1, "grouped GEMM: experts = ", args.experts, ", must be at least 1");
   require_multiple_of_64("n", args.n);
   require_multiple_of_64("k", args.k);
+  const bool fp8 = args.fp8.a != nullptr || args.fp8.b != nullptr;
+  if (fp8) {
+    POUNCE_REQUIRE(args.fp8.a && args.fp8.a_scale && args.fp8.b && args.fp8.b_scale && !args.a && !args.b,
+                   "grouped GEMM: an FP8 GEMM needs fp8.a, fp8.a_scale, fp8.b and fp8.b_scale, and no bf16 a or b");
+    POUNCE_REQUIRE(args.n % 128 == 0 && args.k % 128 == 0, "grouped GEMM: FP8 needs n and k in whole 128-blocks of ",
+                   "its scales; n = ", args.n, ", k = ", args.k);
+    POUNCE_REQUIRE(args.b_major == Major::kK, "grouped GEMM: FP8 weights must be K-major");
+  }
   POUNCE_REQUIRE(args.a_rows >= 0 && args.a_rows % kBlockM == 0 && args.a_rows <= INT32_MAX,
                  "grouped GEMM: a_rows = ", args.a_rows, " must be a multiple of ", kBlockM, " that fits int32");
   POUNCE_REQUIRE(int64_t(args.experts) * std::max(args.n, args.k) <= INT32_MAX,
                  "grouped GEMM: experts * n = ", int64_t(args.experts) * args.n,
                  " or experts * k exceeds int32 row coordinates");
-  POUNCE_REQUIRE(args.a && args.b && args.c && args.expert_offsets,
+  POUNCE_REQUIRE((fp8 || (args.a && args.b)) && args.c && args.expert_offsets,
                  "grouped GEMM: a, b, c and expert_offsets must be set");
   POUNCE_REQUIRE(args.epilogue == Epilogue::kStore || (args.epilogue == Epilogue::kSwiGLU && args.b_major == Major::kK),
                  "grouped GEMM: an m-grouped GEMM writes bf16: kStore, or kSwiGLU with K-major weights");
@@ -189,6 +202,8 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   params.expert_offsets = args.expert_offsets;
   params.expert_rows = args.expert_rows;
   params.row_scale = args.row_scale;
+  params.a_scale = args.fp8.a_scale;
+  params.b_scale = args.fp8.b_scale;
   params.epilogue = args.epilogue;
   params.m_block_ready = args.m_block_ready;
   params.ready_target = args.ready_target;
@@ -200,11 +215,18 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
 
   const uint64_t E = args.experts, n = args.n, k = args.k;
   const int64_t out_cols = args.epilogue == Epilogue::kSwiGLU ? args.n / 2 : args.n;
+  const CUtensorMap c_map = make_bf16_tensor_map(args.c, out_cols, args.a_rows, kStoreBoxCols, kStoreBoxRows);
+  CUDA_CHECK(cudaMemsetAsync(ticket_.data(), 0, sizeof(uint32_t), stream));
+  if (fp8) {
+    using Stages = pipeline::Fp8Stages;
+    const CUtensorMap a_map = make_fp8_tensor_map(args.fp8.a, k, args.a_rows, Stages::kSliceK, kBlockM);
+    const CUtensorMap b_map = make_fp8_tensor_map(args.fp8.b, k, E * n, Stages::kSliceK, Stages::kTileN);
+    launch<TileKind::kForwardFp8>(a_map, b_map, c_map, params, args.max_ctas, stream);
+    return;
+  }
   const CUtensorMap a_map = make_bf16_tensor_map(args.a, k, args.a_rows, kBlockK, kBlockM);
   const CUtensorMap b_map = args.b_major == Major::kK ? make_bf16_tensor_map(args.b, k, E * n, kBlockK, kBlockN)
                                                       : make_bf16_tensor_map(args.b, n, E * k, 64, kBlockK);
-  const CUtensorMap c_map = make_bf16_tensor_map(args.c, out_cols, args.a_rows, kStoreBoxCols, kStoreBoxRows);
-  CUDA_CHECK(cudaMemsetAsync(ticket_.data(), 0, sizeof(uint32_t), stream));
   if (args.b_major == Major::kK)
     launch<TileKind::kForward>(a_map, b_map, c_map, params, args.max_ctas, stream);
   else

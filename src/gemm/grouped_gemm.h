@@ -9,7 +9,12 @@
 //   A [rows, M] and B [rows, N] are expert-contiguous row buffers: the reduction runs over each expert's
 //   rows, as many as the device schedule says (nothing about them on the host).
 //
-// Persistent CTAs take tiles (expert, m-block, n-block) of 128 x 256 from a device queue. Before
+// FP8: the m-grouped GEMM also takes E4M3 operands with power-of-two block scales (GroupedGemmArgs::fp8):
+// A with one scale per 1 x 128 block of a row, B with one per 128 x 128 block (formats/blockwise.h). The
+// engine applies them in fp32 every 128 of K and writes the same bf16 epilogues.
+//
+// Persistent CTAs take tiles (expert, m-block, n-block) of 128 x 256 (bf16) or 128 x 128 (FP8) from a
+// device queue. Before
 // loading A for a tile, a CTA waits (acquire, bounded) until that m-block's readiness counter reaches
 // `ready_target`: the megakernel's dispatch bumps these counters; stand-alone callers pass none.
 //
@@ -55,11 +60,21 @@ struct GemmTuning {
   int band_m_blocks = 16;
 };
 
+// E4M3 operands of an FP8 GEMM, K-major (as a and b with b_major kK), each with its fp32 power-of-two
+// block scales; the bf16 a and b stay null.
+struct Fp8Operands {
+  const uint8_t* a = nullptr;      // [a_rows, k]
+  const float* a_scale = nullptr;  // [a_rows, k / 128]: 1 x 128 blocks
+  const uint8_t* b = nullptr;      // [experts, n, k]
+  const float* b_scale = nullptr;  // [experts * n / 128, k / 128]: 128 x 128 blocks
+};
+
 struct GroupedGemmArgs {
   const __nv_bfloat16* a = nullptr;  // [a_rows, k]
   int64_t a_rows = 0;                // rows of the A buffer (capacity), a multiple of 128
   const __nv_bfloat16* b = nullptr;  // [experts, n, k] (b_major kK) or [experts, k, n] (kMN)
   Major b_major = Major::kK;
+  Fp8Operands fp8;  // set (with a and b null) for an FP8 GEMM: n and k then multiples of 128
   int experts = 0;
   int64_t n = 0, k = 0;        // multiples of 64
   __nv_bfloat16* c = nullptr;  // [a_rows, n] or [a_rows, n / 2]

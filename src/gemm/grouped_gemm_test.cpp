@@ -13,6 +13,7 @@
 
 #include "common/gpu.h"
 #include "common/testing.h"
+#include "formats/blockwise.h"
 #include "reference/moe_layer.h"
 
 namespace pounce::gemm {
@@ -468,6 +469,146 @@ TEST(GroupedGemm, RejectsOffsetsBeyondTheBuffer) {
         }
       },
       Error);
+}
+
+// ---- FP8: E4M3 operands with 1 x 128 (A) and 128 x 128 (B) power-of-two scales ----------------------
+
+// The problem's operands quantized on the host (formats/blockwise.h), on the device.
+struct DeviceFp8Operands {
+  DeviceBuffer<uint8_t> a, b;
+  DeviceBuffer<float> a_scale, b_scale;
+};
+
+// Spreads p's operands over many binades, block by block, so that every scale differs from its
+// neighbours (a kernel applying a wrong or no scale fails), then quantizes them and replaces them in `p`
+// by their dequantized values: the GEMM's exact inputs, which host_result then multiplies in double.
+DeviceFp8Operands quantize_operands(std::mt19937_64& rng, Problem& p) {
+  std::uniform_int_distribution<int> binade(-6, 6);
+  for (int64_t r = 0; r < p.a_rows; ++r)
+    for (int64_t kb = 0; kb < p.k / 128; ++kb) {
+      const float f = std::ldexp(1.0f, binade(rng));
+      for (int64_t i = kb * 128; i < (kb + 1) * 128; ++i) p.a[r * p.k + i] *= f;
+    }
+  const int64_t b_rows = int64_t(p.experts) * p.n;
+  for (int64_t rb = 0; rb < b_rows / 128; ++rb)
+    for (int64_t kb = 0; kb < p.k / 128; ++kb) {
+      const float f = std::ldexp(1.0f, binade(rng));
+      for (int64_t r = rb * 128; r < (rb + 1) * 128; ++r)
+        for (int64_t i = kb * 128; i < (kb + 1) * 128; ++i) p.b[r * p.k + i] *= f;
+    }
+  const formats::Fp8Rows1x128 qa = formats::quantize_1x128(p.a, p.a_rows, p.k);
+  const formats::Fp8Blocks128x128 qb = formats::quantize_128x128(p.b, b_rows, p.k);
+  p.a = formats::dequantize(qa);  // NaN padding rows stay NaN
+  p.b = formats::dequantize(qb);
+  return {DeviceBuffer<uint8_t>(qa.data), DeviceBuffer<uint8_t>(qb.data), DeviceBuffer<float>(qa.scales),
+          DeviceBuffer<float>(qb.scales)};
+}
+
+GroupedGemmArgs fp8_args(const Problem& p, const DeviceProblem& d, const DeviceFp8Operands& q) {
+  GroupedGemmArgs args = d.args(p);
+  args.a = nullptr;
+  args.b = nullptr;
+  args.fp8 = {q.a.data(), q.a_scale.data(), q.b.data(), q.b_scale.data()};
+  return args;
+}
+
+class Fp8GroupedGemmTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Fp8GroupedGemmTest, MatchesHostOnTheQuantizedOperands) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const Case c = GetParam();
+  std::vector<int32_t> counts = c.counts;
+  if (counts.empty()) {
+    std::uniform_int_distribution<int32_t> count(0, c.max_count);
+    for (int e = 0; e < c.experts; ++e) counts.push_back(count(rng));
+  }
+  Problem p = make_problem(rng, c.experts, c.n, c.k, counts, c.epilogue, c.row_scale);
+  const DeviceFp8Operands q = quantize_operands(rng, p);
+  DeviceProblem d(p);
+  GroupedGemm gemm;
+  const GroupedGemmArgs args = fp8_args(p, d, q);
+  const auto first = run(gemm, d, args);
+  expect_matches(p, first);
+  const auto second = run(gemm, d, args);
+  EXPECT_EQ(std::memcmp(first.data(), second.data(), first.size() * sizeof(uint16_t)), 0) << "not deterministic";
+
+  // Padding halves skipped: the routed rows keep their bits, the all-padding halves stay unwritten.
+  DeviceBuffer<int32_t> rows(counts);
+  GroupedGemmArgs skipping = args;
+  skipping.expert_rows = rows.data();
+  const auto skipped = run(gemm, d, skipping);
+  const int64_t cols = p.out_cols();
+  int64_t differing = 0, written = 0;
+  for (int e = 0; e < p.experts; ++e) {
+    for (int64_t r = p.offsets[e]; r < p.offsets[e] + counts[e]; ++r)
+      for (int64_t j = 0; j < cols; ++j) differing += skipped[r * cols + j] != first[r * cols + j];
+    const int64_t last = p.offsets[e + 1] - kBlockM, in_last = p.offsets[e] + counts[e] - last;
+    if (counts[e] == 0 || in_last > kBlockM / 2) continue;
+    for (int64_t r = last + kBlockM / 2; r < last + kBlockM; ++r)
+      for (int64_t j = 0; j < cols; ++j) written += skipped[r * cols + j] != kPoisonBits;
+  }
+  EXPECT_EQ(differing, 0) << "skipping padding changed routed rows";
+  EXPECT_EQ(written, 0) << "a consumer wrote rows that hold no route";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, Fp8GroupedGemmTest,
+    ::testing::Values(
+        Case{"one_row_smallest", 1, 128, 128, {1}, 0, Epilogue::kStore, false},
+        Case{"one_row_swiglu", 1, 128, 128, {1}, 0, Epilogue::kSwiGLU, false},
+        Case{"edges_swiglu_scaled", 7, 256, 384, {0, 1, 127, 128, 129, 0, 300}, 0, Epilogue::kSwiGLU, true},
+        Case{"many_small_experts", 64, 384, 128, {}, 40, Epilogue::kStore, false},
+        Case{"wide_n_scaled", 4, 1024, 512, {700, 300, 900, 129}, 0, Epilogue::kStore, true},
+        Case{"deep_k", 2, 256, 4096, {200, 90}, 0, Epilogue::kSwiGLU, true}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// An FP8 GEMM behind readiness counters: it waits for a stalled m-block, then reports it by name.
+TEST(Fp8GroupedGemm, StalledMBlockTimesOutWithANamedError) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, 2, 256, 256, {400, 300}, Epilogue::kSwiGLU, false);
+  const DeviceFp8Operands q = quantize_operands(rng, p);
+  DeviceProblem d(p);
+  std::vector<uint32_t> ready(p.a_rows / kBlockM, 2);
+  ready[4] = 1;
+  DeviceBuffer<uint32_t> d_ready(ready);
+  GroupedGemmArgs args = fp8_args(p, d, q);
+  args.m_block_ready = d_ready.data();
+  args.ready_target = 2;
+  args.wait_timeout_ns = 20'000'000;
+  GroupedGemm gemm;
+  gemm.run(args, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_THAT([&] { gemm.check_device_errors(); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("m-block 4 readiness counter stayed at 1, expected >= 2")));
+  ready[4] = 2;
+  d_ready.upload(ready);
+  expect_matches(p, run(gemm, d, args));
+}
+
+TEST(Fp8GroupedGemm, RejectsBadOperandsByName) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, 2, 256, 256, {100, 100}, Epilogue::kStore, false);
+  const DeviceFp8Operands q = quantize_operands(rng, p);
+  DeviceProblem d(p);
+  GroupedGemm gemm;
+  const auto rejects = [&](const GroupedGemmArgs& args, const char* message) {
+    EXPECT_THAT([&] { gemm.run(args, nullptr); }, ::testing::ThrowsMessage<Error>(HasSubstr(message)));
+  };
+  GroupedGemmArgs args = fp8_args(p, d, q);
+  args.n = 192;
+  rejects(args, "FP8 needs n and k in whole 128-blocks");
+  args = fp8_args(p, d, q);
+  args.fp8.b_scale = nullptr;
+  rejects(args, "an FP8 GEMM needs fp8.a, fp8.a_scale, fp8.b and fp8.b_scale");
+  args = fp8_args(p, d, q);
+  args.a = d.args(p).a;
+  rejects(args, "and no bf16 a or b");
+  args = fp8_args(p, d, q);
+  args.b_major = Major::kMN;
+  rejects(args, "FP8 weights must be K-major");
 }
 
 TEST(GroupedGemm, RejectsUnsupportedShapesByName) {

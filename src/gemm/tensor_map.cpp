@@ -34,8 +34,10 @@ CUtensorMap encode(const void* base, CUtensorMapDataType type, uint32_t element_
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   POUNCE_REQUIRE(status == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (CUresult ", int(status), ") for a ",
                  rank == 3 ? "[" + std::to_string(dims[2]) + ", " : "[", dims[1], ", ", dims[0], "] ",
-                 element_bytes == 4 ? "fp32" : "bf16", " tensor at ", base, " with box [", box[1], ", ", box[0],
-                 "] (the base must be 16-byte aligned)");
+                 element_bytes == 4   ? "fp32"
+                 : element_bytes == 2 ? "bf16"
+                                      : "e4m3",
+                 " tensor at ", base, " with box [", box[1], ", ", box[0], "] (the base must be 16-byte aligned)");
   return map;
 }
 
@@ -46,6 +48,13 @@ CUtensorMap make_bf16_tensor_map(const void* base, uint64_t inner, uint64_t oute
   const cuuint64_t dims[2] = {inner, outer};
   const cuuint32_t box[2] = {box_inner, box_outer};
   return encode(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, 2, dims, box);
+}
+
+CUtensorMap make_fp8_tensor_map(const void* base, uint64_t inner, uint64_t outer, uint32_t box_inner,
+                                uint32_t box_outer) {
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  return encode(base, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 2, dims, box);
 }
 
 CUtensorMap make_3d_tensor_map(const void* base, bool fp32, uint64_t inner, uint64_t middle, uint64_t outer,

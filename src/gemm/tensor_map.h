@@ -13,6 +13,10 @@ namespace pounce::gemm {
 CUtensorMap make_bf16_tensor_map(const void* base, uint64_t inner, uint64_t outer, uint32_t box_inner,
                                  uint32_t box_outer);
 
+// E4M3 (bytes) [outer, inner], as make_bf16_tensor_map.
+CUtensorMap make_fp8_tensor_map(const void* base, uint64_t inner, uint64_t outer, uint32_t box_inner,
+                                uint32_t box_outer);
+
 // [outer, middle, inner] of bf16 or fp32 with boxes of [1, box_middle, box_inner]: per-expert output
 // matrices, so a box that overhangs one expert's rows is clipped instead of writing into the next's.
 CUtensorMap make_3d_tensor_map(const void* base, bool fp32, uint64_t inner, uint64_t middle, uint64_t outer,

@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   FusedTiles tiles(p, rs, lr, maps, tile_operands);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, gemm::pipeline::pipeline_timeout_ns(p.wait_timeout_ns),
                            rs.rank};
-  gemm::pipeline::run_gemm_cta(gemm::pipeline::shared_storage(smem_raw), tiles, pipe_site, sums);
+  gemm::pipeline::run_gemm_cta(smem_raw, tiles, pipe_site, sums);
 }
 
 }  // namespace
