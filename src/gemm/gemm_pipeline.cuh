@@ -12,6 +12,7 @@
 // Two stage formats: bf16 tiles of 128 x 256 with 64-wide K slices (m64n256k16), and E4M3 tiles of
 // 128 x 128 with 128-wide K slices (m64n128k32), each slice one block of the operands' scales, applied
 // in fp32 between slices (a second accumulator set: 64 + 64 registers, where 128 x 256 would need 256).
+// With E4M3, warp 1 of warpgroup 0 copies each slice's scales into the stage beside its operands.
 // A tile belongs to one of (at most) two GEMMs, each with its own operands; the fused kernel interleaves
 // GEMM1 and GEMM2 tiles in one queue.
 #pragma once
@@ -60,11 +61,14 @@ enum class TileKind {
 struct Bf16Stages {
   using Element = __nv_bfloat16;
   static constexpr int kTileN = kBlockN, kSliceK = kBlockK, kStages = 4;
+  static constexpr bool kScales = false;
 };
-// One slice is one 128-wide block of the activation (1 x 128) and weight (128 x 128) scales.
+// One slice is one 128-wide block of the activation (1 x 128) and weight (128 x 128) scales, which the
+// stage holds too.
 struct Fp8Stages {
   using Element = uint8_t;
-  static constexpr int kTileN = 128, kSliceK = 128, kStages = 6;
+  static constexpr int kTileN = 128, kSliceK = 128, kStages = 5;
+  static constexpr bool kScales = true;
 };
 template <TileKind kKind>
 using StagesOf = std::conditional_t<kKind == TileKind::kForwardFp8, Fp8Stages, Bf16Stages>;
@@ -101,10 +105,14 @@ struct SharedStorage {
   alignas(1024) Element a[kStages][kBlockM * Stages::kSliceK];
   alignas(1024) Element b[kStages][Stages::kTileN * Stages::kSliceK];
   alignas(1024) __nv_bfloat16 c[kConsumerWarpgroups][kStoreSlots][kStoreBoxRows * kStoreBoxCols];
-  uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes)
+  // Scales of each stage's slice (E4M3 only): the tile's A rows' and its B block's.
+  float a_scale[Stages::kScales ? kStages : 1][kBlockM];
+  float b_scale[Stages::kScales ? kStages : 1];
+  uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes; with
+                            // scales, + one arrival per scale-loader lane once its copies landed)
   uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer warp)
   uint64_t tile_full[kTileSlots];
-  uint64_t tile_empty[kTileSlots];
+  uint64_t tile_empty[kTileSlots];  // one arrival per consumer warp (and the scale loader's)
   TileInfo tiles[kTileSlots];
 };
 // Dynamic shared memory of a kernel whose tiles are of kind kKind: + slack to align the dynamic base.
@@ -200,6 +208,39 @@ __device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site
       constexpr bool kTransB = Tiles::kKind == TileKind::kDataGrad || Tiles::kKind == TileKind::kWeightGrad;
       load_slice<Stages::kTileN, kTransB, Stages::kSliceK>(s.b[stage], op.b, info.b, kb, &s.full[stage]);
       if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+// E4M3 tiles: one warp copies each K slice's scales (the tile's 128 A-row scales and its B block's) into
+// the stage, asynchronously, and each lane arrives on the stage's full barrier once its copies landed.
+// NOTES: the consumers then read their scales from shared memory beside the operands. Loaded by the
+// consumers from global memory instead, one slice ahead, each slice's MMAs sat behind the loads' latency
+// (the register that carried the next slice's scale had to be ready before the wgmma wait).
+template <class Tiles, class Storage>
+__device__ void run_scale_loader(Storage& s, const Tiles& tiles, const WaitSite& pipe_site) {
+  const int lane = threadIdx.x % 32;
+  uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
+  for (;;) {
+    mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
+    const TileInfo tile = s.tiles[slot];
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&s.tile_empty[slot]);
+    if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
+    if (!tile.valid) return;
+    // Scale arrays: A [rows, k / 128], B [experts * n / 128, k / 128]; a slice is one column of both.
+    const GemmOperands& op = tiles.operands(tile.gemm);
+    const int32_t columns = tile.k_blocks;
+    const float* a_scale = op.a_scale + int64_t(tile.a.row) * columns;
+    const float* b_scale = op.b_scale + int64_t(tile.b.row / Fp8Stages::kTileN) * columns;
+    for (int kb = 0; kb < tile.k_blocks; ++kb) {
+      mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
+#pragma unroll
+      for (int r = lane; r < kBlockM; r += 32)
+        ptx::cp_async_4(&s.a_scale[stage][r], a_scale + int64_t(r) * columns + kb);
+      if (lane == 0) ptx::cp_async_4(&s.b_scale[stage], b_scale + kb);
+      ptx::cp_async_mbarrier_arrive(&s.full[stage]);
+      if (++stage == Storage::kStages) stage = 0, phase ^= 1;
     }
   }
 }
@@ -379,23 +420,17 @@ __device__ __forceinline__ void run_mainloop(SharedStorage<Bf16Stages>& s, float
 // sum into `part`, which is then added to `acc` times (A row scale x B block scale) in fp32. Promoting
 // every 128 of K keeps the error independent of K: the tensor cores' FP8 sums carry fewer bits than
 // fp32. The wait for each slice's group idles this warpgroup's MMAs while it scales; the other consumer's
-// slices fill the tensor cores meanwhile. The scales of the next slice are loaded while this one's MMAs
-// run. `skip`: this consumer's rows are all padding.
-__device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, float (&acc)[64], const TileInfo& tile,
-                                                 const GemmOperands& op, bool skip, uint32_t& stage, uint32_t& phase,
-                                                 uint32_t*& pending_done, const WaitSite& pipe_site, int consumer,
-                                                 int thread) {
-  const int k_blocks = tile.k_blocks;
+// slices fill the tensor cores meanwhile. `skip`: this consumer's rows are all padding.
+__device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, float (&acc)[64], int k_blocks, bool skip,
+                                                 uint32_t& stage, uint32_t& phase, uint32_t*& pending_done,
+                                                 const WaitSite& pipe_site, int consumer, int thread) {
   if (skip) return drain_stages(s, k_blocks, stage, phase, pending_done, pipe_site, thread);
   const int lane = thread % 32;
   // This thread's rows of the fragment: row and row + 8 (see store_tile).
-  const int64_t row = tile.a.row + consumer * kRowsPerConsumer + (thread / 32) * 16 + lane / 4;
-  const float* a_scale = op.a_scale + row * k_blocks;
-  const float* b_scale = op.b_scale + int64_t(tile.b.row / Fp8Stages::kTileN) * k_blocks;
+  const int row = consumer * kRowsPerConsumer + (thread / 32) * 16 + lane / 4;
   float part[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-  float next_lo = __ldg(a_scale), next_hi = __ldg(a_scale + 8 * k_blocks), next_b = __ldg(b_scale);
   for (int kb = 0; kb < k_blocks; ++kb) {
     mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
     const uint32_t a_base = ptx::smem_addr(s.a[stage]) + consumer * kRowsPerConsumer * 128;
@@ -408,12 +443,8 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
                                  ptx::wgmma_desc_k_major_sw128(b_base + kk * 32), kk > 0);
     ptx::wgmma_commit_group();
     // Powers of two: the products are exact.
-    const float scale_lo = next_lo * next_b, scale_hi = next_hi * next_b;
-    if (kb + 1 < k_blocks) {
-      next_lo = __ldg(a_scale + kb + 1);
-      next_hi = __ldg(a_scale + 8 * k_blocks + kb + 1);
-      next_b = __ldg(b_scale + kb + 1);
-    }
+    const float scale_lo = s.a_scale[stage][row] * s.b_scale[stage];
+    const float scale_hi = s.a_scale[stage][row + 8] * s.b_scale[stage];
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(part);
     if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
@@ -446,7 +477,7 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
     const bool padding = tile.rows <= consumer * kRowsPerConsumer;  // this consumer's 64 rows hold no route
     const timeline::Stamp started = timeline::now();
     if constexpr (kKind == TileKind::kForwardFp8) {
-      run_fp8_mainloop(s, acc, tile, op, padding, stage, phase, pending_done, pipe_site, consumer, thread);
+      run_fp8_mainloop(s, acc, tile.k_blocks, padding, stage, phase, pending_done, pipe_site, consumer, thread);
     } else {
       constexpr bool kTransA = kKind == TileKind::kWeightGrad, kTransB = kKind != TileKind::kForward;
       run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, padding, stage, phase, pending_done, pipe_site, consumer,
@@ -503,15 +534,17 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
 template <class Tiles, class ThenConsumers>
 __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pipe_site,
                              ThenConsumers&& then_consumers) {
-  auto& s = shared_storage<StagesOf<Tiles::kKind>>(smem_raw);
+  using Stages = StagesOf<Tiles::kKind>;
+  auto& s = shared_storage<Stages>(smem_raw);
+  constexpr uint32_t kScaleLoaderLanes = Stages::kScales ? 32 : 0;
   if (threadIdx.x == 0) {
     for (int i = 0; i < s.kStages; ++i) {
-      ptx::mbarrier_init(&s.full[i], 1);
+      ptx::mbarrier_init(&s.full[i], 1 + kScaleLoaderLanes);
       ptx::mbarrier_init(&s.empty[i], kConsumerWarps);
     }
     for (int i = 0; i < kTileSlots; ++i) {
       ptx::mbarrier_init(&s.tile_full[i], 1);
-      ptx::mbarrier_init(&s.tile_empty[i], kConsumerWarps);
+      ptx::mbarrier_init(&s.tile_empty[i], kConsumerWarps + (Stages::kScales ? 1 : 0));
     }
     ptx::fence_mbarrier_init();
   }
@@ -526,6 +559,8 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
         ptx::prefetch_tensormap(tiles.operands(g).b);
       }
       run_producer(s, tiles, pipe_site);
+    } else if constexpr (Stages::kScales) {
+      if (threadIdx.x / 32 == 1) run_scale_loader(s, tiles, pipe_site);
     }
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();

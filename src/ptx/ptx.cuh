@@ -187,6 +187,19 @@ __device__ __forceinline__ void bulk_load(void* smem_dst, const void* global_src
                : "memory");
 }
 
+// Global -> shared, 4 bytes, asynchronous (no register holds the value: the issuing thread goes on).
+__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* global_src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(smem_dst)),
+               "l"(reinterpret_cast<uint64_t>(global_src))
+               : "memory");
+}
+
+// Arrives on `bar` once this thread's earlier cp_async_4 copies have landed (one of the arrivals the
+// barrier was initialized with: .noinc).
+__device__ __forceinline__ void cp_async_mbarrier_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
 // Shared -> global, `bytes` (a multiple of 16), tracked by the bulk group of this thread.
 __device__ __forceinline__ void bulk_store(void* global_dst, const void* smem_src, uint32_t bytes) {
   asm volatile(
