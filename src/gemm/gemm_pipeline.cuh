@@ -12,9 +12,7 @@
 // Two stage formats: bf16 tiles of 128 x 256 with 64-wide K slices (m64n256k16), and E4M3 tiles of
 // 128 x 128 with 128-wide K slices (m64n128k32), each slice one block of the operands' scales, applied
 // in fp32 between slices (a second accumulator set: 64 + 64 registers, where 128 x 256 would need 256).
-// With E4M3, warp 1 of warpgroup 0 copies each slice's scales into the stage beside its operands, and
-// CTAs run in clusters of two that take the two n-blocks of one m-block: each loads half of the shared A
-// slice and multicasts it to both (a quarter less L2 traffic, which bounds 128 x 128 FP8 tiles).
+// With E4M3, warp 1 of warpgroup 0 copies each slice's scales into the stage beside its operands.
 // A tile belongs to one of (at most) two GEMMs, each with its own operands; the fused kernel interleaves
 // GEMM1 and GEMM2 tiles in one queue.
 #pragma once
@@ -37,7 +35,6 @@ constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
 constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
 constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;  // 64: one wgmma M
 static_assert(kStoreBoxRows == kRowsPerConsumer, "a store box is one consumer's rows high");
-constexpr int kStoreSlots = 2;     // per consumer: fill one box while the previous one is stored
 constexpr int kTileSlots = 2;      // the producer may run one tile ahead of the consumers
 constexpr int kDoneLagSlices = 4;  // a tile's completion counter is released this many K slices into the next
 // setmaxnreg: 128 x 56 + 256 x 224 = 64512 of the SM's 65536 registers.
@@ -63,17 +60,16 @@ enum class TileKind {
 struct Bf16Stages {
   using Element = __nv_bfloat16;
   static constexpr int kTileN = kBlockN, kSliceK = kBlockK, kStages = 4;
+  static constexpr int kStoreSlots = 2;  // per consumer: fill one store box while the previous one is stored
   static constexpr bool kScales = false;
-  static constexpr int kCluster = 1;
 };
 // One slice is one 128-wide block of the activation (1 x 128) and weight (128 x 128) scales, which the
 // stage holds too.
-// A cluster of kCluster CTAs takes kCluster consecutive n-blocks of one m-block (TileInfo) and shares A.
 struct Fp8Stages {
   using Element = uint8_t;
   static constexpr int kTileN = 128, kSliceK = 128, kStages = 5;
+  static constexpr int kStoreSlots = 2;
   static constexpr bool kScales = true;
-  static constexpr int kCluster = 2;
 };
 template <TileKind kKind>
 using StagesOf = std::conditional_t<kKind == TileKind::kForwardFp8, Fp8Stages, Bf16Stages>;
@@ -103,7 +99,7 @@ struct TileInfo {
 template <class Stages>
 struct SharedStorage {
   using Element = typename Stages::Element;
-  static constexpr int kStages = Stages::kStages;
+  static constexpr int kStages = Stages::kStages, kStoreSlots = Stages::kStoreSlots;
   static constexpr uint32_t kStageBytes = (kBlockM + Stages::kTileN) * Stages::kSliceK * sizeof(Element);
   static_assert(Stages::kSliceK * sizeof(Element) == 128, "one K slice row must be one 128-byte swizzle row");
 
@@ -115,8 +111,7 @@ struct SharedStorage {
   float b_scale[Stages::kScales ? kStages : 1];
   uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes; with
                             // scales, + one arrival per scale-loader lane once its copies landed)
-  uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer warp of every CTA of the
-                            // cluster: any of them may write the stage)
+  uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer warp)
   uint64_t tile_full[kTileSlots];
   uint64_t tile_empty[kTileSlots];  // one arrival per consumer warp (and the scale loader's)
   TileInfo tiles[kTileSlots];
@@ -191,7 +186,6 @@ template <class Tiles, class Storage>
 __device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site) {
   using Stages = StagesOf<Tiles::kKind>;
   constexpr int kStages = Storage::kStages;
-  const uint32_t rank = Stages::kCluster > 1 ? ptx::cluster_ctarank() : 0;
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
   for (;;) {
     TileInfo info{};
@@ -208,16 +202,8 @@ __device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site
     for (int kb = 0; kb < info.k_blocks; ++kb) {
       mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
       ptx::mbarrier_arrive_expect_tx(&s.full[stage], Storage::kStageBytes);
-      if constexpr (Stages::kCluster > 1) {
-        // This CTA's share of the A slice (A map boxes are that many rows), into every CTA of the cluster.
-        constexpr int kShareRows = kBlockM / Stages::kCluster;
-        ptx::tma_load_2d_multicast(s.a[stage] + rank * kShareRows * Stages::kSliceK, op.a, &s.full[stage],
-                                   info.a.col + kb * Stages::kSliceK, info.a.row + rank * kShareRows,
-                                   uint16_t((1u << Stages::kCluster) - 1));
-      } else {
-        load_slice<kBlockM, Tiles::kKind == TileKind::kWeightGrad, Stages::kSliceK>(s.a[stage], op.a, info.a, kb,
-                                                                                    &s.full[stage]);
-      }
+      load_slice<kBlockM, Tiles::kKind == TileKind::kWeightGrad, Stages::kSliceK>(s.a[stage], op.a, info.a, kb,
+                                                                                  &s.full[stage]);
       // B rows past the last expert are out of bounds and zero-filled; rows past this expert's N belong
       // to the next expert and only feed output columns the clipped store never writes.
       constexpr bool kTransB = Tiles::kKind == TileKind::kDataGrad || Tiles::kKind == TileKind::kWeightGrad;
@@ -315,6 +301,7 @@ __device__ void store_tile(const float (&acc)[kAcc], Storage& s, const StoreTarg
 
 #pragma unroll
   for (int box = 0; box < kBoxes; ++box) {
+    constexpr int kStoreSlots = Storage::kStoreSlots;
     const uint32_t store_slot = (slot + box) % kStoreSlots;
     const uint32_t base = ptx::smem_addr(s.c[consumer][store_slot]);
     // The store issued from this slot kStoreSlots boxes ago (maybe in the previous tile) must have read it.
@@ -363,7 +350,7 @@ __device__ void store_tile(const float (&acc)[kAcc], Storage& s, const StoreTarg
       ptx::bulk_commit_group();
     }
   }
-  slot = (slot + kBoxes) % kStoreSlots;
+  slot = (slot + kBoxes) % Storage::kStoreSlots;
 }
 
 // Releases a finished tile's completion counter (consumer thread 0) once its stores have landed.
@@ -381,25 +368,13 @@ __device__ __forceinline__ void release_done(uint32_t*& counter) {
   counter = nullptr;
 }
 
-// A consumer warp's lane 0 frees a stage it has read: in every CTA of the cluster, whose producers all
-// write into it (multicast).
-template <int kCluster>
-__device__ __forceinline__ void release_stage(uint64_t* empty) {
-  if constexpr (kCluster == 1) {
-    ptx::mbarrier_arrive(empty);
-  } else {
-#pragma unroll
-    for (uint32_t rank = 0; rank < kCluster; ++rank) ptx::mbarrier_arrive_cluster(empty, rank);
-  }
-}
-
 // A consumer whose rows are all padding (`skip` below): waits for each stage and releases it at once.
-template <int kCluster, class Storage>
+template <class Storage>
 __device__ __forceinline__ void drain_stages(Storage& s, int k_blocks, uint32_t& stage, uint32_t& phase,
                                              uint32_t*& pending_done, const WaitSite& pipe_site, int thread) {
   for (int kb = 0; kb < k_blocks; ++kb) {
     mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-    if (thread % 32 == 0) release_stage<kCluster>(&s.empty[stage]);
+    if (thread % 32 == 0) ptx::mbarrier_arrive(&s.empty[stage]);
     if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
     if (++stage == Storage::kStages) stage = 0, phase ^= 1;
   }
@@ -415,7 +390,7 @@ __device__ __forceinline__ void run_mainloop(SharedStorage<Bf16Stages>& s, float
                                              const WaitSite& pipe_site, int consumer, int thread) {
   constexpr uint32_t kStepA = kTransA ? 16 * 128 : 32, kStepB = kTransB ? 16 * 128 : 32;
   const int lane = thread % 32;
-  if (skip) return drain_stages<1>(s, k_blocks, stage, phase, pending_done, pipe_site, thread);
+  if (skip) return drain_stages(s, k_blocks, stage, phase, pending_done, pipe_site, thread);
   uint32_t previous_stage = 0;
   for (int kb = 0; kb < k_blocks; ++kb) {
     mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
@@ -452,8 +427,7 @@ __device__ __forceinline__ void run_mainloop(SharedStorage<Bf16Stages>& s, float
 __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, float (&acc)[64], int k_blocks, bool skip,
                                                  uint32_t& stage, uint32_t& phase, uint32_t*& pending_done,
                                                  const WaitSite& pipe_site, int consumer, int thread) {
-  constexpr int kCluster = Fp8Stages::kCluster;
-  if (skip) return drain_stages<kCluster>(s, k_blocks, stage, phase, pending_done, pipe_site, thread);
+  if (skip) return drain_stages(s, k_blocks, stage, phase, pending_done, pipe_site, thread);
   const int lane = thread % 32;
   // This thread's rows of the fragment: row and row + 8 (see store_tile).
   const int row = consumer * kRowsPerConsumer + (thread / 32) * 16 + lane / 4;
@@ -477,7 +451,7 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
     const float scale_hi = ptx::ld_shared_f32(ptx::smem_addr(&s.a_scale[stage][row + 8])) * b_scale;
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(part);
-    if (lane == 0) release_stage<kCluster>(&s.empty[stage]);
+    if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
     if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i % 4 < 2 ? scale_lo : scale_hi, acc[i]);
@@ -570,7 +544,7 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
   if (threadIdx.x == 0) {
     for (int i = 0; i < s.kStages; ++i) {
       ptx::mbarrier_init(&s.full[i], 1 + kScaleLoaderLanes);
-      ptx::mbarrier_init(&s.empty[i], kConsumerWarps * Stages::kCluster);
+      ptx::mbarrier_init(&s.empty[i], kConsumerWarps);
     }
     for (int i = 0; i < kTileSlots; ++i) {
       ptx::mbarrier_init(&s.tile_full[i], 1);
@@ -578,11 +552,7 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
     }
     ptx::fence_mbarrier_init();
   }
-  // In a cluster the other CTAs' producers and consumers use these barriers too.
-  if constexpr (Stages::kCluster > 1)
-    ptx::cluster_sync();
-  else
-    __syncthreads();
+  __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
@@ -601,8 +571,6 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
     run_consumer<Tiles::kKind>(s, tiles, pipe_site, warpgroup - 1);
     then_consumers();
   }
-  // The cluster's other CTAs may still write into this one's stages and barriers until they are done.
-  if constexpr (Stages::kCluster > 1) ptx::cluster_sync();
 }
 
 }  // namespace pounce::gemm::pipeline

@@ -41,10 +41,7 @@ struct KernelParams {
 };
 
 // Tiles of one grouped GEMM from the shared ticket: m-grouped in TileScheduler order; k-grouped
-// (kWeightGrad) expert by expert (its rows stay in L2 while its tiles run), n-blocks fastest. In a cluster
-// (FP8) a scheduler tile is kCluster consecutive n-blocks, one per CTA, taken in a static order: the CTAs
-// of a cluster must take the same tiles, and with one K for every tile of a GEMM a static order balances
-// as well as the queue.
+// (kWeightGrad) expert by expert (its rows stay in L2 while its tiles run), n-blocks fastest.
 template <TileKind kTileKind>
 class QueueTiles {
  public:
@@ -52,12 +49,11 @@ class QueueTiles {
   static constexpr bool kKGrouped = kKind == TileKind::kWeightGrad;
   static constexpr int kTileN = pipeline::StagesOf<kKind>::kTileN;
   static constexpr int kSliceK = pipeline::StagesOf<kKind>::kSliceK;
-  static constexpr int kCluster = pipeline::StagesOf<kKind>::kCluster;
 
   __device__ QueueTiles(const KernelParams& p, const GemmOperands& op)
       : p_(p),
         op_(op),
-        scheduler_{p.expert_offsets, p.experts, (n_blocks() + kCluster - 1) / kCluster, p.band_m_blocks},
+        scheduler_{p.expert_offsets, p.experts, n_blocks(), p.band_m_blocks},
         ready_site_{p.error, DeviceRole::kGemmProducer, p.wait_timeout_ns} {
     // The rows in use come from device memory (the planner's output): check them before any load.
     const int32_t rows_in_use = p.expert_offsets[p.experts];
@@ -70,8 +66,7 @@ class QueueTiles {
   }
 
   __device__ bool next(TileInfo& info) {
-    const int64_t tile = kCluster > 1 ? int64_t(ptx::cluster_id()) + int64_t(rounds_++) * ptx::cluster_count()
-                                      : int64_t(atomicAdd(p_.ticket, 1u));
+    const int64_t tile = atomicAdd(p_.ticket, 1u);
     if (tile >= total_tiles_) return false;
     if constexpr (kKGrouped) {
       const int32_t expert = int32_t(tile / tiles_per_expert()), in_expert = int32_t(tile % tiles_per_expert());
@@ -101,8 +96,6 @@ class QueueTiles {
  private:
   __device__ bool next_m_grouped(int64_t tile, TileInfo& info) {
     const TileCoord t = scheduler_.decode(tile);
-    // This CTA's n-block; past the last one (n-blocks not a multiple of the cluster) it only helps load A.
-    const int32_t n_block = kCluster > 1 ? t.n_block * kCluster + int32_t(ptx::cluster_ctarank()) : t.n_block;
     if (p_.m_block_ready != nullptr) {
       if (!counter_wait_bounded(p_.m_block_ready + t.m_block, p_.ready_target, ready_site_, WaitTarget::kMBlockReady,
                                 t.m_block))
@@ -114,14 +107,13 @@ class QueueTiles {
     // B: K-major weights [experts * n, k] start at the expert's n-block row; N-major ones [experts * k, n]
     // at the expert's first K row and the n-block's column.
     const pipeline::OperandOrigin b = kKind != TileKind::kDataGrad
-                                          ? pipeline::OperandOrigin{t.expert * p_.n + n_block * kTileN, 0}
-                                          : pipeline::OperandOrigin{t.expert * p_.k, n_block * kTileN};
+                                          ? pipeline::OperandOrigin{t.expert * p_.n + t.n_block * kTileN, 0}
+                                          : pipeline::OperandOrigin{t.expert * p_.k, t.n_block * kTileN};
     // Rows of the tile that hold routes: all of them unless the expert's routed rows end inside it.
     int32_t rows = kBlockM;
     if (p_.expert_rows != nullptr)
       rows = min(kBlockM, max(0, p_.expert_offsets[t.expert] + p_.expert_rows[t.expert] - t.m_block * kBlockM));
-    if (n_block >= n_blocks()) rows = 0;
-    info = {0, {t.m_block * kBlockM, 0}, b, t.m_block * kBlockM, 0, n_block, t.m_block, p_.k / kSliceK, 1, 0, rows};
+    info = {0, {t.m_block * kBlockM, 0}, b, t.m_block * kBlockM, 0, t.n_block, t.m_block, p_.k / kSliceK, 1, 0, rows};
     return true;
   }
 
@@ -131,7 +123,6 @@ class QueueTiles {
   const KernelParams& p_;
   const GemmOperands& op_;
   TileScheduler scheduler_;
-  int64_t rounds_ = 0;  // tiles taken so far (static order)
   WaitSite ready_site_;
   int64_t total_tiles_ = 0;
 };
@@ -158,35 +149,9 @@ void launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMa
     return true;
   }();
   (void)configured;
-  constexpr int kCluster = pipeline::StagesOf<kKind>::kCluster;
-  if constexpr (kCluster == 1) {
-    const int ctas = max_ctas > 0 ? max_ctas : gpu_info().multiprocessors;
-    grouped_gemm_kernel<kKind><<<ctas, kThreads, kSharedBytesOf<kKind>, stream>>>(a_map, b_map, c_map, params);
-    CUDA_CHECK_LAUNCH();
-  } else {
-    // As many clusters as fit at once (a GPC's SM count may be odd), so the static tile order never waits
-    // for a cluster that has not started.
-    cudaLaunchConfig_t config{};
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim = {unsigned(kCluster), 1, 1};
-    config.blockDim = kThreads;
-    config.dynamicSmemBytes = kSharedBytesOf<kKind>;
-    config.stream = stream;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    static const int resident = [&] {
-      config.gridDim = unsigned(gpu_info().multiprocessors / kCluster * kCluster);
-      int clusters = 0;
-      CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, grouped_gemm_kernel<kKind>, &config));
-      POUNCE_REQUIRE(clusters > 0, "grouped GEMM: no cluster of ", kCluster, " CTAs fits on this GPU");
-      return clusters;
-    }();
-    const int clusters = max_ctas > 0 ? std::max(1, std::min(resident, max_ctas / kCluster)) : resident;
-    config.gridDim = unsigned(clusters * kCluster);
-    CUDA_CHECK(cudaLaunchKernelEx(&config, grouped_gemm_kernel<kKind>, a_map, b_map, c_map, params));
-    CUDA_CHECK_LAUNCH();
-  }
+  const int ctas = max_ctas > 0 ? max_ctas : gpu_info().multiprocessors;
+  grouped_gemm_kernel<kKind><<<ctas, kThreads, kSharedBytesOf<kKind>, stream>>>(a_map, b_map, c_map, params);
+  CUDA_CHECK_LAUNCH();
 }
 
 void require_hopper() {
@@ -254,8 +219,7 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   CUDA_CHECK(cudaMemsetAsync(ticket_.data(), 0, sizeof(uint32_t), stream));
   if (fp8) {
     using Stages = pipeline::Fp8Stages;
-    const CUtensorMap a_map =
-        make_fp8_tensor_map(args.fp8.a, k, args.a_rows, Stages::kSliceK, kBlockM / Stages::kCluster);
+    const CUtensorMap a_map = make_fp8_tensor_map(args.fp8.a, k, args.a_rows, Stages::kSliceK, kBlockM);
     const CUtensorMap b_map = make_fp8_tensor_map(args.fp8.b, k, E * n, Stages::kSliceK, Stages::kTileN);
     launch<TileKind::kForwardFp8>(a_map, b_map, c_map, params, args.max_ctas, stream);
     return;

@@ -117,44 +117,6 @@ __device__ __forceinline__ bool mbarrier_test_wait(uint64_t* bar, uint32_t parit
   return done != 0;
 }
 
-// Arrives on the barrier at `bar`'s offset in the shared memory of cluster CTA `rank` (this CTA's own
-// rank included), with the default CTA-scope release: for freeing a stage whose reads (wgmma) have
-// completed, nothing needs ordering. (.release.cluster costs a GPU-wide memory barrier per arrival:
-// measured, it halved the FP8 GEMM.)
-__device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t rank) {
-  asm volatile(
-      "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(rank)
-      : "memory");
-}
-
-// ---- clusters ---------------------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-  return rank;
-}
-__device__ __forceinline__ uint32_t cluster_id() {
-  uint32_t id;
-  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(id));
-  return id;
-}
-__device__ __forceinline__ uint32_t cluster_count() {
-  uint32_t n;
-  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(n));
-  return n;
-}
-// Every thread of every CTA of the cluster (warps converged): release what came before, acquire what
-// the others did before theirs.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
 // ---- TMA (bulk tensor copies) ----------------------------------------------------------------------
 
 __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
@@ -168,17 +130,6 @@ __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* m
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
           smem_addr(smem_dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(inner), "r"(outer)
-      : "memory");
-}
-
-// The same load delivered to the same shared-memory offset in every CTA of the cluster named in
-// `cta_mask`, each completing `bytes` on its own barrier at `bar`'s offset.
-__device__ __forceinline__ void tma_load_2d_multicast(void* smem_dst, const CUtensorMap* map, uint64_t* bar,
-                                                      int32_t inner, int32_t outer, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, "
-      "%4}], [%2], %5;" ::"r"(smem_addr(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(inner), "r"(outer), "h"(cta_mask)
       : "memory");
 }
 
