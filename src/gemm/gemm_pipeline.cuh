@@ -41,8 +41,9 @@ constexpr int kDoneLagSlices = 4;  // a tile's completion counter is released th
 constexpr uint32_t kProducerRegisters = 56;
 constexpr uint32_t kConsumerRegisters = 224;
 
-// Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue.
-enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1 };
+// Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue, and (E4M3)
+// one per consumer warpgroup for its turn to issue wgmmas.
+enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1, kIssueTurnBarrierBase = 3 };
 
 // ---- tile kinds and stage formats --------------------------------------------------------------------
 //
@@ -419,36 +420,74 @@ __device__ __forceinline__ void run_mainloop(SharedStorage<Bf16Stages>& s, float
   if (k_blocks > 0 && lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
 }
 
+// E4M3 consumers take turns issuing their slices' wgmmas: consumer c issues its next slice once the
+// other has issued its previous one, so the tensor cores run the two consumers' slices alternately and
+// one consumer scales its finished slice while the other's run. (Left alone, the two consumers fell into
+// step, both waiting for the same stage, both scaling at once while the tensor cores idled.) `turns`
+// counts this consumer's issues; consumer 0's very first one waits for nobody.
+struct IssueTurns {
+  uint32_t taken = 0;
+  __device__ void wait(int consumer) {
+    if (consumer == 1 || taken > 0) ptx::named_barrier_sync(kIssueTurnBarrierBase + consumer, 2 * 128);
+    ++taken;
+  }
+  __device__ void pass(int consumer) { ptx::named_barrier_arrive(kIssueTurnBarrierBase + (1 - consumer), 2 * 128); }
+  // Consumer 0 takes the last turn consumer 1 passed it, so no arrival is left on the barrier.
+  __device__ void finish(int consumer) {
+    if (consumer == 0 && taken > 0) ptx::named_barrier_sync(kIssueTurnBarrierBase, 2 * 128);
+  }
+};
+
 // One E4M3 tile's mainloop. A K slice is one scale block of both operands: its four m64n128k32 wgmmas
 // sum into `part`, which is then added to `acc` times (A row scale x B block scale) in fp32. Promoting
 // every 128 of K keeps the error independent of K: the tensor cores' FP8 sums carry fewer bits than
-// fp32. The wait for each slice's group idles this warpgroup's MMAs while it scales; the other consumer's
-// slices fill the tensor cores meanwhile. `skip`: this consumer's rows are all padding.
+// fp32. `skip`: this consumer's rows are all padding: it releases each stage unread, still taking its
+// turns.
 __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, float (&acc)[64], int k_blocks, bool skip,
                                                  uint32_t& stage, uint32_t& phase, uint32_t*& pending_done,
-                                                 const WaitSite& pipe_site, int consumer, int thread) {
-  if (skip) return drain_stages(s, k_blocks, stage, phase, pending_done, pipe_site, thread);
+                                                 IssueTurns& turns, const WaitSite& pipe_site, int consumer,
+                                                 int thread) {
   const int lane = thread % 32;
   // This thread's rows of the fragment: row and row + 8 (see store_tile).
   const int row = consumer * kRowsPerConsumer + (thread / 32) * 16 + lane / 4;
   float part[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+  // Stage 0's matrix descriptors and scale addresses, computed once. A descriptor's start address
+  // (16-byte units, low bits) is moved by adding to it; it cannot carry into the other fields,
+  // shared-memory addresses being below 2^18.
+  constexpr uint32_t kStageUnits = sizeof(s.a[0]) / 16;
+  static_assert(sizeof(s.a[0]) == sizeof(s.b[0]), "A and B stages advance together");
+  const uint64_t a_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128);
+  const uint64_t b_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
+  const uint32_t a_scale = ptx::smem_addr(&s.a_scale[0][row]), b_scale = ptx::smem_addr(&s.b_scale[0]);
+  if (skip) {
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+      turns.wait(consumer);
+      turns.pass(consumer);
+      if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
+      if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
+      if (++stage == Fp8Stages::kStages) stage = 0, phase ^= 1;
+    }
+    return;
+  }
   for (int kb = 0; kb < k_blocks; ++kb) {
     mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-    const uint32_t a_base = ptx::smem_addr(s.a[stage]) + consumer * kRowsPerConsumer * 128;
-    const uint32_t b_base = ptx::smem_addr(s.b[stage]);
+    turns.wait(consumer);
+    const uint32_t stage_units = stage * kStageUnits;
     ptx::fence_registers(part);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < Fp8Stages::kSliceK / 32; ++kk)  // 32 bytes of K per wgmma
-      ptx::wgmma_m64n128k32_e4m3(part, ptx::wgmma_desc_k_major_sw128(a_base + kk * 32),
-                                 ptx::wgmma_desc_k_major_sw128(b_base + kk * 32), kk > 0);
+    for (int kk = 0; kk < Fp8Stages::kSliceK / 32; ++kk)  // 32 bytes (2 units) of K per wgmma
+      ptx::wgmma_m64n128k32_e4m3(part, a_desc + stage_units + 2 * kk, b_desc + stage_units + 2 * kk, kk > 0);
     ptx::wgmma_commit_group();
+    turns.pass(consumer);
     // Powers of two: the products are exact.
-    const float b_scale = ptx::ld_shared_f32(ptx::smem_addr(&s.b_scale[stage]));
-    const float scale_lo = ptx::ld_shared_f32(ptx::smem_addr(&s.a_scale[stage][row])) * b_scale;
-    const float scale_hi = ptx::ld_shared_f32(ptx::smem_addr(&s.a_scale[stage][row + 8])) * b_scale;
+    const float slice_b_scale = ptx::ld_shared_f32(b_scale + stage * sizeof(float));
+    const float scale_lo = ptx::ld_shared_f32(a_scale + stage * sizeof(s.a_scale[0])) * slice_b_scale;
+    const float scale_hi =
+        ptx::ld_shared_f32(a_scale + stage * sizeof(s.a_scale[0]) + 8 * sizeof(float)) * slice_b_scale;
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(part);
     if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
@@ -465,6 +504,7 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
   const int thread = threadIdx.x % 128, lane = thread % 32;
   float acc[kTileN / 2];
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0, store_slot = 0;
+  IssueTurns turns;  // E4M3 only
   uint32_t* pending_done = nullptr;  // thread 0: the last tile's counter, its stores still in flight
   for (;;) {
     if (thread == 0 && pending_done != nullptr && !ptx::mbarrier_test_wait(&s.tile_full[slot], slot_phase))
@@ -481,7 +521,7 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
     const bool padding = tile.rows <= consumer * kRowsPerConsumer;  // this consumer's 64 rows hold no route
     const timeline::Stamp started = timeline::now();
     if constexpr (kKind == TileKind::kForwardFp8) {
-      run_fp8_mainloop(s, acc, tile.k_blocks, padding, stage, phase, pending_done, pipe_site, consumer, thread);
+      run_fp8_mainloop(s, acc, tile.k_blocks, padding, stage, phase, pending_done, turns, pipe_site, consumer, thread);
     } else {
       constexpr bool kTransA = kKind == TileKind::kWeightGrad, kTransB = kKind != TileKind::kForward;
       run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, padding, stage, phase, pending_done, pipe_site, consumer,
@@ -522,6 +562,7 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
       if (op.done != nullptr) pending_done = op.done + tile.m_block;
     }
   }
+  if constexpr (kKind == TileKind::kForwardFp8) turns.finish(consumer);
   if (thread == 0) {
     release_done(pending_done);
     ptx::bulk_wait_group<0>();  // stores must finish reading shared memory before exit (without counters

@@ -265,6 +265,11 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Counts this warp's threads on barrier `id` without waiting for the others.
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // ---- wgmma ------------------------------------------------------------------------------------------
 
 // Shared-memory matrix descriptor for a K-major bf16 tile stored with the 128-byte swizzle, as TMA
