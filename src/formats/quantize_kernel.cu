@@ -78,26 +78,21 @@ __device__ uint32_t e4m3x2(float lo, float hi) {
   return ((c0 & 0x7F) == 0x7F ? kE4M3NaN : c0) | ((c1 & 0x7F) == 0x7F ? kE4M3NaN : c1) << 8;
 }
 
-// Quantizes one chunk (8 elements from element `first`); an inactive chunk lies past the end.
-template <bool kMx>
-__device__ void quantize_chunk(uint4 raw, int64_t first, bool active, uint8_t* __restrict__ out,
-                               ScaleT<kMx>* __restrict__ scales) {
-  constexpr int kBlock = kMx ? kMxBlock : kActivationBlock;
-  constexpr int kLanesPerBlock = kBlock / kElemsPerThread;  // 4 or 16
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};   // element 2i in the low half of words[i]
-
+// The largest finite magnitude among a chunk's 8 bf16 (as bits; see the NOTES above).
+__device__ uint32_t finite_amax_bits(uint4 raw) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};  // element 2i in the low half of words[i]
   uint32_t amax = 0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint32_t a = (words[i / 2] >> (16 * (i % 2))) & 0x7FFF;
     if (a < 0x7F80) amax = max(amax, a);
   }
-#pragma unroll
-  for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
-    amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+  return amax;
+}
 
-  const int e = scale_exponent<kMx>(amax);
-  const float inv_scale = exp2_int(-e);  // e >= -127 keeps this <= 2^127
+// A chunk's 8 bf16 times inv_scale, as 8 E4M3 codes in element order.
+__device__ uint2 e4m3x8(uint4 raw, float inv_scale) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
   uint32_t codes[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -106,8 +101,25 @@ __device__ void quantize_chunk(uint4 raw, int64_t first, bool active, uint8_t* _
     codes[i] = e4m3x2(mul_rn(x0, inv_scale), mul_rn(x1, inv_scale)) |
                e4m3x2(mul_rn(x2, inv_scale), mul_rn(x3, inv_scale)) << 16;
   }
+  return make_uint2(codes[0], codes[1]);
+}
+
+// Quantizes one chunk (8 elements from element `first`); an inactive chunk lies past the end.
+template <bool kMx>
+__device__ void quantize_chunk(uint4 raw, int64_t first, bool active, uint8_t* __restrict__ out,
+                               ScaleT<kMx>* __restrict__ scales) {
+  constexpr int kBlock = kMx ? kMxBlock : kActivationBlock;
+  constexpr int kLanesPerBlock = kBlock / kElemsPerThread;  // 4 or 16
+  uint32_t amax = finite_amax_bits(raw);
+#pragma unroll
+  for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
+    amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+
+  const int e = scale_exponent<kMx>(amax);
+  const float inv_scale = exp2_int(-e);  // e >= -127 keeps this <= 2^127
+  const uint2 codes = e4m3x8(raw, inv_scale);
   if (!active) return;
-  *reinterpret_cast<uint2*>(out + first) = make_uint2(codes[0], codes[1]);
+  *reinterpret_cast<uint2*>(out + first) = codes;
   if (threadIdx.x % kLanesPerBlock == 0) {
     if constexpr (kMx)
       scales[first / kBlock] = uint8_t(e + kE8M0Bias);
@@ -173,14 +185,7 @@ __global__ void __launch_bounds__(kThreadsPerCta)
 
   uint32_t amax = 0;
 #pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t a = (words[j / 2] >> (16 * (j % 2))) & 0x7FFF;
-      if (a < 0x7F80) amax = max(amax, a);
-    }
-  }
+  for (int i = 0; i < kRowsPerThread; ++i) amax = max(amax, finite_amax_bits(raw[i]));
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
   __shared__ uint32_t warp_amax[kThreadsPerCta / 32];
@@ -192,18 +197,8 @@ __global__ void __launch_bounds__(kThreadsPerCta)
   const int e = scale_exponent<false>(amax);
   const float inv_scale = exp2_int(-e);
 #pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
-    uint32_t codes[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float x0 = __uint_as_float(words[2 * h] << 16), x1 = __uint_as_float(words[2 * h] & 0xFFFF0000u);
-      const float x2 = __uint_as_float(words[2 * h + 1] << 16), x3 = __uint_as_float(words[2 * h + 1] & 0xFFFF0000u);
-      codes[h] = e4m3x2(mul_rn(x0, inv_scale), mul_rn(x1, inv_scale)) |
-                 e4m3x2(mul_rn(x2, inv_scale), mul_rn(x3, inv_scale)) << 16;
-    }
-    *reinterpret_cast<uint2*>(out + (row0 + i * kRowStep) * cols + col) = make_uint2(codes[0], codes[1]);
-  }
+  for (int i = 0; i < kRowsPerThread; ++i)
+    *reinterpret_cast<uint2*>(out + (row0 + i * kRowStep) * cols + col) = e4m3x8(raw[i], inv_scale);
   if (threadIdx.x == 0) scales[int64_t(blockIdx.y) * gridDim.x + blockIdx.x] = exp2_int(e);
 }
 

@@ -214,6 +214,18 @@ __device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site
   }
 }
 
+// A consumer warp (or the scale loader) takes the next tile the producer published, and frees its slot.
+template <class Storage>
+__device__ __forceinline__ TileInfo take_tile(Storage& s, uint32_t& slot, uint32_t& slot_phase,
+                                              const WaitSite& pipe_site) {
+  mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
+  const TileInfo tile = s.tiles[slot];
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&s.tile_empty[slot]);
+  if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
+  return tile;
+}
+
 // E4M3 tiles: one warp copies each K slice's scales (the tile's 128 A-row scales and its B block's) into
 // the stage, asynchronously, and each lane arrives on the stage's full barrier once its copies landed.
 // NOTES: the consumers then read their scales from shared memory beside the operands. Loaded by the
@@ -224,11 +236,7 @@ __device__ void run_scale_loader(Storage& s, const Tiles& tiles, const WaitSite&
   const int lane = threadIdx.x % 32;
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
   for (;;) {
-    mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
-    const TileInfo tile = s.tiles[slot];
-    __syncwarp();
-    if (lane == 0) ptx::mbarrier_arrive(&s.tile_empty[slot]);
-    if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
+    const TileInfo tile = take_tile(s, slot, slot_phase, pipe_site);
     if (!tile.valid) return;
     // Scale arrays: A [rows, k / 128], B [experts * n / 128, k / 128]; a slice is one column of both.
     const GemmOperands& op = tiles.operands(tile.gemm);
@@ -501,19 +509,15 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
 template <TileKind kKind, class Tiles, class Storage>
 __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pipe_site, int consumer) {
   constexpr int kTileN = StagesOf<kKind>::kTileN;
-  const int thread = threadIdx.x % 128, lane = thread % 32;
+  const int thread = threadIdx.x % 128;
   float acc[kTileN / 2];
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0, store_slot = 0;
-  IssueTurns turns;  // E4M3 only
+  IssueTurns turns;                  // E4M3 only
   uint32_t* pending_done = nullptr;  // thread 0: the last tile's counter, its stores still in flight
   for (;;) {
     if (thread == 0 && pending_done != nullptr && !ptx::mbarrier_test_wait(&s.tile_full[slot], slot_phase))
       release_done(pending_done);
-    mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
-    const TileInfo tile = s.tiles[slot];
-    __syncwarp();
-    if (lane == 0) ptx::mbarrier_arrive(&s.tile_empty[slot]);
-    if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
+    const TileInfo tile = take_tile(s, slot, slot_phase, pipe_site);
     if (!tile.valid) break;
     const GemmOperands& op = tiles.operands(tile.gemm);
 

@@ -161,18 +161,44 @@ struct Case {
 
 void PrintTo(const Case& c, std::ostream* out) { *out << c.name; }
 
+// The case's rows per expert, drawn when it gives none.
+std::vector<int32_t> case_counts(std::mt19937_64& rng, const Case& c) {
+  std::vector<int32_t> counts = c.counts;
+  if (counts.empty()) {
+    std::uniform_int_distribution<int32_t> count(0, c.max_count);
+    for (int e = 0; e < c.experts; ++e) counts.push_back(count(rng));
+  }
+  return counts;
+}
+
+// `skipped` ran with expert_rows, `computed` without: routed rows must be bit-identical, and the halves of
+// tiles that hold no route must still hold the poison. Returns how many such halves there were.
+int64_t expect_padding_halves_skipped(const Problem& p, const std::vector<uint16_t>& computed,
+                                      const std::vector<uint16_t>& skipped) {
+  const int64_t cols = p.out_cols();
+  int64_t differing = 0, written = 0, halves = 0;
+  for (int e = 0; e < p.experts; ++e) {
+    for (int64_t r = p.offsets[e]; r < p.offsets[e] + p.counts[e]; ++r)
+      for (int64_t j = 0; j < cols; ++j) differing += skipped[r * cols + j] != computed[r * cols + j];
+    // The second half of the last m-block when the routed rows end in its first half.
+    const int64_t last = p.offsets[e + 1] - kBlockM, in_last = p.offsets[e] + p.counts[e] - last;
+    if (p.counts[e] == 0 || in_last > kBlockM / 2) continue;
+    ++halves;
+    for (int64_t r = last + kBlockM / 2; r < last + kBlockM; ++r)
+      for (int64_t j = 0; j < cols; ++j) written += skipped[r * cols + j] != kPoisonBits;
+  }
+  EXPECT_EQ(differing, 0) << "skipping padding changed routed rows";
+  EXPECT_EQ(written, 0) << "a consumer wrote rows that hold no route";
+  return halves;
+}
+
 class GroupedGemmTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GroupedGemmTest, MatchesHost) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
   const Case c = GetParam();
-  std::vector<int32_t> counts = c.counts;
-  if (counts.empty()) {
-    std::uniform_int_distribution<int32_t> count(0, c.max_count);
-    for (int e = 0; e < c.experts; ++e) counts.push_back(count(rng));
-  }
-  const Problem p = make_problem(rng, c.experts, c.n, c.k, counts, c.epilogue, c.row_scale);
+  const Problem p = make_problem(rng, c.experts, c.n, c.k, case_counts(rng, c), c.epilogue, c.row_scale);
   DeviceProblem d(p);
   GroupedGemm gemm;
   const auto first = run(gemm, d, d.args(p));
@@ -354,21 +380,8 @@ TEST(GroupedGemm, PaddingHalvesOfTilesAreSkipped) {
     args.expert_rows = rows.data();
     const auto skipped = run(gemm, d, args);
     expect_matches(p, skipped);
-    const int64_t cols = p.out_cols();
-    int64_t differing = 0, written = 0, halves = 0;
-    for (int e = 0; e < p.experts; ++e) {
-      for (int64_t r = p.offsets[e]; r < p.offsets[e] + counts[e]; ++r)
-        for (int64_t j = 0; j < cols; ++j) differing += skipped[r * cols + j] != computed[r * cols + j];
-      // The second half of the last m-block when the routed rows end in its first half.
-      const int64_t last = p.offsets[e + 1] - kBlockM, in_last = p.offsets[e] + counts[e] - last;
-      if (counts[e] == 0 || in_last > kBlockM / 2) continue;
-      ++halves;
-      for (int64_t r = last + kBlockM / 2; r < last + kBlockM; ++r)
-        for (int64_t j = 0; j < cols; ++j) written += skipped[r * cols + j] != kPoisonBits;
-    }
-    EXPECT_EQ(differing, 0) << "skipping padding changed routed rows";
-    EXPECT_EQ(halves, 5) << "the counts should leave five all-padding halves";
-    EXPECT_EQ(written, 0) << "a consumer wrote rows that hold no route";
+    EXPECT_EQ(expect_padding_halves_skipped(p, computed, skipped), 5)
+        << "the counts should leave five all-padding halves";
   }
 }
 
@@ -518,12 +531,7 @@ TEST_P(Fp8GroupedGemmTest, MatchesHostOnTheQuantizedOperands) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
   const Case c = GetParam();
-  std::vector<int32_t> counts = c.counts;
-  if (counts.empty()) {
-    std::uniform_int_distribution<int32_t> count(0, c.max_count);
-    for (int e = 0; e < c.experts; ++e) counts.push_back(count(rng));
-  }
-  Problem p = make_problem(rng, c.experts, c.n, c.k, counts, c.epilogue, c.row_scale);
+  Problem p = make_problem(rng, c.experts, c.n, c.k, case_counts(rng, c), c.epilogue, c.row_scale);
   const DeviceFp8Operands q = quantize_operands(rng, p);
   DeviceProblem d(p);
   GroupedGemm gemm;
@@ -534,22 +542,10 @@ TEST_P(Fp8GroupedGemmTest, MatchesHostOnTheQuantizedOperands) {
   EXPECT_EQ(std::memcmp(first.data(), second.data(), first.size() * sizeof(uint16_t)), 0) << "not deterministic";
 
   // Padding halves skipped: the routed rows keep their bits, the all-padding halves stay unwritten.
-  DeviceBuffer<int32_t> rows(counts);
+  DeviceBuffer<int32_t> rows(p.counts);
   GroupedGemmArgs skipping = args;
   skipping.expert_rows = rows.data();
-  const auto skipped = run(gemm, d, skipping);
-  const int64_t cols = p.out_cols();
-  int64_t differing = 0, written = 0;
-  for (int e = 0; e < p.experts; ++e) {
-    for (int64_t r = p.offsets[e]; r < p.offsets[e] + counts[e]; ++r)
-      for (int64_t j = 0; j < cols; ++j) differing += skipped[r * cols + j] != first[r * cols + j];
-    const int64_t last = p.offsets[e + 1] - kBlockM, in_last = p.offsets[e] + counts[e] - last;
-    if (counts[e] == 0 || in_last > kBlockM / 2) continue;
-    for (int64_t r = last + kBlockM / 2; r < last + kBlockM; ++r)
-      for (int64_t j = 0; j < cols; ++j) written += skipped[r * cols + j] != kPoisonBits;
-  }
-  EXPECT_EQ(differing, 0) << "skipping padding changed routed rows";
-  EXPECT_EQ(written, 0) << "a consumer wrote rows that hold no route";
+  expect_padding_halves_skipped(p, first, run(gemm, d, skipping));
 }
 
 INSTANTIATE_TEST_SUITE_P(
