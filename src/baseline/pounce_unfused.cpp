@@ -5,6 +5,7 @@
 #include "baseline/moe_kernels.h"
 #include "common/cuda_check.h"
 #include "common/require.h"
+#include "formats/quantize_kernel.h"
 
 namespace pounce::baseline {
 
@@ -59,6 +60,69 @@ void PounceUnfusedMoe::run_gemm(Gemm which, cudaStream_t stream, const gemm::Gem
   gemm::GroupedGemmArgs args = gemm_args(which, plan_.expert_offsets_dev.data(), plan_.expert_routes_dev.data());
   args.tuning = tuning;
   gemm_.run(args, stream);
+}
+
+void PounceUnfusedMoe::quantize_weights_fp8(cudaStream_t stream) {
+  POUNCE_REQUIRE(w13_, "PounceUnfusedMoe: call set_weights first");
+  const int64_t H = dims_.hidden, I = dims_.intermediate, E = dims_.experts;
+  POUNCE_REQUIRE(H % 128 == 0 && I % 128 == 0, "PounceUnfusedMoe: FP8 needs hidden and intermediate in whole ",
+                 "128-blocks of the scales; hidden = ", H, ", intermediate = ", I);
+  const auto allocate = [](Fp8Buffer& b, int64_t rows, int64_t cols, int64_t scale_rows) {
+    if (b.values.size() != size_t(rows * cols)) {
+      b.values = DeviceBuffer<uint8_t>(rows * cols);
+      b.scales = DeviceBuffer<float>(scale_rows * (cols / 128));
+    }
+  };
+  allocate(w13_fp8_, E * 2 * I, H, E * 2 * I / 128);
+  allocate(w2_fp8_, E * H, I, E * H / 128);
+  allocate(pool_fp8_, capacity_rows_, H, capacity_rows_);
+  allocate(hidden_fp8_, capacity_rows_, I, capacity_rows_);
+  formats::quantize_128x128_device(reinterpret_cast<const uint16_t*>(w13_), E * 2 * I, H, w13_fp8_.values.data(),
+                                   w13_fp8_.scales.data(), stream);
+  formats::quantize_128x128_device(reinterpret_cast<const uint16_t*>(w2_), E * H, I, w2_fp8_.values.data(),
+                                   w2_fp8_.scales.data(), stream);
+  has_fp8_weights_ = true;
+}
+
+gemm::GroupedGemmArgs PounceUnfusedMoe::fp8_gemm_args(Gemm which) const {
+  gemm::GroupedGemmArgs g = gemm_args(which, plan_.expert_offsets_dev.data(), plan_.expert_routes_dev.data());
+  g.a = nullptr;
+  g.b = nullptr;
+  const Fp8Buffer& a = which == Gemm::kGateUp ? pool_fp8_ : hidden_fp8_;
+  const Fp8Buffer& b = which == Gemm::kGateUp ? w13_fp8_ : w2_fp8_;
+  g.fp8 = {a.values.data(), a.scales.data(), b.values.data(), b.scales.data()};
+  return g;
+}
+
+void PounceUnfusedMoe::run_fp8_step(Fp8Step step, const __nv_bfloat16* x, cudaStream_t stream) {
+  POUNCE_REQUIRE(has_fp8_weights_ && has_routing_, "PounceUnfusedMoe: call set_routing and quantize_weights_fp8 first");
+  const int64_t rows = plan_.padded_rows;
+  switch (step) {
+    case Fp8Step::kQuantizeTokens:
+      formats::quantize_1x128_gather_device(reinterpret_cast<const uint16_t*>(x), plan_.row_token.data(), rows,
+                                            dims_.hidden, pool_fp8_.values.data(), pool_fp8_.scales.data(), stream);
+      break;
+    case Fp8Step::kGateUp:
+      gemm_.run(fp8_gemm_args(Gemm::kGateUp), stream);
+      break;
+    case Fp8Step::kQuantizeHidden:
+      // Padding rows of the hidden buffer hold whatever GEMM1 left there (it skips them); their codes only
+      // feed padding rows of GEMM2's output, which the combine never reads.
+      formats::quantize_1x128_device(reinterpret_cast<const uint16_t*>(hidden_.data()), rows, dims_.intermediate,
+                                     hidden_fp8_.values.data(), hidden_fp8_.scales.data(), stream);
+      break;
+    case Fp8Step::kDown:
+      gemm_.run(fp8_gemm_args(Gemm::kDown), stream);
+      break;
+  }
+}
+
+void PounceUnfusedMoe::forward_fp8(const __nv_bfloat16* x, const float* topk_weights, __nv_bfloat16* y,
+                                   cudaStream_t stream) {
+  for (Fp8Step step : {Fp8Step::kQuantizeTokens, Fp8Step::kGateUp, Fp8Step::kQuantizeHidden, Fp8Step::kDown})
+    run_fp8_step(step, x, stream);
+  weighted_combine(out_.data(), plan_.route_row.data(), topk_weights, plan_.tokens, dims_.topk, dims_.hidden, y,
+                   stream);
 }
 
 void PounceUnfusedMoe::forward(const __nv_bfloat16* x, const float* topk_weights, __nv_bfloat16* y,

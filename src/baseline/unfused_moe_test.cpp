@@ -6,6 +6,8 @@
 #include "baseline/pounce_unfused.h"
 #include "common/gpu.h"
 #include "common/testing.h"
+#include "formats/blockwise.h"
+#include "formats/numerics.h"
 #include "reference/moe_layer.h"
 #include "reference/synthetic_routing.h"
 
@@ -98,6 +100,112 @@ INSTANTIATE_TEST_SUITE_P(Shapes, UnfusedMoeTest,
                                            Case{1, 128, 64, 4, 1, RoutingPattern::kUniform},
                                            Case{200, 384, 256, 6, 3, RoutingPattern::kOneExpert}),
                          testing::NameFromPrintTo());
+
+// ---- the FP8 chain ------------------------------------------------------------------------------------
+
+std::vector<float> fp8_round_trip_rows(std::span<const float> v, int64_t rows, int64_t cols) {
+  return formats::dequantize(formats::quantize_1x128(v, rows, cols));
+}
+std::vector<float> fp8_round_trip_weights(std::span<const float> v, int64_t rows, int64_t cols) {
+  return formats::dequantize(formats::quantize_128x128(v, rows, cols));
+}
+
+// The layer as the FP8 chain computes it, on the host: x quantized 1 x 128, the weights 128 x 128, GEMM1
+// and SwiGLU in double rounded to bf16 (GEMM1's output), each hidden row quantized 1 x 128, GEMM2 in
+// double rounded to bf16 (GEMM2's output), the weighted sum.
+std::vector<double> fp8_chain_reference(const reference::MoeShape& shape, const reference::MoeInputs& in) {
+  const int64_t T = shape.tokens, H = shape.hidden, I = shape.intermediate, E = shape.experts, K = shape.topk;
+  const auto xq = fp8_round_trip_rows(in.x, T, H);
+  const auto w13q = fp8_round_trip_weights(in.w13, E * 2 * I, H);
+  const auto w2q = fp8_round_trip_weights(in.w2, E * H, I);
+  const auto acts = reference::moe_route_activations(shape, {xq, in.topk_ids, in.topk_weights, w13q, w2q});
+  std::vector<double> y(T * H, 0.0);
+  std::vector<float> h(I);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      for (int64_t i = 0; i < I; ++i) h[i] = formats::round_to_bf16(float(acts.hidden[(t * K + k) * I + i]));
+      const auto hq = fp8_round_trip_rows(h, 1, I);
+      const int64_t e = in.topk_ids[t * K + k];
+      for (int64_t j = 0; j < H; ++j) {
+        double o = 0;
+        for (int64_t i = 0; i < I; ++i) o += double(w2q[(e * H + j) * I + i]) * hq[i];
+        y[t * H + j] += double(in.topk_weights[t * K + k]) * formats::round_to_bf16(float(o));
+      }
+    }
+  return y;
+}
+
+class UnfusedFp8Test : public ::testing::TestWithParam<Case> {};
+
+// Against the host model of the same quantization (tight), and against the unquantized layer (the FP8
+// error band: E4M3 keeps 3 fraction bits, so each element is off by up to 1/16).
+TEST_P(UnfusedFp8Test, MatchesTheQuantizedHostLayer) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const Case p = GetParam();
+  const auto x = testing::random_bf16_values(rng, p.tokens * p.hidden, -2.0f, 2.0f);
+  const auto w13 = testing::random_bf16_values(rng, p.experts * 2 * p.intermediate * p.hidden, -0.1f, 0.1f);
+  const auto w2 = testing::random_bf16_values(rng, p.experts * p.hidden * p.intermediate, -0.1f, 0.1f);
+  const auto ids = reference::synthetic_topk_ids(p.pattern, p.tokens, int(p.experts), int(p.topk), rng);
+  auto weights = reference::synthetic_topk_weights(p.tokens, int(p.topk), rng);
+  if (!weights.empty()) weights[0] = 0.0f;  // an exact-zero router weight
+  const reference::MoeShape shape{p.tokens, p.hidden, p.intermediate, p.experts, p.topk};
+  const reference::MoeInputs inputs{x, ids, weights, w13, w2};
+  const auto want = fp8_chain_reference(shape, inputs);
+  const auto unquantized = reference::moe_forward(shape, inputs);
+
+  DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x)), d_w13(testing::to_bf16_bits(w13)),
+      d_w2(testing::to_bf16_bits(w2)), d_y(p.tokens * p.hidden);
+  DeviceBuffer<float> d_weights(weights);
+  auto bf16 = [](const DeviceBuffer<uint16_t>& b) { return reinterpret_cast<__nv_bfloat16*>(b.data()); };
+  PounceUnfusedMoe chain({.max_tokens = p.tokens + 3,
+                          .hidden = p.hidden,
+                          .intermediate = p.intermediate,
+                          .experts = p.experts,
+                          .topk = p.topk});
+  chain.set_weights(bf16(d_w13), bf16(d_w2));
+  chain.quantize_weights_fp8(nullptr);
+  chain.set_routing(ids, p.tokens);
+  const auto run = [&] {
+    d_y.fill_bytes(0xFF);
+    chain.forward_fp8(bf16(d_x), d_weights.data(), bf16(d_y), nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    chain.check_device_errors();
+    return d_y.download();
+  };
+  const auto bits = run();
+  std::vector<float> got;
+  for (uint16_t b : bits) got.push_back(formats::bf16_to_float(b));
+  EXPECT_LT(testing::relative_l2_error(got, want), testing::kBf16LayerL2);
+  EXPECT_LT(testing::worst_token_error(got, want, p.hidden), testing::kBf16LayerWorstToken);
+  EXPECT_LT(testing::relative_l2_error(got, unquantized), 0.1) << "FP8 strayed from the unquantized layer";
+  EXPECT_EQ(run(), bits) << "not deterministic";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, UnfusedFp8Test,
+                         ::testing::Values(Case{300, 256, 128, 8, 2, RoutingPattern::kUniform},
+                                           Case{77, 512, 384, 16, 8, RoutingPattern::kZipf},
+                                           Case{200, 384, 256, 6, 3, RoutingPattern::kOneExpert},
+                                           Case{64, 256, 128, 16, 4, RoutingPattern::kHalfEmpty},
+                                           Case{1, 128, 128, 4, 1, RoutingPattern::kUniform}),
+                         testing::NameFromPrintTo());
+
+TEST(UnfusedMoe, Fp8RejectsShapesOffTheScaleBlocks) {
+  POUNCE_REQUIRE_HOPPER();
+  DeviceBuffer<uint16_t> w13(4 * 128 * 64), w2(4 * 64 * 64);
+  PounceUnfusedMoe chain({.max_tokens = 8, .hidden = 64, .intermediate = 64, .experts = 4, .topk = 2});
+  chain.set_weights(reinterpret_cast<__nv_bfloat16*>(w13.data()), reinterpret_cast<__nv_bfloat16*>(w2.data()));
+  EXPECT_THROW(
+      {
+        try {
+          chain.quantize_weights_fp8(nullptr);
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("hidden = 64, intermediate = 64"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+}
 
 TEST(UnfusedMoe, ZeroTokensRunsAndWritesNothing) {
   POUNCE_REQUIRE_HOPPER();

@@ -12,6 +12,7 @@
 
 #include "baseline/cublas_backward.h"
 #include "baseline/cublas_moe.h"
+#include "baseline/moe_kernels.h"
 #include "baseline/pounce_unfused.h"
 #include "bench/bench.h"
 #include "bench/dense_ceiling.h"
@@ -32,6 +33,7 @@ namespace {
 
 using baseline::Gemm;
 using baseline::GemmCalls;
+using Fp8Step = baseline::PounceUnfusedMoe::Fp8Step;
 
 // What a row's speedup is measured against (compare()).
 enum class Role {
@@ -51,6 +53,7 @@ struct Output {
   const int32_t* row_token = nullptr;
   std::string reference;           // what want is, for the JSON and the error message
   std::string row_name = "token";  // what a row is: the check's worst_<row_name>
+  double max_relative_l2 = kMaxRelativeL2, max_worst_row = kMaxWorstToken;  // the check's limits
 };
 
 struct Candidate {
@@ -69,20 +72,24 @@ double worse(double a, double b) { return std::isnan(a) || a > b ? a : b; }
 Json check_json(const std::string& shape, const std::string& what, const Candidate& c, const OutputError& first,
                 const OutputError& last, Report& report) {
   const double l2 = worse(first.relative_l2, last.relative_l2), worst = worse(first.worst_row, last.worst_row);
-  const bool ok = l2 <= kMaxRelativeL2 && worst <= kMaxWorstToken;  // false for NaN
+  const double max_l2 = c.output.max_relative_l2, max_worst = c.output.max_worst_row;
+  const bool ok = l2 <= max_l2 && worst <= max_worst;  // false for NaN
   if (!ok) {
     char message[512];
     std::snprintf(message, sizeof message,
                   "%s, %s, %s: relative L2 %.3g (limit %.0e), worst %s %.3g (limit %.0e) against %s "
                   "(first run %.3g / %.3g, last timed run %.3g / %.3g)",
-                  shape.c_str(), what.c_str(), c.impl.c_str(), l2, kMaxRelativeL2, c.output.row_name.c_str(), worst,
-                  kMaxWorstToken, c.output.reference.c_str(), first.relative_l2, first.worst_row, last.relative_l2,
-                  last.worst_row);
+                  shape.c_str(), what.c_str(), c.impl.c_str(), l2, max_l2, c.output.row_name.c_str(), worst, max_worst,
+                  c.output.reference.c_str(), first.relative_l2, first.worst_row, last.relative_l2, last.worst_row);
     std::fflush(stdout);
     std::fprintf(stderr, "\n*** OUTPUT CHECK FAILED: %s\n\n", message);
     report.failures.push_back(message);
   }
-  return {{"relative_l2", l2}, {"worst_" + c.output.row_name, worst}, {"ok", ok}, {"reference", c.output.reference}};
+  return {{"relative_l2", l2},
+          {"worst_" + c.output.row_name, worst},
+          {"ok", ok},
+          {"reference", c.output.reference},
+          {"limits", {{"relative_l2", max_l2}, {"worst_" + c.output.row_name, max_worst}}}};
 }
 
 // Times the candidates (interleaved) and checks each one's output on its first run and its last timed
@@ -375,14 +382,50 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                        unfused.run_gemm(Gemm::kDown, stream);
                      },
                      {}});
+  // The unfused chain in FP8 (E4M3, blockwise scales; weights quantized once, outside the timing), against
+  // the BF16 chain's output within the FP8 band.
+  DeviceBuffer<__nv_bfloat16> y_fp8(H % 128 == 0 && I % 128 == 0 ? T * H : 0);
+  if (y_fp8.size() > 0) {
+    unfused.quantize_weights_fp8(stream);
+    Output output = forward_output(y_fp8.data());
+    output.max_relative_l2 = kFp8MaxRelativeL2;
+    output.max_worst_row = kFp8MaxWorstToken;
+    forward.push_back(
+        {"pounce_unfused fp8", Role::kPounce,
+         [&](int rep) { unfused.forward_fp8(x[rep % kSets].data(), d_weights.data(), y_fp8.data(), stream); }, output});
+  }
   forward.push_back({"pounce_fused", Role::kFused, [&](int rep) { fused_forward(fused, rep % kSets, y_fused.data()); },
                      forward_output(y_fused.data())});
   forward.push_back(dense_reference);
   result["forward"] = compare(s.name, "forward", s.forward_flops(), forward, o, dense_tflops, report, stream);
+  double unfused_ms = 0, fp8_ms = 0;
   for (const Json& row : result["forward"]) {
     const std::string impl = row["impl"];
-    if (impl == "pounce_unfused" || impl == "pounce_fused")
+    if (impl == "pounce_unfused" || impl == "pounce_fused" || impl == "pounce_unfused fp8")
       result["relative_l2_difference"]["y_" + impl + "_vs_cublas"] = row["check"]["relative_l2"];
+    if (impl == "pounce_unfused") unfused_ms = row["timing"].at("median_ms").get<double>();
+    if (impl == "pounce_unfused fp8") fp8_ms = row["timing"].at("median_ms").get<double>();
+  }
+  if (fp8_ms > 0) {
+    // What the FP8 chain's quantization passes cost (interleaved): gathering and quantizing the tokens in
+    // place of the BF16 chain's permute, and quantizing the hidden rows, a pass of its own.
+    DeviceBuffer<__nv_bfloat16> permuted(plan.padded_rows * H);
+    const std::vector<std::function<void(int)>> passes = {
+        [&](int rep) {
+          baseline::permute_rows(x[rep % kSets].data(), plan.row_token.data(), plan.padded_rows, H, permuted.data(),
+                                 stream);
+        },
+        [&](int rep) { unfused.run_fp8_step(Fp8Step::kQuantizeTokens, x[rep % kSets].data(), stream); },
+        [&](int) { unfused.run_fp8_step(Fp8Step::kQuantizeHidden, nullptr, stream); }};
+    const std::vector<Timing> t = time_interleaved(passes, stream, o.warmup, o.reps);
+    result["fp8_chain"] = {{"unfused_bf16_over_fp8", unfused_ms / fp8_ms},
+                           {"permute_bf16", t[0]},
+                           {"gather_quantize_tokens", t[1]},
+                           {"quantize_hidden", t[2]}};
+    std::printf(
+        "  FP8 chain: %.3f ms against %.3f BF16 (%.2fx); token permute %.3f ms bf16, %.3f gathered and "
+        "quantized; hidden quantized %.3f\n",
+        fp8_ms, unfused_ms, unfused_ms / fp8_ms, t[0].median_ms, t[1].median_ms, t[2].median_ms);
   }
   result["fused_config"] = {{"comm_ctas", fused.comm_ctas()},
                             {"engine_rows", fused.engine_rows()},

@@ -128,25 +128,32 @@ __device__ void quantize_chunk(uint4 raw, int64_t first, bool active, uint8_t* _
   }
 }
 
+// With source_row, output row r is x's row source_row[r] (a gather; negative: a row of zeros); a chunk
+// never straddles two rows (cols is a multiple of 8).
 template <bool kMx>
 __global__ void __launch_bounds__(kThreadsPerCta)
-    quantize_kernel(const uint16_t* __restrict__ x, int64_t n, uint8_t* __restrict__ out,
-                    ScaleT<kMx>* __restrict__ scales) {
+    quantize_kernel(const uint16_t* __restrict__ x, const int32_t* __restrict__ source_row, int64_t cols, int64_t n,
+                    uint8_t* __restrict__ out, ScaleT<kMx>* __restrict__ scales) {
   // All loads first, so each thread has kChunksPerThread 16-byte loads in flight.
   int64_t first[kChunksPerThread];
   uint4 raw[kChunksPerThread];
 #pragma unroll
   for (int c = 0; c < kChunksPerThread; ++c) {
     first[c] = ((int64_t(blockIdx.x) * kChunksPerThread + c) * kThreadsPerCta + threadIdx.x) * kElemsPerThread;
-    raw[c] = first[c] < n ? *reinterpret_cast<const uint4*>(x + first[c]) : make_uint4(0, 0, 0, 0);
+    int64_t from = first[c];
+    if (source_row != nullptr && first[c] < n) {
+      const int32_t row = source_row[first[c] / cols];
+      from = row >= 0 ? int64_t(row) * cols + first[c] % cols : -1;
+    }
+    raw[c] = first[c] < n && from >= 0 ? *reinterpret_cast<const uint4*>(x + from) : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
   for (int c = 0; c < kChunksPerThread; ++c) quantize_chunk<kMx>(raw[c], first[c], first[c] < n, out, scales);
 }
 
 template <bool kMx>
-void launch(const char* name, const uint16_t* x, int64_t rows, int64_t cols, uint8_t* out, ScaleT<kMx>* scales,
-            cudaStream_t stream) {
+void launch(const char* name, const uint16_t* x, const int32_t* source_row, int64_t rows, int64_t cols, uint8_t* out,
+            ScaleT<kMx>* scales, cudaStream_t stream) {
   constexpr int kBlock = kMx ? kMxBlock : kActivationBlock;
   POUNCE_REQUIRE(rows >= 0 && cols >= 0, name, ": shape [", rows, ", ", cols, "] has a negative extent");
   POUNCE_REQUIRE(cols % kBlock == 0, name, ": cols = ", cols, " is not a multiple of ", kBlock);
@@ -164,7 +171,7 @@ void launch(const char* name, const uint16_t* x, int64_t rows, int64_t cols, uin
   const int64_t per_cta = int64_t(kThreadsPerCta) * kElemsPerThread * kChunksPerThread;
   const int64_t ctas = (n + per_cta - 1) / per_cta;
   POUNCE_REQUIRE(ctas <= INT_MAX, name, ": ", rows, " x ", cols, " elements need more than 2^31 - 1 CTAs");
-  quantize_kernel<kMx><<<unsigned(ctas), kThreadsPerCta, 0, stream>>>(x, n, out, scales);
+  quantize_kernel<kMx><<<unsigned(ctas), kThreadsPerCta, 0, stream>>>(x, source_row, cols, n, out, scales);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -265,12 +272,18 @@ void quantize_128x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols,
 
 void quantize_1x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,
                            cudaStream_t stream) {
-  launch<false>("quantize_1x128_device", x_bf16, rows, cols, out, scales, stream);
+  launch<false>("quantize_1x128_device", x_bf16, nullptr, rows, cols, out, scales, stream);
+}
+
+void quantize_1x128_gather_device(const uint16_t* x_bf16, const int32_t* source_row, int64_t rows, int64_t cols,
+                                  uint8_t* out, float* scales, cudaStream_t stream) {
+  POUNCE_REQUIRE(rows == 0 || source_row != nullptr, "quantize_1x128_gather_device: source_row is null");
+  launch<false>("quantize_1x128_gather_device", x_bf16, source_row, rows, cols, out, scales, stream);
 }
 
 void quantize_mxfp8_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, uint8_t* scales,
                            cudaStream_t stream) {
-  launch<true>("quantize_mxfp8_device", x_bf16, rows, cols, out, scales, stream);
+  launch<true>("quantize_mxfp8_device", x_bf16, nullptr, rows, cols, out, scales, stream);
 }
 
 }  // namespace pounce::formats

@@ -18,6 +18,11 @@ namespace pounce::formats {
 void quantize_1x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,
                            cudaStream_t stream);
 
+// The same for a gather, as dispatch moves tokens into expert order: output row r quantizes row
+// source_row[r] of x (device [rows]); a negative entry gives a row of zeros with scale 1 (padding rows).
+void quantize_1x128_gather_device(const uint16_t* x_bf16, const int32_t* source_row, int64_t rows, int64_t cols,
+                                  uint8_t* out, float* scales, cudaStream_t stream);
+
 // out: [rows, cols] E4M3; scales: [rows / 128, cols / 128] fp32 powers of two, one per 128 x 128 block
 // (weights; same rule as quantize_128x128). rows and cols multiples of 128.
 void quantize_128x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/cuda_check.h"
+#include "common/device_buffer.h"
 #include "common/gpu.h"
 #include "common/testing.h"
 #include "formats/blockwise.h"
@@ -231,6 +232,36 @@ TEST(QuantizeKernel, WeightBlockEdgeCasesMatchHost) {
   check_against_host(x, rows, cols);
 }
 
+// The gathering quantizer (dispatch order): row r of the output is row source_row[r] of x, repeats and
+// padding rows (-1: zeros, scale 1) included, bit for bit the host quantizer of the gathered matrix.
+TEST(QuantizeKernel, GatherMatchesHostOnTheGatheredRows) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const int64_t x_rows = 50, cols = 384, rows = 77;
+  const std::vector<uint16_t> x = wide_range_bf16(rng, size_t(x_rows * cols), 12);
+  std::vector<int32_t> source(rows);
+  std::uniform_int_distribution<int32_t> pick(-1, int32_t(x_rows) - 1);
+  for (auto& r : source) r = pick(rng);
+  source[0] = -1;
+  source[1] = int32_t(x_rows) - 1;
+  std::vector<float> gathered(size_t(rows * cols), 0.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    if (source[r] >= 0)
+      for (int64_t c = 0; c < cols; ++c) gathered[r * cols + c] = bf16_to_float(x[source[r] * cols + c]);
+  const Fp8Rows1x128 want = quantize_1x128(gathered, rows, cols);
+
+  GuardedBuffer d_x(x.size() * sizeof(uint16_t)), d_out(size_t(rows * cols)), d_scales(want.scales.size() * 4);
+  CUDA_CHECK(cudaMemcpy(d_x.as<void>(), x.data(), x.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  const DeviceBuffer<int32_t> d_source(source);
+  d_out.poison();
+  d_scales.poison();
+  quantize_1x128_gather_device(d_x.as<uint16_t>(), d_source.data(), rows, cols, d_out.as<uint8_t>(),
+                               d_scales.as<float>(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  expect_bytes_equal(d_out.download(), want.data, "gathered 1x128 data", cols);
+  expect_bytes_equal(d_scales.download(), as_bytes(want.scales), "gathered 1x128 scales", cols / 128 * 4);
+}
+
 TEST(QuantizeKernel, RejectsBadArguments) {
   POUNCE_REQUIRE_HOPPER();
   GuardedBuffer d_x(1024 * 2), d_out(1024), d_scales(64);
@@ -250,6 +281,7 @@ TEST(QuantizeKernel, RejectsBadArguments) {
   EXPECT_NO_THROW(quantize_1x128_device(nullptr, 0, 128, nullptr, nullptr, nullptr));
   EXPECT_NO_THROW(quantize_mxfp8_device(nullptr, 4, 0, nullptr, nullptr, nullptr));
   EXPECT_NO_THROW(quantize_128x128_device(nullptr, 0, 256, nullptr, nullptr, nullptr));
+  EXPECT_THROW(quantize_1x128_gather_device(x, nullptr, 1, 128, out, d_scales.as<float>(), nullptr), Error);
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
