@@ -75,8 +75,8 @@ struct Fp8Stages {
 template <TileKind kKind>
 using StagesOf = std::conditional_t<kKind == TileKind::kForwardFp8, Fp8Stages, Bf16Stages>;
 
-// Where a tile's operands start. A K-major operand's slice kb is the box at (col + kb * kBlockK, row); an
-// MN-major operand's is the boxes at (col + 64 j, row + kb * kBlockK), one per 64 elements of M or N.
+// Where a tile's operands start. A K-major operand's slice kb is the box at (col + kb * kSliceK, row); an
+// MN-major operand's is the boxes at (col + 64 j, row + kb * kSliceK), one per 64 elements of M or N.
 struct OperandOrigin {
   int32_t row, col;
 };
@@ -431,8 +431,9 @@ __device__ __forceinline__ void run_mainloop(SharedStorage<Bf16Stages>& s, float
 // E4M3 consumers take turns issuing their slices' wgmmas: consumer c issues its next slice once the
 // other has issued its previous one, so the tensor cores run the two consumers' slices alternately and
 // one consumer scales its finished slice while the other's run. (Left alone, the two consumers fell into
-// step, both waiting for the same stage, both scaling at once while the tensor cores idled.) `turns`
-// counts this consumer's issues; consumer 0's very first one waits for nobody.
+// step, both waiting for the same stage, both scaling at once while the tensor cores idled.) `taken`
+// counts this consumer's issues; consumer 0's very first one waits for nobody. Both consumers issue the
+// same slices (every tile's), so the turns pair up.
 struct IssueTurns {
   uint32_t taken = 0;
   __device__ void wait(int consumer) {
