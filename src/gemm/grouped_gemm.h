@@ -14,9 +14,9 @@
 // engine applies them in fp32 every 128 of K and writes the same bf16 epilogues.
 //
 // Persistent CTAs take tiles (expert, m-block, n-block) of 128 x 256 (bf16) or 128 x 128 (FP8) from a
-// device queue. Before
-// loading A for a tile, a CTA waits (acquire, bounded) until that m-block's readiness counter reaches
-// `ready_target`: the megakernel's dispatch bumps these counters; stand-alone callers pass none.
+// device queue. Before loading A for a tile, a CTA waits (acquire, bounded) until that m-block's
+// readiness counter reaches `ready_target`: the megakernel's dispatch bumps these counters; stand-alone
+// callers pass none.
 //
 // Padding rows (beyond an expert's routes, up to its m-block boundary) are computed like any row but
 // never mix into other rows: each output row depends on its own A row only. Their outputs are
