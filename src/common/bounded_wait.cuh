@@ -21,7 +21,12 @@ struct WaitSite {
 enum class Scope { kGpu, kSystem };
 
 // Waits for an mbarrier phase. These waits are inside one CTA: if one stalls past its deadline the CTA's
-// pipeline is broken (a TMA fault, a bug), no other CTA can unblock it, so after reporting it traps.
+// pipeline is broken (a TMA fault, a bug) and no other CTA can unblock it. It reports and gives up, and so
+// does every later wait of the launch that finds an error reported: the kernel runs to its end with
+// garbage in its outputs, and the host raises the error (the context stays usable; nothing is left
+// waiting).
+// NOTES: no __trap() here: with a trap path in the kernel, ptxas allocated every role's registers within
+// the launch-bounds limit (168 of 384 threads' share), ignoring the consumers' larger setmaxnreg budget.
 __device__ __forceinline__ void mbarrier_wait_bounded(uint64_t* bar, uint32_t parity, const WaitSite& site,
                                                       WaitTarget target, int index) {
   if (ptx::mbarrier_try_wait(bar, parity)) return;
@@ -31,11 +36,12 @@ __device__ __forceinline__ void mbarrier_wait_bounded(uint64_t* bar, uint32_t pa
   // The clock is read only now and then.
   for (uint32_t spins = 1; !ptx::mbarrier_try_wait(bar, parity); ++spins) {
     if (spins % 64 != 0) continue;
+    if (device_error_reported(site.sink)) return;
     const uint64_t waited = ptx::globaltimer_ns() - start;
     if (waited > site.timeout_ns) {
       report_device_error(site.sink, DeviceErrorCode::kWaitTimeout, site.role, target, index, parity, parity ^ 1,
                           waited, site.rank);
-      __trap();
+      return;
     }
   }
 }

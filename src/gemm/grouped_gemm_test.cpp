@@ -556,7 +556,8 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"edges_swiglu_scaled", 7, 256, 384, {0, 1, 127, 128, 129, 0, 300}, 0, Epilogue::kSwiGLU, true},
         Case{"many_small_experts", 64, 384, 128, {}, 40, Epilogue::kStore, false},
         Case{"wide_n_scaled", 4, 1024, 512, {700, 300, 900, 129}, 0, Epilogue::kStore, true},
-        Case{"deep_k", 2, 256, 4096, {200, 90}, 0, Epilogue::kSwiGLU, true}),
+        Case{"deep_k", 2, 256, 4096, {200, 90}, 0, Epilogue::kSwiGLU, true},
+        Case{"odd_deep_k", 3, 256, 1664, {150, 0, 260}, 0, Epilogue::kStore, true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // An FP8 GEMM behind readiness counters: it waits for a stalled m-block, then reports it by name.
