@@ -67,6 +67,7 @@ static std::string likely_cause(const DeviceErrorRecord& r) {
     case WaitTarget::kRingSlotFree:
     case WaitTarget::kGemm1Done:
     case WaitTarget::kGemm2Done:
+    case WaitTarget::kSwigluDone:
       out << "rank " << r.rank << "'s pipeline stopped: token rows it waits for never arrived (a source rank, or "
           << "this rank's communication CTAs, stalled or failed in this forward), or one of its GEMM CTAs stopped";
       break;
@@ -104,6 +105,10 @@ std::string DeviceErrorSlot::describe() const {
     case WaitTarget::kGemm2Done:
       out << "m-block " << r.index << " GEMM" << (WaitTarget(r.target) == WaitTarget::kGemm1Done ? 1 : 2)
           << " completion counter stayed at " << r.observed << ", expected >= " << r.expected;
+      break;
+    case WaitTarget::kSwigluDone:
+      out << "m-block " << r.index << " SwiGLU-backward counter stayed at " << r.observed
+          << ", expected >= " << r.expected;
       break;
     case WaitTarget::kRingSlotFree:
       out << "ring slot of m-block " << r.index << " never freed: combine counter stayed at " << r.observed

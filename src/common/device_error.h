@@ -52,6 +52,7 @@ enum class WaitTarget : uint32_t {
   kKeptForward = 16,     // not a wait: the kept rows are forward number observed's (0: the latest forward
                          // kept none), the latest is number expected; index 1 when the kept forward's inputs
                          // are the backward's
+  kSwigluDone = 17,      // the fused backward's SwiGLU-backward counter of m-block index
 };
 
 struct DeviceErrorRecord {

@@ -81,8 +81,12 @@ struct OperandOrigin {
   int32_t row, col;
 };
 
+// TileInfo::gemm of an item that is not a GEMM tile: the tile source's own elementwise work, which each
+// consumer warpgroup runs on its half of the rows (TileSource::run_elementwise); no K slices.
+inline constexpr int32_t kElementwiseTile = 2;
+
 struct TileInfo {
-  int32_t gemm;  // which GemmOperands
+  int32_t gemm;  // which GemmOperands, or kElementwiseTile
   OperandOrigin a, b;
   int32_t c_row;     // first C row (of the expert's matrix when C is 3-D)
   int32_t c_expert;  // 3-D C only
@@ -138,6 +142,9 @@ __device__ __forceinline__ SharedStorage<Stages>& shared_storage(uint8_t* smem_r
 //                              them for TMA; false when there are no more tiles or a wait gave up.
 //   const GemmOperands& operands(int gemm) const
 //   const TimelineSink& timeline() const      where the CTA's spans go (common/timeline.cuh)
+// and, when its queue holds kElementwiseTile items,
+//   void run_elementwise(const TileInfo& tile, int consumer, int thread) const
+//                              run by every thread of consumer warpgroup `consumer` (thread 0..127)
 struct GemmOperands {
   // bf16. K-major A: [rows, k], box kBlockK x kBlockM; K-major B: [experts * n, k], box kBlockK x kBlockN.
   // MN-major: [k rows, m or n], box 64 x kBlockK.
@@ -198,6 +205,7 @@ __device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site
     ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the consumers' wait makes `info` visible
     if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
     if (!info.valid) return;
+    if (info.gemm == kElementwiseTile) continue;  // nothing to load
 
     const GemmOperands& op = tiles.operands(info.gemm);
     for (int kb = 0; kb < info.k_blocks; ++kb) {
@@ -580,6 +588,14 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
       release_done(pending_done);
     const TileInfo tile = take_tile(s, slot, slot_phase, pipe_site);
     if (!tile.valid) break;
+    if constexpr (requires { tiles.run_elementwise(tile, consumer, thread); }) {
+      if (tile.gemm == kElementwiseTile) {
+        // Its inputs may include the previous tile's stores: no lag for that tile's release.
+        if (thread == 0) release_done(pending_done);
+        tiles.run_elementwise(tile, consumer, thread);
+        continue;
+      }
+    }
     const GemmOperands& op = tiles.operands(tile.gemm);
 
     constexpr bool kForward = kKind == TileKind::kForward || kKind == TileKind::kForwardFp8;

@@ -8,11 +8,16 @@
 //           compute CTAs: GEMM1 + SwiGLU and GEMM2 tiles (moe/fused_tiles.cuh), then weighted sums.
 //           In place (one rank, ring holding every m-block) communication CTAs only dispatch, then
 //           take GEMM tiles too.
+// The fused backward is the same kernel with the directions swapped (p.backward, kBackward): dispatch
+// pulls dy rows, the compute CTAs run the data-gradient GEMMs with the SwiGLU backward between them
+// (moe/fused_backward_tiles.cuh), combine pushes the dx rows back, and the sums add them unweighted.
 #include "common/cooperative_launch.h"
 #include "common/cuda_check.h"
+#include "common/require.h"
 #include "gemm/gemm_pipeline.cuh"
 #include "moe/comm_role.cuh"
 #include "moe/copy_engine.cuh"
+#include "moe/fused_backward_tiles.cuh"
 #include "moe/fused_kernel.h"
 #include "moe/fused_tiles.cuh"
 #include "moe/rank_sync.cuh"
@@ -59,6 +64,7 @@ __device__ void top_up_unused_counters(const FusedParams& p, const RankState& rs
     rs.gemm1_done[b] += p.steps.gemm1_done;
     rs.gemm2_done[b] += p.steps.gemm2_done;
     rs.combined[b] += p.steps.combined;
+    if (rs.swiglu_done != nullptr) rs.swiglu_done[b] += p.steps.swiglu_done;
   }
   uint32_t* arrivals = p.peers.arrivals[rs.rank];
   for (int64_t t = rs.tokens + worker; t < p.max_tokens; t += workers) arrivals[t] += p.steps.arrivals;
@@ -118,6 +124,10 @@ __global__ void check_kept_forward(const uint32_t* epoch_word, const uint64_t* k
                         same_inputs, latest, kept, 0);
 }
 
+// The backward's number, one kernel ahead of it in stream order.
+__global__ void begin_backward(uint32_t* epoch_word) { ++*epoch_word; }
+
+template <bool kBackward>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ FusedParams p, const __grid_constant__ FusedMaps maps) {
   extern __shared__ uint8_t smem_raw[];
@@ -148,7 +158,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
   }
   __shared__ gemm::pipeline::GemmOperands tile_operands[2];
-  FusedTiles tiles(p, rs, lr, maps, tile_operands);
+  std::conditional_t<kBackward, FusedBackwardTiles, FusedTiles> tiles(p, rs, lr, maps, tile_operands);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, gemm::pipeline::pipeline_timeout_ns(p.wait_timeout_ns),
                            rs.rank};
   gemm::pipeline::run_gemm_cta(smem_raw, tiles, pipe_site, sums);
@@ -160,8 +170,17 @@ void launch_fused_moe(const FusedParams& p, const FusedMaps& maps, cudaStream_t 
   begin_forward<<<1, 1, 0, stream>>>(const_cast<uint32_t*>(p.epoch_word), p.kept_record, p.keep_gate_up,
                                      p.kept_fingerprint);
   CUDA_CHECK_LAUNCH();
-  launch_cooperative(fused_moe_kernel, p.launch_ranks * p.ctas_per_rank, kThreads, gemm::pipeline::kSharedBytes, stream,
-                     p, maps);
+  launch_cooperative(fused_moe_kernel<false>, p.launch_ranks * p.ctas_per_rank, kThreads, gemm::pipeline::kSharedBytes,
+                     stream, p, maps);
+}
+
+void launch_fused_moe_backward(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream) {
+  POUNCE_REQUIRE(p.backward, "launch_fused_moe_backward: the parameters are a forward's");
+  begin_backward<<<1, 1, 0, stream>>>(const_cast<uint32_t*>(p.epoch_word));
+  CUDA_CHECK_LAUNCH();
+  static_assert(gemm::pipeline::kSharedBytesOf<FusedBackwardTiles::kKind> == gemm::pipeline::kSharedBytes);
+  launch_cooperative(fused_moe_kernel<true>, p.launch_ranks * p.ctas_per_rank, kThreads, gemm::pipeline::kSharedBytes,
+                     stream, p, maps);
 }
 
 void launch_check_kept_forward(const FusedParams& p, uint64_t fingerprint, cudaStream_t stream) {

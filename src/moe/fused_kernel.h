@@ -24,6 +24,10 @@ struct FusedMaps {             // CUtensorMap is 64-byte aligned
 // than run CTAs that are not co-resident, which the kernel's barriers need).
 void launch_fused_moe(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream);
 
+// The fused backward's data path, one cooperative launch (p.backward set; its maps: x_ring the dy rows,
+// h_ring_store da, h_ring_load dgu, out_ring_store the dx rows, w2 and w13 N-major).
+void launch_fused_moe_backward(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream);
+
 // Reports a kKeptForward error (into p.error) unless the rows the latest forward kept are those of a
 // forward on inputs with this fingerprint.
 void launch_check_kept_forward(const FusedParams& p, uint64_t fingerprint, cudaStream_t stream);

@@ -44,7 +44,8 @@ struct CounterLayout {
   int64_t gemm1_done() const { return m_blocks; }
   int64_t gemm2_done() const { return 2 * m_blocks; }
   int64_t combined() const { return 3 * m_blocks; }
-  int64_t control() const { return 4 * m_blocks; }
+  int64_t swiglu_done() const { return 4 * m_blocks; }  // the fused backward's only
+  int64_t control() const { return 5 * m_blocks; }
   int64_t words() const { return control() + kControlWords; }
 };
 
@@ -214,6 +215,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   p.ring_blocks = int32_t(ring);
   p.wait_timeout_ns = options.wait_timeout_ns;
   backward_replays_ = options.backward_replays;
+  fused_backward_enabled_ = options.fused_backward;
   p.steps = counter_steps(config);
   p.stall_rank = -1;
   p.in_place = in_place;
@@ -263,6 +265,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
     rs.gemm1_done = c + layout.gemm1_done();
     rs.gemm2_done = c + layout.gemm2_done();
     rs.combined = c + layout.combined();
+    rs.swiglu_done = nullptr;
     rs.control = c + layout.control();
     rs.route_row = route_row_.data();  // one rank only
   }
@@ -293,6 +296,10 @@ void FusedLayer::reset_counters() {
   }
   CUDA_CHECK(cudaMemset(epoch_.data(), 0, epoch_.bytes()));
   CUDA_CHECK(cudaMemset(kept_record_.data(), 0, kept_record_.bytes()));
+  if (fused_backward_) {
+    for (auto* words : {&fused_backward_->counters, &fused_backward_->epoch, &fused_backward_->peer_words})
+      CUDA_CHECK(cudaMemset(words->data(), 0, words->bytes()));
+  }
   CUDA_CHECK(cudaDeviceSynchronize());  // cleared before a forward on any stream reads them
   forwards_ = 0;
   kept_from_ = {};
@@ -495,16 +502,114 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
                  "(FusedMoeOptions::backward_replays = false): call forward with keep_for_backward right before");
   // The host's view misses forwards replayed by CUDA graphs: the device checks the rows are still these.
   if (kept) launch_check_kept_forward(params_, fingerprint(forward_inputs), stream);
+  last_backward_replayed_ = !kept;
+  if (kept && fused_backward_enabled_ && !window_)
+    return fused_backward(forward_inputs, grads, sources, experts, stream);
   for (int lr = 0; lr < L; ++lr) {
     const KeptForward rows = kept_rows(lr);
     backward_->run(params_.first_rank + lr, sources, experts[lr], kept ? &rows : nullptr, stream);
   }
   backward_->finish(sources, stream);
-  last_backward_replayed_ = !kept;
 }
 
-// Timeline kernel tags: the forward, then the backward chain's GEMMs in BackwardGemm order.
-constexpr uint8_t kForwardKernel = 0, kFirstBackwardKernel = 1;
+// Timeline kernel tags: the forward, then the backward chain's GEMMs in BackwardGemm order, then the fused
+// backward.
+constexpr uint8_t kForwardKernel = 0, kFirstBackwardKernel = 1, kFusedBackwardKernel = 1 + kBackwardGemms;
+
+int64_t FusedLayer::FusedBackwardState::bytes() const {
+  int64_t bytes = 0;
+  for (size_t b : {counters.bytes(), epoch.bytes(), peer_words.bytes(), dy_rows.bytes(), da.bytes(), dgu.bytes(),
+                   wa.bytes(), dx_rows.bytes()})
+    bytes += int64_t(b);
+  return bytes;
+}
+
+// The backward from a kept forward on virtual ranks: one persistent launch for the data path (the
+// forward's kernel with dy in place of x: moe/fused_kernel.cu), then each rank's weight gradients from
+// the rows it left. The launch plans again: the planner gives the kept forward's schedule bit for bit.
+void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads,
+                                std::span<const BackwardSource> sources, std::span<const ExpertGradients> experts,
+                                cudaStream_t stream) {
+  const int L = params_.launch_ranks, P = config_.ranks;
+  const int64_t H = config_.hidden, I = config_.intermediate, E = config_.local_experts();
+  const int64_t M = capacity_.max_m_blocks, ring_rows = L * M * kBlockM;
+  const int64_t T = std::max<int64_t>(config_.max_tokens_per_rank, 1);
+  const CounterLayout layout{M};
+  if (!fused_backward_) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone,
+                   "FusedMoe::backward: the first backward from a kept forward allocates its rows, which a CUDA graph "
+                   "capture cannot: run one before capturing");
+    auto s = std::make_unique<FusedBackwardState>();
+    s->counters = DeviceBuffer<uint32_t>(L * layout.words());
+    s->epoch = DeviceBuffer<uint32_t>(1);
+    s->peer_words = DeviceBuffer<uint32_t>(P * (T + P));
+    s->dy_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
+    s->da = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
+    s->dgu = DeviceBuffer<__nv_bfloat16>(ring_rows * 2 * I);
+    s->wa = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
+    s->dx_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
+    for (auto* words : {&s->counters, &s->epoch, &s->peer_words}) words->fill_bytes(0);
+    s->dy_rows.fill_bytes(0);  // padding rows feed the first GEMM before their S item zeroes them
+    fused_backward_ = std::move(s);
+  }
+  FusedBackwardState& s = *fused_backward_;
+
+  FusedParams p = params_;
+  p.backward = 1;
+  p.keep_gate_up = 0;
+  p.stall_rank = -1;
+  p.ring_blocks = int32_t(M);
+  p.in_place = P == 1;
+  if (P == 1 && !params_.in_place) p.comm_ctas = in_place_comm_ctas(p.ctas_per_rank, H);
+  p.steps = backward_counter_steps(config_);
+  p.epoch_word = s.epoch.data();
+  p.x_ring = s.dy_rows.data();
+  p.h_ring = s.da.data();
+  p.out_ring = s.dx_rows.data();
+  if (timeline_) p.timeline.kernel = kFusedBackwardKernel;
+  p.bwd = {gate_up_kept_.data(), s.dgu.data(), s.wa.data(), {}, {}};
+  for (int r = 0; r < P; ++r) {  // virtual ranks: launch rank r is rank r
+    p.peers.x[r] = grads[r].dy;
+    p.peers.topk_ids[r] = forward_inputs[r].topk_ids;
+    p.peers.arrivals[r] = s.peer_words.data() + r * (T + P);
+    p.peers.start_flags[r] = p.peers.arrivals[r] + T;
+    p.bwd.topk_weights[r] = forward_inputs[r].topk_weights;
+    p.bwd.d_topk_weights[r] = grads[r].d_topk_weights;
+  }
+  for (int lr = 0; lr < L; ++lr) {
+    RankState& rs = p.rank_state[lr];
+    rs.tokens = int32_t(forward_inputs[lr].tokens);
+    rs.topk_weights = nullptr;
+    rs.y = grads[lr].dx;
+    uint32_t* c = s.counters.data() + lr * layout.words();
+    rs.dispatched = c + layout.dispatched();
+    rs.gemm1_done = c + layout.gemm1_done();
+    rs.gemm2_done = c + layout.gemm2_done();
+    rs.combined = c + layout.combined();
+    rs.swiglu_done = c + layout.swiglu_done();
+    rs.control = c + layout.control();
+  }
+  FusedMaps maps{};
+  using gemm::make_bf16_tensor_map, gemm::kStoreBoxCols, gemm::kStoreBoxRows;
+  maps.x_ring = make_bf16_tensor_map(s.dy_rows.data(), H, ring_rows, kBlockK, kBlockM);
+  maps.h_ring_store = make_bf16_tensor_map(s.da.data(), I, ring_rows, kStoreBoxCols, kStoreBoxRows);
+  maps.h_ring_load = make_bf16_tensor_map(s.dgu.data(), 2 * I, ring_rows, kBlockK, kBlockM);
+  maps.out_ring_store = make_bf16_tensor_map(s.dx_rows.data(), H, ring_rows, kStoreBoxCols, kStoreBoxRows);
+  for (int lr = 0; lr < L; ++lr) {  // the weights read N-major: [E * K, N], boxes 64 wide
+    maps.w2[lr] = make_bf16_tensor_map(weights_[lr].w2, I, E * H, 64, kBlockK);
+    maps.w13[lr] = make_bf16_tensor_map(weights_[lr].w13, H, E * 2 * I, 64, kBlockK);
+  }
+  launch_fused_moe_backward(p, maps, stream);
+
+  const int64_t rank_rows = M * kBlockM;
+  for (int lr = 0; lr < L; ++lr)
+    backward_->run_weight_gradients(params_.first_rank + lr, sources, experts[lr], kept_rows(lr),
+                                    {s.dy_rows.data() + lr * rank_rows * H, s.dgu.data() + lr * rank_rows * 2 * I,
+                                     s.wa.data() + lr * rank_rows * I},
+                                    stream);
+}
 
 TimelineSink FusedLayer::backward_timeline() {
   TimelineSink sink = timeline_ ? timeline_->sink() : TimelineSink{};
@@ -528,11 +633,13 @@ std::string FusedLayer::stop_timeline() {
   std::vector<std::string> names = {"fused forward"};
   for (const char* gemm : {"GEMM1 again", "dgrad down", "dgrad gate/up", "wgrad down", "wgrad gate/up"})
     names.push_back(std::string("backward: ") + gemm);
+  names.push_back("fused backward");
   return chrome_trace_json(events, names);
 }
 
 int64_t FusedLayer::device_bytes() const {
-  int64_t bytes = window_bytes_ + (backward_ ? backward_->device_bytes() : 0);
+  int64_t bytes =
+      window_bytes_ + (backward_ ? backward_->device_bytes() : 0) + (fused_backward_ ? fused_backward_->bytes() : 0);
   for (size_t b : {chunk_counts_.bytes(), expert_routes_.bytes(), expert_offsets_.bytes(), row_source_rank_.bytes(),
                    row_token_.bytes(), row_k_.bytes(), minibatch_starts_.bytes(), sizes_.bytes(), topk_tables_.bytes(),
                    route_row_.bytes(), counters_.bytes(), x_ring_.bytes(), h_ring_.bytes(), out_ring_.bytes(),

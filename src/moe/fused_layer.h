@@ -77,6 +77,9 @@ class FusedLayer {
   bool kept_forward_matches(std::span<const RankIO> inputs) const;
   uint64_t fingerprint(std::span<const RankIO> inputs) const;
   KeptForward kept_rows(int launch_rank) const;
+  void fused_backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads,
+                      std::span<const BackwardSource> sources, std::span<const ExpertGradients> experts,
+                      cudaStream_t stream);
   TimelineSink backward_timeline();
 
   EpConfig config_;
@@ -114,6 +117,16 @@ class FusedLayer {
   } kept_from_;
   bool last_backward_replayed_ = false;
   bool backward_replays_ = true;        // FusedMoeOptions::backward_replays
+  bool fused_backward_enabled_ = true;  // FusedMoeOptions::fused_backward
+  // The fused backward's own counters, number and peer words (virtual ranks), and its rows: a ring
+  // holding every m-block of every launch rank, kept for the weight gradients. Made by the first fused
+  // backward.
+  struct FusedBackwardState {
+    DeviceBuffer<uint32_t> counters, epoch, peer_words;
+    DeviceBuffer<__nv_bfloat16> dy_rows, da, dgu, wa, dx_rows;
+    int64_t bytes() const;
+  };
+  std::unique_ptr<FusedBackwardState> fused_backward_;
   std::unique_ptr<Timeline> timeline_;  // between start_timeline and stop_timeline
   std::unique_ptr<comm::NcclWindow> window_;
   int64_t window_bytes_ = 0;

@@ -782,7 +782,8 @@ class FusedMoeBackwardTest : public ::testing::TestWithParam<Case> {};
 
 // Training forwards and the backward from what they kept, against the host reference, on one layer
 // whose routing, inputs and router weights (some exactly zero) change every round; then the same
-// backward replayed (after a forward that kept nothing) must give the same bits.
+// backward replayed (after a forward that kept nothing) must give the same bits, and so must a layer
+// that runs the kept backward's data path as the chain of kernels instead of the fused kernel.
 TEST_P(FusedMoeBackwardTest, FromKeptForwardMatchesReferenceAndReplay) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
@@ -792,6 +793,10 @@ TEST_P(FusedMoeBackwardTest, FromKeptForwardMatchesReferenceAndReplay) {
   if (c.ring_blocks == kMinRing) options.minibatch_rows = 128, options.ring_blocks = 2;
   FusedMoe layer(p.config, options);
   p.load_weights(layer);
+  FusedMoeOptions chain_options = options;
+  chain_options.fused_backward = false;
+  FusedMoe chained(p.config, chain_options);
+  p.load_weights(chained);
   const int64_t H = p.config.hidden;
   for (int round = 0; round < 3; ++round) {
     SCOPED_TRACE("round " + std::to_string(round));
@@ -824,6 +829,9 @@ TEST_P(FusedMoeBackwardTest, FromKeptForwardMatchesReferenceAndReplay) {
     expect_gradients(kept, want, p.config);
     // Again from the same kept rows: the backward does not consume them.
     EXPECT_TRUE(run_backward(layer, p, d_dy) == kept);
+    chained.forward(p.io(), nullptr, /*keep_for_backward=*/true);
+    EXPECT_TRUE(run_backward(chained, p, d_dy) == kept) << "the fused and the chained backward differ";
+    EXPECT_FALSE(chained.last_backward_replayed());
 
     layer.forward(p.io(), nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -1117,15 +1125,16 @@ TEST(FusedMoe, TimelineRecordsEveryTileAndChangesNoBits) {
   const Gradients recorded = run_backward(layer, p, d_dy);
   const std::string backward = layer.stop_timeline();
   EXPECT_TRUE(recorded == unrecorded) << "recording changed the gradients";
-  // The backward's four GEMMs from the kept rows: dgrad down and gate/up (m-grouped), wgrad down and
-  // gate/up (k-grouped: every expert's tiles, empty ones too).
-  const int64_t tiles = m_blocks * n_blocks(I) + m_blocks * n_blocks(H) +
-                        E * ((H + kBlockM - 1) / kBlockM) * n_blocks(I) +
-                        E * ((2 * I + kBlockM - 1) / kBlockM) * n_blocks(H);
-  EXPECT_EQ(count_spans(backward, "mainloop G1"), consumers * tiles);
-  EXPECT_EQ(count_spans(backward, "epilogue G1"), consumers * tiles);
-  for (const char* gemm : {"dgrad down", "dgrad gate/up", "wgrad down", "wgrad gate/up"})
-    EXPECT_THAT(backward, HasSubstr(std::string("\"name\":\"backward: ") + gemm + "\"")) << gemm;
+  // From the kept rows: the fused kernel's dgrad down (G1) and gate/up (G2) tiles, then the weight
+  // gradients' k-grouped GEMMs (each G1 of its own kernel: every expert's tiles, empty ones too).
+  const int64_t wgrad_tiles =
+      E * ((H + kBlockM - 1) / kBlockM) * n_blocks(I) + E * ((2 * I + kBlockM - 1) / kBlockM) * n_blocks(H);
+  for (const char* span : {"mainloop", "epilogue"}) {
+    EXPECT_EQ(count_spans(backward, std::string(span) + " G1"), consumers * (m_blocks * n_blocks(I) + wgrad_tiles));
+    EXPECT_EQ(count_spans(backward, std::string(span) + " G2"), consumers * m_blocks * n_blocks(H));
+  }
+  for (const char* kernel : {"fused backward", "backward: wgrad down", "backward: wgrad gate/up"})
+    EXPECT_THAT(backward, HasSubstr(std::string("\"name\":\"") + kernel + "\"")) << kernel;
   EXPECT_THAT(backward, ::testing::Not(HasSubstr("GEMM1 again")));
 }
 

@@ -37,16 +37,28 @@ inline int balanced_engine_rows(int64_t row_bytes) {
 // What each counter gains per forward. Counters are never reset: forward number `epoch` waits for
 // epoch times these.
 struct CounterSteps {
-  uint32_t dispatched;  // per m-block: its pieces (kPiecesPerBlock)
-  uint32_t gemm1_done;  // per m-block: consumer halves of its GEMM1 tiles
-  uint32_t gemm2_done;  // per m-block: consumer halves of its GEMM2 tiles
-  uint32_t combined;    // per m-block: its one combine item
-  uint32_t arrivals;    // per token: its k combined output rows
+  uint32_t dispatched;       // per m-block: its pieces (kPiecesPerBlock)
+  uint32_t gemm1_done;       // per m-block: consumer halves of its GEMM1 tiles
+  uint32_t gemm2_done;       // per m-block: consumer halves of its GEMM2 tiles
+  uint32_t combined;         // per m-block: its one combine item
+  uint32_t arrivals;         // per token: its k combined output rows
+  uint32_t swiglu_done = 0;  // backward, per m-block: consumer halves of its SwiGLU-backward item
 };
 
 inline CounterSteps counter_steps(const EpConfig& c) {
   return {kPiecesPerBlock, uint32_t(gemm::kConsumerWarpgroups * n_blocks(2 * c.intermediate)),
           uint32_t(gemm::kConsumerWarpgroups * n_blocks(c.hidden)), 1, uint32_t(c.topk)};
+}
+
+// The backward's: its GEMM1 is the data gradient of the down projection (N = I), its GEMM2 that of
+// gate/up (N = H).
+inline CounterSteps backward_counter_steps(const EpConfig& c) {
+  return {kPiecesPerBlock,
+          uint32_t(gemm::kConsumerWarpgroups * n_blocks(c.intermediate)),
+          uint32_t(gemm::kConsumerWarpgroups * n_blocks(c.hidden)),
+          1,
+          uint32_t(c.topk),
+          uint32_t(gemm::kConsumerWarpgroups)};
 }
 
 // Words of RankState::control.
@@ -69,12 +81,13 @@ struct RankState {
   planner::DeviceScheduleSizes* sizes;
   const int32_t** topk_table;  // [P]: the topk_ids pointers of every rank, for the planner
   // Per-m-block counters [max_m_blocks].
-  uint32_t* dispatched;  // +1 per piece of the m-block in the ring (kPiecesPerBlock per forward)
-  uint32_t* gemm1_done;  // +1 per GEMM1 tile half (2 * n1_blocks per forward)
-  uint32_t* gemm2_done;  // +1 per GEMM2 tile half (2 * n2_blocks per forward)
-  uint32_t* combined;    // +1 when the m-block's rows were pushed out: its ring slot is free
-  uint32_t* control;     // [kControlWords]
-  int32_t* route_row;    // one rank only: [max_tokens, k] the row each of this rank's routes went to
+  uint32_t* dispatched;   // +1 per piece of the m-block in the ring (kPiecesPerBlock per forward)
+  uint32_t* gemm1_done;   // +1 per GEMM1 tile half (2 * n1_blocks per forward)
+  uint32_t* gemm2_done;   // +1 per GEMM2 tile half (2 * n2_blocks per forward)
+  uint32_t* combined;     // +1 when the m-block's rows were pushed out: its ring slot is free
+  uint32_t* swiglu_done;  // backward: +1 per consumer half of the m-block's SwiGLU backward (null forward)
+  uint32_t* control;      // [kControlWords]
+  int32_t* route_row;     // one rank only: [max_tokens, k] the row each of this rank's routes went to
 };
 
 // What every rank exposes to the others (symmetric memory), indexed by global rank.
@@ -85,6 +98,16 @@ struct PeerView {
   uint32_t* arrivals[kMaxRanks];       // [T_max] combine arrivals per token (k per forward)
   uint32_t* start_flags[kMaxRanks];    // [P] forward number each rank has started
   int32_t* token_counts[kMaxRanks];    // [P] every rank's tokens in this forward, written by that rank
+};
+
+// What only a backward launch reads (the kernel's data path with dy in place of x: moe/fused_kernel.cu).
+// Its ring holds every m-block, and its rows stay for the weight-gradient GEMMs that follow it.
+struct BackwardRows {
+  const __nv_bfloat16* gate_up_kept;     // [launch ranks * capacity rows, 2I]: the training forward's
+  __nv_bfloat16* dgu;                    // [ring rows, 2I]: d(gate, up), interleaved like gate_up_kept
+  __nv_bfloat16* wa;                     // [ring rows, I]: w * silu(gate) * up, for dW2
+  const float* topk_weights[kMaxRanks];  // [global rank]: that rank's router weights [T, k]
+  float* d_topk_weights[kMaxRanks];      // [global rank]: their gradients [T, k]
 };
 
 struct FusedParams {
@@ -121,7 +144,10 @@ struct FusedParams {
   __nv_bfloat16* h_ring;      // [..., I]
   __nv_bfloat16* out_ring;    // [..., H]
   DeviceErrorSink error;
-  TimelineSink timeline;            // spans of every CTA (a build with POUNCE_TIMELINE; else unused)
+  TimelineSink timeline;  // spans of every CTA (a build with POUNCE_TIMELINE; else unused)
+  // 1: a backward. x_ring holds dy rows, h_ring da = dy W2, out_ring the dx rows; the sums are unweighted.
+  int32_t backward;
+  BackwardRows bwd;
   RankState rank_state[kMaxRanks];  // [launch_ranks]
   PeerView peers;
 };

@@ -1,4 +1,5 @@
 // Weighted sum on the source rank: y[t] = sum_k w[t, k] * slot[t, k], k in order, fp32 accumulation,
+// (the backward's dx[t] = sum_k slot[t, k], with w = 1: each fmaf then adds exactly),
 // once all k output rows of token t have arrived. Warp-level: a warp takes the next token from the
 // rank's ticket, waits (bounded) for its arrivals and sums it. CTAs join once their own queue is empty
 // (they then only wait on combine work that other CTAs do), so waiting here never blocks that work.
@@ -33,13 +34,13 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
     if (t >= rs.tokens) return;
 
     // Row of output k of token t, and its weight; lane j holds those of k = j (the first 32).
-    const float* w = rs.topk_weights + int64_t(t) * p.topk;
+    const float* w = p.backward ? nullptr : rs.topk_weights + int64_t(t) * p.topk;
     const auto row_of = [&](int k) {
       const int64_t route = int64_t(t) * p.topk + k;
       return p.in_place ? int64_t(rs.route_row[route]) : route;
     };
     const int64_t lane_row = lane < p.topk ? row_of(lane) : 0;
-    const float lane_weight = lane < p.topk ? w[lane] : 0.0f;
+    const float lane_weight = lane >= p.topk ? 0.0f : w != nullptr ? w[lane] : 1.0f;
 
     bool ok = true;
     if (p.in_place) {
@@ -80,7 +81,7 @@ __device__ inline void run_weighted_sums(const FusedParams& p, const RankState& 
         for (int j = 0; j < kBatch; ++j) {
           const int k = k0 + j;
           if (k >= p.topk) continue;  // not break: the loop must unroll for bits[] to stay in registers
-          const float wk = k < 32 ? __shfl_sync(kAll, lane_weight, k) : w[k];
+          const float wk = k < 32 ? __shfl_sync(kAll, lane_weight, k) : w != nullptr ? w[k] : 1.0f;
 #pragma unroll
           for (int u = 0; u < kVecsPerLane; ++u) {
             const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(&bits[j][u]);

@@ -4,7 +4,9 @@
 //                  (the opening's items D(0) ... D(m0-1), m0 = opening_blocks, are moved in pieces by
 //                  every CTA of the rank before the queue starts, so its first ticket is m0)
 //   GEMM tiles:    G1(0), G1(1), G2(0), G1(2), G2(1), ..., G1(n-1), G2(n-2), G2(n-1)   by minibatch,
-//                  m-blocks fastest inside a minibatch
+//                  m-blocks fastest inside a minibatch. The backward's queue has an elementwise item
+//                  S(b) per m-block (the SwiGLU backward between its two GEMMs), queued right before
+//                  the second GEMM's tiles of its minibatch: ..., G1(j), S(j-1), G2(j-1), ...
 #pragma once
 
 #include <cstdint>
@@ -35,16 +37,20 @@ POUNCE_HOST_DEVICE inline int32_t opening_blocks(int32_t m_blocks, int32_t block
   return m_blocks < blocks_per_minibatch ? m_blocks : blocks_per_minibatch;
 }
 
+// GemmTile::gemm of an elementwise item (gemm/gemm_pipeline.cuh: kElementwiseTile).
+inline constexpr int32_t kElementwiseItem = 2;
+
 struct GemmTile {
-  int32_t gemm;  // 0: GEMM1 (+SwiGLU), 1: GEMM2
+  int32_t gemm;  // 0: GEMM1 (+SwiGLU), 1: GEMM2, kElementwiseItem: S(m_block)
   int32_t m_block, n_block;
 };
 
 struct TileQueue {
   int32_t m_blocks, minibatches, blocks_per_minibatch;
-  int32_t n_blocks[2];  // of GEMM1 and GEMM2
+  int32_t n_blocks[2];      // of GEMM1 and GEMM2
+  int32_t elementwise = 0;  // 1: an S item per m-block before its GEMM2 tiles
 
-  POUNCE_HOST_DEVICE int64_t tiles() const { return int64_t(m_blocks) * (n_blocks[0] + n_blocks[1]); }
+  POUNCE_HOST_DEVICE int64_t tiles() const { return int64_t(m_blocks) * (n_blocks[0] + n_blocks[1] + elementwise); }
 
   // M-blocks of minibatch j.
   POUNCE_HOST_DEVICE int32_t blocks(int32_t j) const {
@@ -55,7 +61,8 @@ struct TileQueue {
   // Tile of ticket t; false past the end.
   POUNCE_HOST_DEVICE bool tile(int64_t t, GemmTile& out) const {
     const int32_t n = minibatches, bpm = blocks_per_minibatch;
-    const int64_t n1 = n_blocks[0], n2 = n_blocks[1];
+    // The S items of a minibatch count as one more n-block of its GEMM2.
+    const int64_t n1 = n_blocks[0], n2 = n_blocks[1] + elementwise;
     if (n == 0 || t >= tiles()) return false;
     const int64_t first = blocks(0) * n1;  // G1(0)
     if (t < first) return out = locate(0, 0, t), true;
@@ -77,6 +84,10 @@ struct TileQueue {
  private:
   POUNCE_HOST_DEVICE GemmTile locate(int32_t gemm, int32_t j, int64_t local) const {
     const int32_t width = blocks(j);
+    if (gemm == 1 && elementwise) {
+      if (local < width) return {kElementwiseItem, j * blocks_per_minibatch + int32_t(local), 0};
+      local -= width;
+    }
     return {gemm, j * blocks_per_minibatch + int32_t(local % width), int32_t(local / width)};
   }
 };

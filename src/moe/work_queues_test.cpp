@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <deque>
+#include <set>
+#include <tuple>
 #include <vector>
 
 namespace pounce::moe {
@@ -116,6 +118,44 @@ TEST(TileQueue, EveryTileOnceAndGemm2OfAMinibatchBetweenGemm1OfTheNextTwo) {
           if (j + 2 < q.minibatches) {
             EXPECT_LT(last_of(1, j), first_of(0, j + 2)) << "GEMM2 of minibatch " << j << " after GEMM1 of " << j + 2;
           }
+        }
+      }
+}
+
+// The backward's queue: every GEMM tile and one S item per m-block, each once; S(b) after every GEMM1
+// tile of b and before every GEMM2 tile of b, so each wait points at earlier entries.
+TEST(TileQueue, ElementwiseItemsSitBetweenTheTwoGemmsOfTheirMBlock) {
+  for (int32_t m_blocks : {0, 1, 5, 17, 64})
+    for (int32_t bpm : {1, 2, 3, 16})
+      for (auto [n1, n2] : {std::pair{1, 1}, {8, 28}, {3, 2}}) {
+        SCOPED_TRACE("M " + std::to_string(m_blocks) + ", minibatch " + std::to_string(bpm) + ", n " +
+                     std::to_string(n1) + "/" + std::to_string(n2));
+        TileQueue q = make_queue(m_blocks, bpm, n1, n2);
+        q.elementwise = 1;
+        ASSERT_EQ(q.tiles(), int64_t(m_blocks) * (n1 + n2 + 1));
+        std::vector<int64_t> last_gemm1(m_blocks, -1), first_gemm2(m_blocks, INT64_MAX), s_at(m_blocks, -1);
+        std::set<std::tuple<int32_t, int32_t, int32_t>> seen;
+        for (int64_t t = 0; t < q.tiles(); ++t) {
+          GemmTile tile;
+          ASSERT_TRUE(q.tile(t, tile));
+          ASSERT_TRUE(tile.m_block >= 0 && tile.m_block < m_blocks);
+          ASSERT_TRUE(seen.insert({tile.gemm, tile.m_block, tile.n_block}).second) << "listed twice";
+          if (tile.gemm == kElementwiseItem) {
+            ASSERT_EQ(tile.n_block, 0);
+            s_at[tile.m_block] = t;
+          } else if (tile.gemm == 0) {
+            ASSERT_TRUE(tile.n_block >= 0 && tile.n_block < n1);
+            last_gemm1[tile.m_block] = std::max(last_gemm1[tile.m_block], t);
+          } else {
+            ASSERT_EQ(tile.gemm, 1);
+            ASSERT_TRUE(tile.n_block >= 0 && tile.n_block < n2);
+            first_gemm2[tile.m_block] = std::min(first_gemm2[tile.m_block], t);
+          }
+        }
+        EXPECT_EQ(int64_t(seen.size()), q.tiles());
+        for (int32_t b = 0; b < m_blocks; ++b) {
+          EXPECT_LT(last_gemm1[b], s_at[b]) << "S(" << b << ") before a GEMM1 tile of its m-block";
+          EXPECT_LT(s_at[b], first_gemm2[b]) << "S(" << b << ") after a GEMM2 tile of its m-block";
         }
       }
 }

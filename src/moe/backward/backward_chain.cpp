@@ -16,8 +16,8 @@ void BackwardChain::allocate(DeviceBuffer<T>& buffer, int64_t count, const char*
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone, "MoE backward: the first backward that needs its ", what,
-                 " allocates them, which a CUDA graph capture cannot: run one such backward (one that replays its "
-                 "forward) before capturing");
+                 " allocates them, which a CUDA graph capture cannot: run one backward of the same kind (from a kept "
+                 "forward, or replaying its forward) before capturing");
   buffer = DeviceBuffer<T>(count);
 }
 
@@ -27,16 +27,8 @@ BackwardChain::BackwardChain(const EpConfig& config, std::span<__nv_bfloat16* co
   POUNCE_REQUIRE(config.ranks == 1 || int(slots.size()) == config.ranks, "MoE backward: ", config.ranks,
                  " ranks need every rank's dx slots, got ", slots.size());
   rows_ = planner_.capacity().max_padded_rows;
-  const int64_t H = config.hidden, I = config.intermediate;
   ids_table_ = DeviceBuffer<const int32_t*>(config.ranks);
   token_count_ = DeviceBuffer<int32_t>(config.ranks);
-  dy_rows_ = DeviceBuffer<__nv_bfloat16>(rows_ * H);
-  da_ = DeviceBuffer<__nv_bfloat16>(rows_ * I);
-  dgu_ = DeviceBuffer<__nv_bfloat16>(rows_ * 2 * I);
-  wa_ = DeviceBuffer<__nv_bfloat16>(rows_ * I);
-  dx_rows_ = DeviceBuffer<__nv_bfloat16>(rows_ * H);
-  row_weight_ = DeviceBuffer<float>(rows_);
-  route_dot_ = DeviceBuffer<float>(rows_);
 }
 
 BackwardChain::~BackwardChain() = default;
@@ -86,6 +78,14 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
   }
 
   last_experts_ = experts;
+  allocate(dy_rows_, rows_ * H, "route rows", stream);
+  allocate(da_, rows_ * I, "route rows", stream);
+  allocate(dgu_, rows_ * 2 * I, "route rows", stream);
+  allocate(wa_, rows_ * I, "route rows", stream);
+  allocate(dx_rows_, rows_ * H, "route rows", stream);
+  allocate(row_weight_, rows_, "route rows", stream);
+  allocate(route_dot_, rows_, "route rows", stream);
+  route_rows_ = {dy_rows_.data(), dgu_.data(), wa_.data()};
   // A replay plans again, gathers the x rows and recomputes the gate/up rows in the chain's own buffers;
   // a kept forward may still need its x rows gathered (its ring did not hold them all).
   const bool gather_x = kept == nullptr || kept->x_rows == nullptr;
@@ -123,8 +123,36 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
     backward::scatter_route_rows(dx_rows_.data(), route_dot_.data(), f.row_source_rank, f.row_token, f.row_k, rows_, H,
                                  k, to, stream);
 
-  // Weight gradients: reductions over each expert's rows in fp32. A tile sums all of an element's rows
-  // (no split K), so bf16 output is that fp32 sum rounded once, in the epilogue.
+  weight_gradients(experts, stream);
+}
+
+void BackwardChain::run_weight_gradients(int rank, std::span<const BackwardSource> sources,
+                                         const ExpertGradients& experts, const KeptForward& kept, const RouteRows& rows,
+                                         cudaStream_t stream) {
+  check(rank, sources, experts);
+  const int64_t H = config_.hidden, k = config_.topk;
+  backward::RouteSources from{};
+  for (int s = 0; s < config_.ranks; ++s) {
+    from.x[s] = sources[s].x;
+    from.topk_weights[s] = sources[s].topk_weights;
+  }
+  last_experts_ = experts;
+  rows_in_use_ = kept;
+  route_rows_ = rows;
+  // x rows: gathered, or only their padding rows zeroed (the GEMMs sum whole m-blocks).
+  const bool gather_x = kept.x_rows == nullptr;
+  if (gather_x) {
+    allocate(x_rows_, rows_ * H, "x rows", stream);
+    rows_in_use_.x_rows = x_rows_.data();
+  }
+  backward::gather_route_rows(from, kept.row_source_rank, kept.row_token, kept.row_k, rows_, H, k, rows_in_use_.x_rows,
+                              gather_x, nullptr, nullptr, stream);
+  weight_gradients(experts, stream);
+}
+
+// Reductions over each expert's rows in fp32. A tile sums all of an element's rows (no split K), so bf16
+// output is that fp32 sum rounded once, in the epilogue.
+void BackwardChain::weight_gradients(const ExpertGradients& experts, cudaStream_t stream) {
   const gemm::Epilogue epilogue = experts.mode == WeightGradOutput::kAccumulateF32 ? gemm::Epilogue::kAddF32
                                   : experts.mode == WeightGradOutput::kBf16        ? gemm::Epilogue::kStore
                                                                                    : gemm::Epilogue::kStoreF32;
@@ -153,6 +181,8 @@ void BackwardChain::run_gemm(BackwardGemm which, cudaStream_t stream) {
   POUNCE_REQUIRE(last_experts_.w13 != nullptr, "MoE backward: run_gemm needs an earlier run()");
   POUNCE_REQUIRE(which != BackwardGemm::kGateUp || h13_.size() > 0,
                  "MoE backward: GEMM1 again needs an earlier replay (a run without a kept forward)");
+  POUNCE_REQUIRE(which == BackwardGemm::kWeightDown || which == BackwardGemm::kWeightGateUp || da_.size() > 0,
+                 "MoE backward: the data-gradient GEMMs alone need an earlier run of the chain's own data path");
   const int64_t E = config_.local_experts(), H = config_.hidden, I = config_.intermediate;
   allocate(dw_scratch_, E * 2 * I * H + E * H * I, "fp32 scratch", stream);
   gemm(which, dw_scratch_.data(), gemm::Epilogue::kStoreF32, stream);
@@ -197,13 +227,13 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
     case BackwardGemm::kGateUp:
       return m_grouped(rows_in_use_.x_rows, last_experts_.w13, gemm::Major::kK, 2 * I, H, h13_.data());
     case BackwardGemm::kDataDown:
-      return m_grouped(dy_rows_.data(), last_experts_.w2, gemm::Major::kMN, I, H, da_.data());
+      return m_grouped(route_rows_.dy, last_experts_.w2, gemm::Major::kMN, I, H, da_.data());
     case BackwardGemm::kDataGateUp:
-      return m_grouped(dgu_.data(), last_experts_.w13, gemm::Major::kMN, H, 2 * I, dx_rows_.data());
+      return m_grouped(route_rows_.dgu, last_experts_.w13, gemm::Major::kMN, H, 2 * I, dx_rows_.data());
     case BackwardGemm::kWeightDown:
-      return k_grouped(dy_rows_.data(), H, wa_.data(), I);
+      return k_grouped(route_rows_.dy, H, route_rows_.wa, I);
     case BackwardGemm::kWeightGateUp:
-      return k_grouped(dgu_.data(), 2 * I, rows_in_use_.x_rows, H);
+      return k_grouped(route_rows_.dgu, 2 * I, rows_in_use_.x_rows, H);
   }
 }
 

@@ -62,6 +62,14 @@ struct KeptForward {
   const __nv_bfloat16* gate_up_rows = nullptr;  // [capacity rows, 2I], GEMM1 before SwiGLU
 };
 
+// Route rows of one rank's schedule that the weight-gradient GEMMs read: dy rows, d(gate, up) and w.a
+// ([capacity rows, H / 2I / I], padding rows zero).
+struct RouteRows {
+  const __nv_bfloat16* dy = nullptr;
+  const __nv_bfloat16* dgu = nullptr;
+  const __nv_bfloat16* wa = nullptr;
+};
+
 // The five grouped GEMMs of the chain, in the order it runs them.
 enum class BackwardGemm {
   kGateUp,        // h13 = x_rows . W13[e]^T            (GEMM1 again; a replay only)
@@ -91,6 +99,10 @@ class BackwardChain {
            cudaStream_t stream);
   // run()'s host-visible checks alone (a layer checks every rank before it enqueues any).
   void check(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts) const;
+  // The weight gradients alone, from rows the fused backward left (moe/fused_kernel.h) for rank `rank`'s
+  // schedule `kept`; x rows from kept.x_rows when it has them, else gathered from the sources.
+  void run_weight_gradients(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts,
+                            const KeptForward& kept, const RouteRows& rows, cudaStream_t stream);
   // More ranks: each source's dx from its slots, after run() of every rank.
   void finish(std::span<const BackwardSource> sources, cudaStream_t stream);
   // One rank (config.ranks == 1): its whole backward.
@@ -106,13 +118,14 @@ class BackwardChain {
   // scratch of the chain's own.
   void run_gemm(BackwardGemm which, cudaStream_t stream);
 
-  // Device memory of the chain's buffers (a replay's x and gate/up rows from the first replay on).
+  // Device memory of the chain's buffers (made by the first run that needs them).
   int64_t device_bytes() const;
   // Rows every buffer holds: the schedule's worst case.
   int64_t capacity_rows() const { return rows_; }
 
  private:
   void gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue epilogue, cudaStream_t stream);
+  void weight_gradients(const ExpertGradients& experts, cudaStream_t stream);
   template <typename T>
   void allocate(DeviceBuffer<T>& buffer, int64_t count, const char* what, cudaStream_t stream);
 
@@ -120,6 +133,7 @@ class BackwardChain {
   std::vector<__nv_bfloat16*> slots_;  // [source rank], more ranks only
   ExpertGradients last_experts_;
   KeptForward rows_in_use_;  // the last run's schedule and rows: kept, or the chain's own
+  RouteRows route_rows_;     // the last run's: the chain's own buffers, or a fused backward's
   int64_t rows_ = 0;         // capacity: every row the schedule can hold
   planner::DevicePlanner planner_;
   DeviceBuffer<const int32_t*> ids_table_;

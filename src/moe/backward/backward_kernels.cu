@@ -2,6 +2,7 @@
 
 #include "common/cuda_check.h"
 #include "moe/backward/backward_kernels.h"
+#include "moe/backward/swiglu_backward.cuh"
 
 namespace pounce::moe::backward {
 namespace {
@@ -28,10 +29,11 @@ __global__ void gather_kernel(const RouteSources sources, const int32_t* row_sou
     const int32_t t = row_token[r], s = t >= 0 ? row_source_rank[r] : 0;
     const uint4* x = reinterpret_cast<const uint4*>(sources.x[s]);
     const uint4* dy = reinterpret_cast<const uint4*>(sources.dy[s]);
-    if (threadIdx.x == 0) row_weight[r] = t >= 0 ? sources.topk_weights[s][t * topk + row_k[r]] : 0.0f;
+    if (row_weight != nullptr && threadIdx.x == 0)
+      row_weight[r] = t >= 0 ? sources.topk_weights[s][t * topk + row_k[r]] : 0.0f;
     for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
       if (gather_x || t < 0) x_rows[r * vecs + v] = t >= 0 ? x[t * vecs + v] : zero;
-      dy_rows[r * vecs + v] = t >= 0 ? dy[t * vecs + v] : zero;
+      if (dy_rows != nullptr) dy_rows[r * vecs + v] = t >= 0 ? dy[t * vecs + v] : zero;
     }
   }
 }
@@ -50,59 +52,22 @@ __global__ void scatter_kernel(const uint4* dx_rows, const float* route_dot, con
   }
 }
 
-__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
-
-// One warp per row, each lane owning groups of 8 intermediate columns (16 bytes of da, 32 of gate/up): a
-// CTA per row left most of its threads idle at small I (Qwen3-30B's 768 is 96 groups a row).
+// One warp per row (moe/backward/swiglu_backward.cuh), each lane owning groups of 8 intermediate columns:
+// a CTA per row left most of its threads idle at small I (Qwen3-30B's 768 is 96 groups a row).
 __global__ void swiglu_backward_kernel(const uint4* __restrict__ h13, const uint4* __restrict__ da,
                                        const float* __restrict__ row_weight, const int32_t* __restrict__ row_token,
                                        int64_t rows, int64_t groups, uint4* __restrict__ dgu, uint4* __restrict__ wa,
                                        float* __restrict__ route_dot) {
   constexpr int kWarps = kThreads / 32;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
   const int lane = threadIdx.x % 32;
   for (int64_t r = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; r < rows; r += int64_t(gridDim.x) * kWarps) {
     if (row_token[r] < 0) {  // padding: zeros, whatever h13 holds there
-      for (int64_t j = lane; j < groups; j += 32) {
-        dgu[(r * groups + j) * 2] = dgu[(r * groups + j) * 2 + 1] = zero;
-        wa[r * groups + j] = zero;
-      }
+      swiglu_backward_padding_row(groups, dgu + r * groups * 2, wa + r * groups, lane);
       if (lane == 0) route_dot[r] = 0.0f;
       continue;
     }
-    const float w = row_weight[r];
-    float dot = 0.0f;
-#pragma unroll 2
-    for (int64_t j = lane; j < groups; j += 32) {
-      const uint4 g_bits = h13[(r * groups + j) * 2], u_bits = h13[(r * groups + j) * 2 + 1],
-                  d_bits = da[r * groups + j];
-      const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g_bits);
-      const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u_bits);
-      const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&d_bits);
-      uint4 dg_bits, du_bits, wa_bits;
-      __nv_bfloat162* dg2 = reinterpret_cast<__nv_bfloat162*>(&dg_bits);
-      __nv_bfloat162* du2 = reinterpret_cast<__nv_bfloat162*>(&du_bits);
-      __nv_bfloat162* wa2 = reinterpret_cast<__nv_bfloat162*>(&wa_bits);
-#pragma unroll
-      for (int p = 0; p < kVec / 2; ++p) {
-        const float2 g = __bfloat1622float2(g2[p]), u = __bfloat1622float2(u2[p]), d = __bfloat1622float2(d2[p]);
-        const float sx = sigmoid(g.x), sy = sigmoid(g.y);
-        const float ax = g.x * sx * u.x, ay = g.y * sy * u.y;  // a = silu(g) u
-        dot = fmaf(d.x, ax, dot);
-        dot = fmaf(d.y, ay, dot);
-        const float dx = w * d.x, dy = w * d.y;  // the route's share of dy, through W2
-        // silu'(g) = s (1 + g (1 - s))
-        dg2[p] = __floats2bfloat162_rn(dx * u.x * sx * (1.0f + g.x * (1.0f - sx)),
-                                       dy * u.y * sy * (1.0f + g.y * (1.0f - sy)));
-        du2[p] = __floats2bfloat162_rn(dx * g.x * sx, dy * g.y * sy);
-        wa2[p] = __floats2bfloat162_rn(w * ax, w * ay);
-      }
-      dgu[(r * groups + j) * 2] = dg_bits;
-      dgu[(r * groups + j) * 2 + 1] = du_bits;
-      wa[r * groups + j] = wa_bits;
-    }
-    // The row's dot in a fixed order: lanes by a butterfly (every lane ends with the same sum).
-    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, offset);
+    const float dot = swiglu_backward_row(h13 + r * groups * 2, da + r * groups, row_weight[r], groups,
+                                          dgu + r * groups * 2, wa + r * groups, lane);
     if (lane == 0) route_dot[r] = dot;
   }
 }

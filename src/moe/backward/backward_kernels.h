@@ -38,7 +38,7 @@ void set_plan_inputs(const int32_t** ids_table, int32_t* token_counts, const Rou
 // x_rows[r] = x[s][t], dy_rows[r] = dy[s][t], row_weight[r] = topk_weights[s][t, j]; padding rows
 // (token -1) and rows past the schedule get zeros. gather_x false: x_rows holds its rows already (a kept
 // forward's ring), and only its padding rows are zeroed: they may hold any earlier row, and the weight
-// gradients sum them.
+// gradients sum them. dy_rows and row_weight may be null (the fused backward gathered dy itself).
 void gather_route_rows(const RouteSources& sources, const int32_t* row_source_rank, const int32_t* row_token,
                        const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk, __nv_bfloat16* x_rows,
                        bool gather_x, __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream);
