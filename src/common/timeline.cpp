@@ -28,6 +28,8 @@ const char* timeline_span_name(TimelineSpan span) {
       return "epilogue";
     case TimelineSpan::kSums:
       return "sums";
+    case TimelineSpan::kElementwise:
+      return "swiglu backward";
   }
   return "unknown";
 }

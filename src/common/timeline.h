@@ -21,8 +21,9 @@ enum class TimelineSpan : uint16_t {
   kMainloop = 5,  // a consumer warpgroup's K slices of one tile                    (a = GEMM, b = m-block, c = n-block)
   kEpilogue = 6,  // its epilogue: registers to staging boxes to TMA stores        (a, b, c as for the mainloop)
   kSums = 7,      // the weighted sums of a CTA (or, in a backward, its token sums)
+  kElementwise = 8,  // the fused backward: a consumer warpgroup's SwiGLU-backward rows (b = m-block, c = piece)
 };
-inline constexpr int kTimelineSpans = 8;
+inline constexpr int kTimelineSpans = 9;
 
 const char* timeline_span_name(TimelineSpan span);
 

@@ -42,13 +42,17 @@ struct CounterSteps {
   uint32_t gemm2_done;       // per m-block: consumer halves of its GEMM2 tiles
   uint32_t combined;         // per m-block: its one combine item
   uint32_t arrivals;         // per token: its k combined output rows
-  uint32_t swiglu_done = 0;  // backward, per m-block: consumer halves of its SwiGLU-backward item
+  uint32_t swiglu_done = 0;  // backward, per m-block: consumer halves of its SwiGLU-backward items
 };
 
 inline CounterSteps counter_steps(const EpConfig& c) {
   return {kPiecesPerBlock, uint32_t(gemm::kConsumerWarpgroups * n_blocks(2 * c.intermediate)),
           uint32_t(gemm::kConsumerWarpgroups * n_blocks(c.hidden)), 1, uint32_t(c.topk)};
 }
+
+// The fused backward's SwiGLU backward runs as this many items per m-block (32 rows each): spread over
+// more CTAs, each item ends sooner, and so does the wait of the tiles behind it.
+inline constexpr int kSwigluPieces = 4;
 
 // The backward's: its GEMM1 is the data gradient of the down projection (N = I), its GEMM2 that of
 // gate/up (N = H).
@@ -58,7 +62,7 @@ inline CounterSteps backward_counter_steps(const EpConfig& c) {
           uint32_t(gemm::kConsumerWarpgroups * n_blocks(c.hidden)),
           1,
           uint32_t(c.topk),
-          uint32_t(gemm::kConsumerWarpgroups)};
+          uint32_t(gemm::kConsumerWarpgroups * kSwigluPieces)};
 }
 
 // Words of RankState::control.

@@ -4,9 +4,8 @@
 //                  (the opening's items D(0) ... D(m0-1), m0 = opening_blocks, are moved in pieces by
 //                  every CTA of the rank before the queue starts, so its first ticket is m0)
 //   GEMM tiles:    G1(0), G1(1), G2(0), G1(2), G2(1), ..., G1(n-1), G2(n-2), G2(n-1)   by minibatch,
-//                  m-blocks fastest inside a minibatch. The backward's queue has an elementwise item
-//                  S(b) per m-block (the SwiGLU backward between its two GEMMs), queued right before
-//                  the second GEMM's tiles of its minibatch: ..., G1(j), S(j-1), G2(j-1), ...
+//                  m-blocks fastest inside a minibatch
+//   the backward's GEMM tiles and elementwise items, step j = 0 .. n+1:  D1(j), S(j-1), D2(j-2)
 #pragma once
 
 #include <cstdint>
@@ -37,20 +36,16 @@ POUNCE_HOST_DEVICE inline int32_t opening_blocks(int32_t m_blocks, int32_t block
   return m_blocks < blocks_per_minibatch ? m_blocks : blocks_per_minibatch;
 }
 
-// GemmTile::gemm of an elementwise item (gemm/gemm_pipeline.cuh: kElementwiseTile).
-inline constexpr int32_t kElementwiseItem = 2;
-
 struct GemmTile {
-  int32_t gemm;  // 0: GEMM1 (+SwiGLU), 1: GEMM2, kElementwiseItem: S(m_block)
+  int32_t gemm;  // 0: GEMM1 (+SwiGLU), 1: GEMM2; the backward's also kElementwiseItem (n_block: its piece)
   int32_t m_block, n_block;
 };
 
 struct TileQueue {
   int32_t m_blocks, minibatches, blocks_per_minibatch;
-  int32_t n_blocks[2];      // of GEMM1 and GEMM2
-  int32_t elementwise = 0;  // 1: an S item per m-block before its GEMM2 tiles
+  int32_t n_blocks[2];  // of GEMM1 and GEMM2
 
-  POUNCE_HOST_DEVICE int64_t tiles() const { return int64_t(m_blocks) * (n_blocks[0] + n_blocks[1] + elementwise); }
+  POUNCE_HOST_DEVICE int64_t tiles() const { return int64_t(m_blocks) * (n_blocks[0] + n_blocks[1]); }
 
   // M-blocks of minibatch j.
   POUNCE_HOST_DEVICE int32_t blocks(int32_t j) const {
@@ -61,8 +56,7 @@ struct TileQueue {
   // Tile of ticket t; false past the end.
   POUNCE_HOST_DEVICE bool tile(int64_t t, GemmTile& out) const {
     const int32_t n = minibatches, bpm = blocks_per_minibatch;
-    // The S items of a minibatch count as one more n-block of its GEMM2.
-    const int64_t n1 = n_blocks[0], n2 = n_blocks[1] + elementwise;
+    const int64_t n1 = n_blocks[0], n2 = n_blocks[1];
     if (n == 0 || t >= tiles()) return false;
     const int64_t first = blocks(0) * n1;  // G1(0)
     if (t < first) return out = locate(0, 0, t), true;
@@ -84,11 +78,68 @@ struct TileQueue {
  private:
   POUNCE_HOST_DEVICE GemmTile locate(int32_t gemm, int32_t j, int64_t local) const {
     const int32_t width = blocks(j);
-    if (gemm == 1 && elementwise) {
-      if (local < width) return {kElementwiseItem, j * blocks_per_minibatch + int32_t(local), 0};
-      local -= width;
-    }
     return {gemm, j * blocks_per_minibatch + int32_t(local % width), int32_t(local / width)};
+  }
+};
+
+// GemmTile::gemm of an elementwise item (gemm/gemm_pipeline.cuh: kElementwiseTile).
+inline constexpr int32_t kElementwiseItem = 2;
+
+// The fused backward's queue. Step j holds D1(j) (the first GEMM's tiles of minibatch j), S(j-1) (the
+// elementwise items of minibatch j-1, `pieces` per m-block) and D2(j-2) (the second GEMM's tiles of
+// minibatch j-2), m-blocks fastest in each. S(b) waits for D1(b) and D2(b) for S(b): a whole minibatch of
+// D1 tiles lies between an S item and the D2 tiles waiting for it.
+struct BackwardTileQueue {
+  int32_t m_blocks, minibatches, blocks_per_minibatch;
+  int32_t n_blocks[2];  // of D1 and D2
+  int32_t pieces;       // S items per m-block
+
+  POUNCE_HOST_DEVICE int64_t tiles() const { return int64_t(m_blocks) * (n_blocks[0] + pieces + n_blocks[1]); }
+
+  // M-blocks of minibatch j; 0 outside [0, minibatches).
+  POUNCE_HOST_DEVICE int32_t blocks(int32_t j) const {
+    if (j < 0 || j >= minibatches) return 0;
+    const int32_t left = m_blocks - j * blocks_per_minibatch;
+    return left < blocks_per_minibatch ? left : blocks_per_minibatch;
+  }
+
+  POUNCE_HOST_DEVICE bool tile(int64_t t, GemmTile& out) const {
+    const int32_t n = minibatches;
+    if (n == 0 || t < 0 || t >= tiles()) return false;
+    // Steps 0 and 1, then steps 2 .. n-2 (every section whole: one size), then steps max(2, n-1) .. n+1.
+    int64_t at = 0;
+    for (int32_t j = 0; j < 2; ++j) {
+      const int64_t size = step_size(j);
+      if (t < at + size) return out = locate(j, t - at), true;
+      at += size;
+    }
+    const int64_t whole = int64_t(blocks_per_minibatch) * (n_blocks[0] + pieces + n_blocks[1]);
+    const int32_t middle = n > 3 ? n - 3 : 0;
+    if (t < at + middle * whole) return out = locate(2 + int32_t((t - at) / whole), (t - at) % whole), true;
+    at += middle * whole;
+    for (int32_t j = n - 1 > 2 ? n - 1 : 2; j <= n + 1; ++j) {
+      const int64_t size = step_size(j);
+      if (t < at + size) return out = locate(j, t - at), true;
+      at += size;
+    }
+    return false;
+  }
+
+ private:
+  POUNCE_HOST_DEVICE int64_t step_size(int32_t j) const {
+    return int64_t(blocks(j)) * n_blocks[0] + int64_t(blocks(j - 1)) * pieces + int64_t(blocks(j - 2)) * n_blocks[1];
+  }
+
+  POUNCE_HOST_DEVICE GemmTile locate(int32_t j, int64_t local) const {
+    const int64_t d1 = int64_t(blocks(j)) * n_blocks[0], s = int64_t(blocks(j - 1)) * pieces;
+    int32_t gemm = 0, minibatch = j;
+    if (local >= d1 + s) {
+      gemm = 1, minibatch = j - 2, local -= d1 + s;
+    } else if (local >= d1) {
+      gemm = kElementwiseItem, minibatch = j - 1, local -= d1;
+    }
+    const int32_t width = blocks(minibatch);
+    return {gemm, minibatch * blocks_per_minibatch + int32_t(local % width), int32_t(local / width)};
   }
 };
 

@@ -122,42 +122,44 @@ TEST(TileQueue, EveryTileOnceAndGemm2OfAMinibatchBetweenGemm1OfTheNextTwo) {
       }
 }
 
-// The backward's queue: every GEMM tile and one S item per m-block, each once; S(b) after every GEMM1
-// tile of b and before every GEMM2 tile of b, so each wait points at earlier entries.
-TEST(TileQueue, ElementwiseItemsSitBetweenTheTwoGemmsOfTheirMBlock) {
+// The backward's queue: every D1 and D2 tile and every S piece once; S(b) after every D1 tile of b, D2(b)
+// after every S piece of b (so each wait points at earlier entries), and the first D2 tile of a
+// minibatch only after every D1 tile of the next one (the lag that hides the S items).
+TEST(BackwardTileQueue, ElementwiseItemsSitAMinibatchAheadOfTheTilesWaitingForThem) {
   for (int32_t m_blocks : {0, 1, 5, 17, 64})
     for (int32_t bpm : {1, 2, 3, 16})
-      for (auto [n1, n2] : {std::pair{1, 1}, {8, 28}, {3, 2}}) {
-        SCOPED_TRACE("M " + std::to_string(m_blocks) + ", minibatch " + std::to_string(bpm) + ", n " +
-                     std::to_string(n1) + "/" + std::to_string(n2));
-        TileQueue q = make_queue(m_blocks, bpm, n1, n2);
-        q.elementwise = 1;
-        ASSERT_EQ(q.tiles(), int64_t(m_blocks) * (n1 + n2 + 1));
-        std::vector<int64_t> last_gemm1(m_blocks, -1), first_gemm2(m_blocks, INT64_MAX), s_at(m_blocks, -1);
-        std::set<std::tuple<int32_t, int32_t, int32_t>> seen;
-        for (int64_t t = 0; t < q.tiles(); ++t) {
-          GemmTile tile;
-          ASSERT_TRUE(q.tile(t, tile));
-          ASSERT_TRUE(tile.m_block >= 0 && tile.m_block < m_blocks);
-          ASSERT_TRUE(seen.insert({tile.gemm, tile.m_block, tile.n_block}).second) << "listed twice";
-          if (tile.gemm == kElementwiseItem) {
-            ASSERT_EQ(tile.n_block, 0);
-            s_at[tile.m_block] = t;
-          } else if (tile.gemm == 0) {
-            ASSERT_TRUE(tile.n_block >= 0 && tile.n_block < n1);
-            last_gemm1[tile.m_block] = std::max(last_gemm1[tile.m_block], t);
-          } else {
-            ASSERT_EQ(tile.gemm, 1);
-            ASSERT_TRUE(tile.n_block >= 0 && tile.n_block < n2);
-            first_gemm2[tile.m_block] = std::min(first_gemm2[tile.m_block], t);
+      for (auto [n1, n2] : {std::pair{1, 1}, {8, 28}, {3, 2}})
+        for (int32_t pieces : {1, 4}) {
+          SCOPED_TRACE("M " + std::to_string(m_blocks) + ", minibatch " + std::to_string(bpm) + ", n " +
+                       std::to_string(n1) + "/" + std::to_string(n2) + ", pieces " + std::to_string(pieces));
+          const int32_t minibatches = (m_blocks + bpm - 1) / bpm;
+          const BackwardTileQueue q{m_blocks, minibatches, bpm, {n1, n2}, pieces};
+          ASSERT_EQ(q.tiles(), int64_t(m_blocks) * (n1 + n2 + pieces));
+          std::vector<int64_t> last_d1(m_blocks, -1), last_s(m_blocks, -1), first_s(m_blocks, INT64_MAX),
+              first_d2(m_blocks, INT64_MAX);
+          std::set<std::tuple<int32_t, int32_t, int32_t>> seen;
+          for (int64_t t = 0; t < q.tiles(); ++t) {
+            GemmTile tile;
+            ASSERT_TRUE(q.tile(t, tile)) << t;
+            ASSERT_TRUE(tile.m_block >= 0 && tile.m_block < m_blocks);
+            ASSERT_TRUE(seen.insert({tile.gemm, tile.m_block, tile.n_block}).second) << "listed twice";
+            const int32_t n = tile.gemm == 0 ? n1 : tile.gemm == 1 ? n2 : pieces;
+            ASSERT_TRUE(tile.n_block >= 0 && tile.n_block < n);
+            if (tile.gemm == 0) last_d1[tile.m_block] = t;
+            if (tile.gemm == kElementwiseItem)
+              last_s[tile.m_block] = t, first_s[tile.m_block] = std::min(first_s[tile.m_block], t);
+            if (tile.gemm == 1) first_d2[tile.m_block] = std::min(first_d2[tile.m_block], t);
+          }
+          GemmTile past;
+          EXPECT_FALSE(q.tile(q.tiles(), past));
+          for (int32_t b = 0; b < m_blocks; ++b) {
+            EXPECT_LT(last_d1[b], first_s[b]) << "S of m-block " << b << " before one of its D1 tiles";
+            EXPECT_LT(last_s[b], first_d2[b]) << "D2 of m-block " << b << " before one of its S pieces";
+            const int32_t next = std::min(m_blocks, (b / bpm + 2) * bpm);  // past the next minibatch
+            for (int32_t c = b / bpm * bpm + bpm; c < next; ++c)
+              EXPECT_LT(last_d1[c], first_d2[b]) << "D2 of m-block " << b << " before D1 of m-block " << c;
           }
         }
-        EXPECT_EQ(int64_t(seen.size()), q.tiles());
-        for (int32_t b = 0; b < m_blocks; ++b) {
-          EXPECT_LT(last_gemm1[b], s_at[b]) << "S(" << b << ") before a GEMM1 tile of its m-block";
-          EXPECT_LT(s_at[b], first_gemm2[b]) << "S(" << b << ") after a GEMM2 tile of its m-block";
-        }
-      }
 }
 
 // CTAs that take items in queue order and wait for each item's inputs, as the kernel's do. A GEMM CTA's

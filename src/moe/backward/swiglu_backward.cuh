@@ -19,7 +19,8 @@ __device__ __forceinline__ float swiglu_backward_row(const uint4* __restrict__ h
                                                      float w, int64_t groups, uint4* __restrict__ dgu,
                                                      uint4* __restrict__ wa, int lane) {
   float dot = 0.0f;
-#pragma unroll 2
+// Four groups' loads in flight per lane: a fused backward runs these rows on one SM's warps.
+#pragma unroll 4
   for (int64_t j = lane; j < groups; j += 32) {
     const uint4 g_bits = h13[2 * j], u_bits = h13[2 * j + 1], d_bits = da[j];
     const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g_bits);
@@ -38,8 +39,8 @@ __device__ __forceinline__ float swiglu_backward_row(const uint4* __restrict__ h
       dot = fmaf(d.y, ay, dot);
       const float dx = w * d.x, dy = w * d.y;  // the route's share of dy, through W2
       // silu'(g) = s (1 + g (1 - s))
-      dg2[p] = __floats2bfloat162_rn(dx * u.x * sx * (1.0f + g.x * (1.0f - sx)),
-                                     dy * u.y * sy * (1.0f + g.y * (1.0f - sy)));
+      dg2[p] =
+          __floats2bfloat162_rn(dx * u.x * sx * (1.0f + g.x * (1.0f - sx)), dy * u.y * sy * (1.0f + g.y * (1.0f - sy)));
       du2[p] = __floats2bfloat162_rn(dx * g.x * sx, dy * g.y * sy);
       wa2[p] = __floats2bfloat162_rn(w * ax, w * ay);
     }
