@@ -51,9 +51,10 @@ struct FusedMoeOptions {
                                                 // more. docs/fused_moe.md gives the formula.
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // any single wait inside the kernel; then a named error
   bool backward_replays = true;  // a backward without its kept forward replays it (false: throws instead)
-  // A backward from a kept forward runs its data path as one persistent kernel (false: as the chain of
-  // kernels a replay runs; same bits, for comparisons).
-  bool fused_backward = true;
+  // A backward from a kept forward runs its data path as one persistent kernel, the forward's with the
+  // directions swapped (same bits as the chain). Off by default: on one GPU, where it runs today, the
+  // chain of kernels measured 2-24 % faster (docs/backward.md).
+  bool fused_backward = false;
 };
 
 // This rank's experts, bf16, in device memory on the layer's GPU, 16-byte aligned.

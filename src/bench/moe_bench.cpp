@@ -589,7 +589,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     // The backward on one GPU (FLOPs: 12 routes H I; a replay's GEMM1 is not counted), three ways:
     //   kept:   the layer's backward after a training forward, from the rows that forward kept (its
     //           schedule, its ring's x rows, the gate/up rows its GEMM1 stored): no GEMM1; its data path
-    //           one persistent kernel (the default) or the chain of kernels (fused_backward = false);
+    //           the chain of kernels (the default) or one persistent kernel (fused_backward);
     //   replay: pounce's backward chain alone, planning again and recomputing GEMM1 from x;
     // then forward + backward both ways. dx is checked against the replay's first run on the same
     // token set (the test suite checks both against the host reference).
@@ -625,15 +625,15 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     };
     // The kept backward is timed on set 0 alone: what a forward keeps is valid until the next forward.
     training_forward(0);
-    FusedMoe chained(one_rank, {.fused_backward = false});
-    chained.set_weights({w13.data(), w2.data()});
-    chained.forward({x[0].data(), d_ids.data(), d_weights.data(), T, y_fused.data()}, stream,
-                    /*keep_for_backward=*/true);
-    const auto chained_backward = [&] {
-      chained.backward({x[0].data(), d_ids.data(), d_weights.data(), T, nullptr},
-                       {dy[0].data(), dx.data(), d_topk.data(), dw13.data(), dw2.data()}, WeightGradOutput::kF32,
-                       stream);
-      kept_replays += chained.last_backward_replayed();
+    FusedMoe fused_backward_layer(one_rank, {.fused_backward = true});
+    fused_backward_layer.set_weights({w13.data(), w2.data()});
+    fused_backward_layer.forward({x[0].data(), d_ids.data(), d_weights.data(), T, y_fused.data()}, stream,
+                                 /*keep_for_backward=*/true);
+    const auto fused_backward = [&] {
+      fused_backward_layer.backward({x[0].data(), d_ids.data(), d_weights.data(), T, nullptr},
+                                    {dy[0].data(), dx.data(), d_topk.data(), dw13.data(), dw2.data()},
+                                    WeightGradOutput::kF32, stream);
+      kept_replays += fused_backward_layer.last_backward_replayed();
     };
     const double routes = double(plan.routes), backward_flops = 12.0 * routes * double(H) * double(I);
     const auto dx_check = [&](const char* reference) {
@@ -644,8 +644,8 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
         s.name, "backward", backward_flops,
         {{"pounce backward, replay (plans, recomputes GEMM1)", Role::kUnfused,
           [&](int rep) { replay(rep % kSets, dx.data()); }, dx_check("the replay's own first run")},
-         {"pounce backward, from the kept forward", Role::kFused, [&](int) { layer_backward(0, true); }, dx_set0},
-         {"pounce backward, from the kept forward, chain of kernels", Role::kUnfused, [&](int) { chained_backward(); },
+         {"pounce backward, from the kept forward", Role::kUnfused, [&](int) { layer_backward(0, true); }, dx_set0},
+         {"pounce backward, from the kept forward, fused kernel", Role::kFused, [&](int) { fused_backward(); },
           dx_set0},
          {"pounce backward, from the kept forward, bf16 weight gradients", Role::kFused,
           [&](int) { layer_backward(0, true, WeightGradOutput::kBf16); }, dx_set0},

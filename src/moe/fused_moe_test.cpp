@@ -789,12 +789,12 @@ TEST_P(FusedMoeBackwardTest, FromKeptForwardMatchesReferenceAndReplay) {
   auto rng = testing::fresh_rng();
   const Case c = GetParam();
   Problem p = make_problem(rng, c);
-  FusedMoeOptions options;
+  FusedMoeOptions options{.fused_backward = true};
   if (c.ring_blocks == kMinRing) options.minibatch_rows = 128, options.ring_blocks = 2;
   FusedMoe layer(p.config, options);
   p.load_weights(layer);
   FusedMoeOptions chain_options = options;
-  chain_options.fused_backward = false;
+  chain_options.fused_backward = false;  // the default
   FusedMoe chained(p.config, chain_options);
   p.load_weights(chained);
   const int64_t H = p.config.hidden;
@@ -891,7 +891,7 @@ TEST(FusedMoe, BackwardOnVirtualRanksHasTheBitsOfOneRank) {
   one.d_w2.emplace_back(testing::to_bf16_bits(one.w2));
   d_dy_one.emplace_back(testing::to_bf16_bits(dy_one[0]));
 
-  FusedMoe layer_many(many.config), layer_one(one.config);
+  FusedMoe layer_many(many.config, {.fused_backward = true}), layer_one(one.config, {.fused_backward = true});
   many.load_weights(layer_many);
   one.load_weights(layer_one);
   for (bool keep : {true, false}) {
@@ -916,7 +916,7 @@ TEST(FusedMoe, BackwardIgnoresWhatEarlierForwardsLeftInPaddingRows) {
   for (int ring : {0, kMinRing}) {
     SCOPED_TRACE(ring == 0 ? "in place" : "bounded ring");
     Problem p = make_problem(rng, Case{1, 300, 256, 128, 8, 3, RoutingPattern::kZipf});
-    FusedMoeOptions options;
+    FusedMoeOptions options{.fused_backward = true};
     if (ring == kMinRing) options.minibatch_rows = 128, options.ring_blocks = 2;
     FusedMoe layer(p.config, options);
     p.load_weights(layer);
@@ -985,7 +985,7 @@ TEST_P(FusedMoeGraphTest, ForwardAndBackwardReplayInACudaGraph) {
   Problem p = make_problem(rng, Case{1, 300, 256, 128, 8, 4, RoutingPattern::kZipf});
   const int64_t T = p.tokens[0], H = p.config.hidden, I = p.config.intermediate, E = p.config.experts,
                 k = p.config.topk;
-  FusedMoe layer(p.config);
+  FusedMoe layer(p.config, {.fused_backward = true});
   p.load_weights(layer);
   DeviceBuffer<uint16_t> d_dy(T * H), d_dx(T * H);
   DeviceBuffer<float> d_topk(T * k), dw13(E * 2 * I * H), dw2(E * H * I);
@@ -1088,7 +1088,7 @@ TEST(FusedMoe, TimelineRecordsEveryTileAndChangesNoBits) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
   Problem p = make_problem(rng, Case{1, 300, 256, 128, 8, 3, RoutingPattern::kZipf});
-  FusedMoe layer(p.config);
+  FusedMoe layer(p.config, {.fused_backward = true});
   p.load_weights(layer);
   if (!timeline_compiled_in()) {
     testing::expect_error([&] { layer.start_timeline(); }, "-DPOUNCE_TIMELINE=ON");
