@@ -132,10 +132,7 @@ void BackwardChain::run_weight_gradients(int rank, std::span<const BackwardSourc
   check(rank, sources, experts);
   const int64_t H = config_.hidden, k = config_.topk;
   backward::RouteSources from{};
-  for (int s = 0; s < config_.ranks; ++s) {
-    from.x[s] = sources[s].x;
-    from.topk_weights[s] = sources[s].topk_weights;
-  }
+  for (int s = 0; s < config_.ranks; ++s) from.x[s] = sources[s].x;  // x rows only: no dy, no weights
   last_experts_ = experts;
   rows_in_use_ = kept;
   route_rows_ = rows;
