@@ -21,7 +21,7 @@ enum class TimelineSpan : uint16_t {
   kMainloop = 5,  // a consumer warpgroup's K slices of one tile                    (a = GEMM, b = m-block, c = n-block)
   kEpilogue = 6,  // its epilogue: registers to staging boxes to TMA stores        (a, b, c as for the mainloop)
   kSums = 7,      // the weighted sums of a CTA (or, in a backward, its token sums)
-  kElementwise = 8,  // the fused backward: a consumer warpgroup's SwiGLU-backward rows (b = m-block, c = piece)
+  kElementwise = 8,  // the fused backward: a consumer warpgroup's part of a SwiGLU-backward item (b, c: m-block, piece)
 };
 inline constexpr int kTimelineSpans = 9;
 

@@ -41,9 +41,10 @@ constexpr int kDoneLagSlices = 4;  // a tile's completion counter is released th
 constexpr uint32_t kProducerRegisters = 56;
 constexpr uint32_t kConsumerRegisters = 224;
 
-// Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue, and (E4M3)
-// one per consumer warpgroup for its turn to issue wgmmas.
-enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1, kIssueTurnBarrierBase = 3 };
+// Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue, (E4M3) one
+// per consumer warpgroup for its turn to issue wgmmas, and one for both consumers at the end of an
+// elementwise item.
+enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1, kIssueTurnBarrierBase = 3, kConsumersBarrier = 5 };
 
 // ---- tile kinds and stage formats --------------------------------------------------------------------
 //
@@ -81,8 +82,8 @@ struct OperandOrigin {
   int32_t row, col;
 };
 
-// TileInfo::gemm of an item that is not a GEMM tile: the tile source's own elementwise work, which each
-// consumer warpgroup runs on its half of the rows (TileSource::run_elementwise); no K slices.
+// TileInfo::gemm of an item that is not a GEMM tile: the tile source's own elementwise work, fed through
+// the stages like a GEMM tile (k_blocks of them), each filled by the tile source's own loads.
 inline constexpr int32_t kElementwiseTile = 2;
 
 struct TileInfo {
@@ -142,9 +143,17 @@ __device__ __forceinline__ SharedStorage<Stages>& shared_storage(uint8_t* smem_r
 //                              them for TMA; false when there are no more tiles or a wait gave up.
 //   const GemmOperands& operands(int gemm) const
 //   const TimelineSink& timeline() const      where the CTA's spans go (common/timeline.cuh)
-// and, when its queue holds kElementwiseTile items,
-//   void run_elementwise(const TileInfo& tile, int consumer, int thread) const
-//                              run by every thread of consumer warpgroup `consumer` (thread 0..127)
+// and, when its queue holds kElementwiseTile items (bf16 stages),
+//   void load_elementwise(const TileInfo& tile, int slice, void* a, void* b, uint64_t* full) const
+//                              run by the producer thread: fills stage A and B of the item's slice
+//                              (asynchronous copies counted on `full`, expect-tx included)
+//   void run_elementwise(const TileInfo& tile, int slice, const void* a, const void* b, int consumer,
+//                        int thread) const
+//                              run by every consumer thread (thread 0..127 of warpgroup `consumer`) on a
+//                              landed slice; the stage is freed when its warp returns
+//   void finish_elementwise(const TileInfo& tile, int consumer, int thread) const
+//                              run by every consumer thread once both warpgroups ran every slice (their
+//                              shared- and global-memory writes are visible to each other)
 struct GemmOperands {
   // bf16. K-major A: [rows, k], box kBlockK x kBlockM; K-major B: [experts * n, k], box kBlockK x kBlockN.
   // MN-major: [k rows, m or n], box 64 x kBlockK.
@@ -205,7 +214,16 @@ __device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site
     ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the consumers' wait makes `info` visible
     if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
     if (!info.valid) return;
-    if (info.gemm == kElementwiseTile) continue;  // nothing to load
+    if constexpr (requires { tiles.load_elementwise(info, 0, s.a[0], s.b[0], &s.full[0]); }) {
+      if (info.gemm == kElementwiseTile) {
+        for (int slice = 0; slice < info.k_blocks; ++slice) {
+          mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
+          tiles.load_elementwise(info, slice, s.a[stage], s.b[stage], &s.full[stage]);
+          if (++stage == kStages) stage = 0, phase ^= 1;
+        }
+        continue;
+      }
+    }
 
     const GemmOperands& op = tiles.operands(info.gemm);
     for (int kb = 0; kb < info.k_blocks; ++kb) {
@@ -588,11 +606,23 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
       release_done(pending_done);
     const TileInfo tile = take_tile(s, slot, slot_phase, pipe_site);
     if (!tile.valid) break;
-    if constexpr (requires { tiles.run_elementwise(tile, consumer, thread); }) {
+    if constexpr (requires { tiles.finish_elementwise(tile, consumer, thread); }) {
       if (tile.gemm == kElementwiseTile) {
         // Its inputs may include the previous tile's stores: no lag for that tile's release.
         if (thread == 0) release_done(pending_done);
-        tiles.run_elementwise(tile, consumer, thread);
+        const timeline::Stamp started = timeline::now();
+        for (int slice = 0; slice < tile.k_blocks; ++slice) {
+          mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+          tiles.run_elementwise(tile, slice, s.a[stage], s.b[stage], consumer, thread);
+          __syncwarp();  // every lane's reads of the stage before lane 0 frees it
+          if (thread % 32 == 0) ptx::mbarrier_arrive(&s.empty[stage]);
+          if (++stage == Storage::kStages) stage = 0, phase ^= 1;
+        }
+        ptx::named_barrier_sync(kConsumersBarrier, kConsumerThreads);
+        tiles.finish_elementwise(tile, consumer, thread);
+        if (thread == 0)
+          timeline::record(tiles.timeline(), TimelineSpan::kElementwise, started, tile.gemm, tile.m_block,
+                           tile.n_block);
         continue;
       }
     }

@@ -3,8 +3,10 @@
 //   D1(b): da = dy_rows . W2[e] (W2 read N-major); waits until dispatch pulled m-block b's dy rows.
 //   S(b):  the SwiGLU backward of b's rows (moe/backward/swiglu_backward.cuh) from da and the kept
 //          gate/up rows: dgu, w.a and each route's router-weight gradient, written to its source rank;
-//          waits for every D1 tile of b. kSwigluPieces items of 32 rows; each consumer warpgroup of the
-//          CTA that takes one does 16 of them.
+//          waits for every D1 tile of b. kSwigluPieces items of 32 rows, fed through the stages: each
+//          slice holds kSliceSegments consecutive row segments (row-major over the item's rows), their
+//          da values in stage A and their gate/up values in stage B, two bulk copies since the rows lie
+//          back to back in both buffers; each of the 8 consumer warps takes one segment of a slice.
 //   D2(b): dx_rows = dgu . W13[e] (W13 read N-major); waits for every piece of S(b).
 // Step j of the queue holds D1(j), S(j-1), D2(j-2) (moe/work_queues.h). Every wait points at an earlier
 // queue entry or at dispatch, which waits for nothing (the backward's ring holds every m-block), so the
@@ -23,6 +25,13 @@ namespace pounce::moe {
 
 static_assert(kElementwiseItem == gemm::pipeline::kElementwiseTile, "queue and pipeline name S items alike");
 
+// NOTES: loaded by the consumer warps from global memory, a row at a time, these items ran at ~7 GB/s per
+// warpgroup (bound by the loads in flight); a slice's bulk copies put 48 KB in flight per stage.
+inline constexpr int kSwigluRows = kBlockM / kSwigluPieces;  // of an S item
+inline constexpr int kSliceSegments = gemm::pipeline::kConsumerWarps;
+static_assert(kSliceSegments * backward::kSegmentGroups * 16 == kBlockM * kBlockK * sizeof(__nv_bfloat16),
+              "a slice's da values fill stage A, and its gate/up values (twice as many) stage B");
+
 class FusedBackwardTiles {
  public:
   static constexpr gemm::pipeline::TileKind kKind = gemm::pipeline::TileKind::kDataGrad;
@@ -33,6 +42,8 @@ class FusedBackwardTiles {
       : p_(p), rs_(rs), lr_(lr), sizes_(*rs.sizes), ops_(ops) {
     n_blocks_[0] = n_blocks(p.intermediate);
     n_blocks_[1] = n_blocks(p.hidden);
+    groups_ = p.intermediate / 8;
+    segments_ = backward::segments_per_row(groups_);
     if (threadIdx.x == 0) {
       ops[0] = {&maps.x_ring,  &maps.w2[lr], &maps.h_ring_store, gemm::Epilogue::kStore, nullptr,
                 rs.gemm1_done, nullptr};
@@ -67,7 +78,8 @@ class FusedBackwardTiles {
         min(kBlockM, max(0, rs_.expert_offsets[expert] + rs_.expert_routes[expert] - m_block * kBlockM));
     if (tile.gemm == kElementwiseItem) {
       const int32_t keep_row = int32_t(lr_ * p_.capacity_rows + int64_t(m_block) * kBlockM);
-      info = {kElementwiseItem, {row, 0}, {0, 0}, row, 0, tile.n_block, m_block, 0, 1, keep_row, rows};
+      const int32_t slices = int32_t((kSwigluRows * segments_ + kSliceSegments - 1) / kSliceSegments);
+      info = {kElementwiseItem, {row, 0}, {0, 0}, row, 0, tile.n_block, m_block, slices, 1, keep_row, rows};
       return true;
     }
     // B is N-major [experts * K, N]: the expert's first K row, the n-block's column.
@@ -77,41 +89,81 @@ class FusedBackwardTiles {
     return true;
   }
 
-  // One piece of S(b) (tile.n_block), this consumer warpgroup's 16 of its 32 rows: a warp per row.
-  // Padding rows get zero dgu and w.a, and zero dy rows too: the weight gradients sum whole m-blocks, and
-  // dispatch leaves padding rows stale.
-  __device__ void run_elementwise(const gemm::pipeline::TileInfo& tile, int consumer, int thread) const {
-    constexpr int kPieceRows = kBlockM / kSwigluPieces, kRows = kPieceRows / gemm::kConsumerWarpgroups;
-    const timeline::Stamp started = timeline::now();
-    const int lane = thread % 32, warp = thread / 32;
-    const int64_t groups = p_.intermediate / 8, h_vecs = p_.hidden / 8;
-    const BackwardRows& b = p_.bwd;
-    const int first = tile.n_block * kPieceRows + consumer * kRows;
-    for (int r = first + warp; r < first + kRows; r += 4) {
-      const int64_t row = int64_t(tile.m_block) * kBlockM + r, ring = int64_t(tile.c_row) + r;
-      uint4* dgu = reinterpret_cast<uint4*>(b.dgu) + ring * groups * 2;
-      uint4* wa = reinterpret_cast<uint4*>(b.wa) + ring * groups;
-      const int32_t token = rs_.row_token[row];
-      if (token < 0) {
-        backward::swiglu_backward_padding_row(groups, dgu, wa, lane);
+  // Slice `slice` of an S item: its first group, counted from the start of the item's first row.
+  __device__ int64_t slice_first_group(int slice) const {
+    const int64_t segment = int64_t(slice) * kSliceSegments;
+    return segment / segments_ * groups_ + segment % segments_ * backward::kSegmentGroups;
+  }
+  // Its groups: up to the end of its last segment.
+  __device__ int64_t slice_end_group(int slice) const {
+    const int64_t last = min(int64_t(slice + 1) * kSliceSegments, int64_t(kSwigluRows) * segments_) - 1;
+    return last / segments_ * groups_ + min(groups_, (last % segments_ + 1) * backward::kSegmentGroups);
+  }
+
+  // The producer: slice `slice` of S item `tile`, da into stage A and the kept gate/up values into B.
+  __device__ void load_elementwise(const gemm::pipeline::TileInfo& tile, int slice, void* a, void* b,
+                                   uint64_t* full) const {
+    const int64_t first_row = int64_t(tile.n_block) * kSwigluRows, first = slice_first_group(slice);
+    const uint32_t bytes = uint32_t(slice_end_group(slice) - first) * 16;
+    const uint4* da = reinterpret_cast<const uint4*>(p_.h_ring) + (tile.c_row + first_row) * groups_ + first;
+    const uint4* gate_up =
+        reinterpret_cast<const uint4*>(p_.bwd.gate_up_kept) + ((tile.keep_row + first_row) * groups_ + first) * 2;
+    ptx::mbarrier_arrive_expect_tx(full, 3 * bytes);
+    ptx::bulk_load(a, da, bytes, full);
+    ptx::bulk_load(b, gate_up, 2 * bytes, full);
+  }
+
+  // A consumer warp: its segment of the slice. Padding rows get zero dgu and w.a, and zero dy rows too:
+  // the weight gradients sum whole m-blocks, and dispatch leaves padding rows stale.
+  __device__ void run_elementwise(const gemm::pipeline::TileInfo& tile, int slice, const void* a, const void* b,
+                                  int consumer, int thread) const {
+    const int lane = thread % 32;
+    const int64_t segment = int64_t(slice) * kSliceSegments + consumer * 4 + thread / 32;
+    if (segment >= int64_t(kSwigluRows) * segments_) return;
+    const int32_t r = tile.n_block * kSwigluRows + int32_t(segment / segments_);  // row of the m-block
+    const int64_t first = segment % segments_ * backward::kSegmentGroups;         // group of the row
+    const int groups = int(min(int64_t(backward::kSegmentGroups), groups_ - first));
+    const int64_t row = int64_t(tile.m_block) * kBlockM + r, ring = int64_t(tile.c_row) + r;
+    const BackwardRows& bw = p_.bwd;
+    uint4* dgu = reinterpret_cast<uint4*>(bw.dgu) + (ring * groups_ + first) * 2;
+    uint4* wa = reinterpret_cast<uint4*>(bw.wa) + ring * groups_ + first;
+    const int32_t token = rs_.row_token[row];
+    if (token < 0) {
+      backward::swiglu_backward_padding_row(groups, dgu, wa, lane);
+      if (first == 0) {
+        const int64_t h_vecs = p_.hidden / 8;
         uint4* dy = reinterpret_cast<uint4*>(p_.x_ring) + ring * h_vecs;
         for (int64_t v = lane; v < h_vecs; v += 32) dy[v] = make_uint4(0, 0, 0, 0);
-        continue;
       }
-      const int32_t source = rs_.row_source_rank[row];
-      const int64_t route = int64_t(token) * p_.topk + rs_.row_k[row];
-      const uint4* gate_up = reinterpret_cast<const uint4*>(b.gate_up_kept) + (int64_t(tile.keep_row) + r) * groups * 2;
-      const uint4* da = reinterpret_cast<const uint4*>(p_.h_ring) + ring * groups;
-      const float dot =
-          backward::swiglu_backward_row(gate_up, da, b.topk_weights[source][route], groups, dgu, wa, lane);
-      if (lane == 0) b.d_topk_weights[source][route] = dot;
+      return;
     }
-    // Every warp's stores before the release that lets D2 tiles (and the weight gradients) read them.
+    // Where the segment lies in the stages: groups from the slice's first.
+    const int64_t at = segment / segments_ * groups_ + first - slice_first_group(slice);
+    const float w = bw.topk_weights[rs_.row_source_rank[row]][int64_t(token) * p_.topk + rs_.row_k[row]];
+    const float dot = backward::swiglu_backward_segment(
+        reinterpret_cast<const uint4*>(b) + 2 * at, reinterpret_cast<const uint4*>(a) + at, w, groups, dgu, wa, lane);
+    if (lane == 0) bw.segment_dots[ring * segments_ + segment % segments_] = dot;
+  }
+
+  // Each route's router-weight gradient: its row's segment sums in order (as swiglu_backward_row adds
+  // them), then the release that lets D2 tiles (and the weight gradients) read the item's rows.
+  __device__ void finish_elementwise(const gemm::pipeline::TileInfo& tile, int consumer, int thread) const {
+    const BackwardRows& bw = p_.bwd;
+    if (consumer == 0 && thread < kSwigluRows) {
+      const int32_t r = tile.n_block * kSwigluRows + thread;
+      const int64_t row = int64_t(tile.m_block) * kBlockM + r, ring = int64_t(tile.c_row) + r;
+      const int32_t token = rs_.row_token[row];
+      if (token >= 0) {
+        float dot = 0.0f;
+        for (int64_t s = 0; s < segments_; ++s) dot += bw.segment_dots[ring * segments_ + s];
+        bw.d_topk_weights[rs_.row_source_rank[row]][int64_t(token) * p_.topk + rs_.row_k[row]] = dot;
+      }
+    }
+    // Every warp's stores before the release.
     ptx::named_barrier_sync(gemm::pipeline::kEpilogueBarrierBase + consumer, 128);
     if (thread == 0) {
       __threadfence();
       ptx::red_release_gpu_add(&rs_.swiglu_done[tile.m_block], 1);
-      timeline::record(p_.timeline, TimelineSpan::kElementwise, started, kElementwiseItem, tile.m_block, tile.n_block);
     }
   }
 
@@ -124,6 +176,7 @@ class FusedBackwardTiles {
   int lr_;
   planner::DeviceScheduleSizes sizes_;
   int32_t n_blocks_[2];
+  int64_t groups_, segments_;  // of a row of da: 16-byte groups, and segments of the router-weight sums
   const gemm::pipeline::GemmOperands* ops_;
 };
 

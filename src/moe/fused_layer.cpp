@@ -8,6 +8,7 @@
 #include "common/gpu.h"
 #include "gemm/grouped_gemm.h"
 #include "gemm/tensor_map.h"
+#include "moe/backward/backward_kernels.h"
 #include "planner/device_planner.h"
 #include "planner/wave_model.h"
 
@@ -519,7 +520,7 @@ constexpr uint8_t kForwardKernel = 0, kFirstBackwardKernel = 1, kFusedBackwardKe
 int64_t FusedLayer::FusedBackwardState::bytes() const {
   int64_t bytes = 0;
   for (size_t b : {counters.bytes(), epoch.bytes(), peer_words.bytes(), dy_rows.bytes(), da.bytes(), dgu.bytes(),
-                   wa.bytes(), dx_rows.bytes()})
+                   wa.bytes(), dx_rows.bytes(), segment_dots.bytes()})
     bytes += int64_t(b);
   return bytes;
 }
@@ -550,6 +551,7 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
     s->dgu = DeviceBuffer<__nv_bfloat16>(ring_rows * 2 * I);
     s->wa = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
     s->dx_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
+    s->segment_dots = DeviceBuffer<float>(ring_rows * backward::segments_per_row(I / 8));
     for (auto* words : {&s->counters, &s->epoch, &s->peer_words}) words->fill_bytes(0);
     s->dy_rows.fill_bytes(0);  // padding rows feed the first GEMM before their S item zeroes them
     fused_backward_ = std::move(s);
@@ -569,7 +571,7 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
   p.h_ring = s.da.data();
   p.out_ring = s.dx_rows.data();
   if (timeline_) p.timeline.kernel = kFusedBackwardKernel;
-  p.bwd = {gate_up_kept_.data(), s.dgu.data(), s.wa.data(), {}, {}};
+  p.bwd = {gate_up_kept_.data(), s.dgu.data(), s.wa.data(), {}, {}, s.segment_dots.data()};
   for (int r = 0; r < P; ++r) {  // virtual ranks: launch rank r is rank r
     p.peers.x[r] = grads[r].dy;
     p.peers.topk_ids[r] = forward_inputs[r].topk_ids;

@@ -854,7 +854,10 @@ INSTANTIATE_TEST_SUITE_P(VirtualRanks, FusedMoeBackwardTest,
                                            Case{3, 211, 256, 128, 12, 3, RoutingPattern::kOneExpert},
                                            Case{4, 64, 256, 64, 32, 9, RoutingPattern::kHalfEmpty},
                                            Case{8, 77, 192, 128, 32, 5, RoutingPattern::kZipf},
-                                           Case{8, 1, 128, 64, 8, 1, RoutingPattern::kUniform}),
+                                           Case{8, 1, 128, 64, 8, 1, RoutingPattern::kUniform},
+                                           // rows of several router-weight segments, the last one short
+                                           Case{1, 300, 128, 1536, 8, 4, RoutingPattern::kZipf},
+                                           Case{2, 150, 256, 2176, 8, 2, RoutingPattern::kUniform}),
                          testing::NameFromPrintTo());
 
 // Virtual ranks give every gradient with the bits of one rank that holds all their tokens and experts:

@@ -112,6 +112,7 @@ struct BackwardRows {
   __nv_bfloat16* wa;                     // [ring rows, I]: w * silu(gate) * up, for dW2
   const float* topk_weights[kMaxRanks];  // [global rank]: that rank's router weights [T, k]
   float* d_topk_weights[kMaxRanks];      // [global rank]: their gradients [T, k]
+  float* segment_dots;                   // [ring rows, segments of a row]: each segment's share of <da, a>
 };
 
 struct FusedParams {

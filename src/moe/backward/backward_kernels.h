@@ -12,6 +12,11 @@
 
 namespace pounce::moe::backward {
 
+// A routed row's router-weight gradient <da, a> is summed in segments of this many 16-byte groups (1024
+// columns): each segment by one warp, the segments' sums then added in order (swiglu_backward.cuh).
+inline constexpr int kSegmentGroups = 128;
+constexpr int64_t segments_per_row(int64_t groups) { return (groups + kSegmentGroups - 1) / kSegmentGroups; }
+
 // Every source rank's tensors a backward reads, by value (kernel arguments: a CUDA graph replays them
 // with the values of its capture).
 struct RouteSources {

@@ -1,4 +1,4 @@
-// The SwiGLU backward of one routed row, by one warp: shared by the backward chain's kernel
+// The SwiGLU backward of routed rows, by warps: shared by the backward chain's kernel
 // (moe/backward/backward_kernels.cu) and the fused backward's elementwise items
 // (moe/fused_backward_tiles.cuh), so both give the same bits. Rows are 16-byte groups of 8 columns:
 // gate/up rows h13 [2I] interleave 8 gate and 8 up columns, da and wa are [I], dgu is laid out like h13.
@@ -8,20 +8,26 @@
 
 #include <cstdint>
 
+#include "moe/backward/backward_kernels.h"
+
 namespace pounce::moe::backward {
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
-// a = silu(g) u;  dgu = [w da u silu'(g), w da silu(g)];  wa = w a. Returns <da, a> (the route's
-// router-weight gradient, exact when w = 0), summed in a fixed order: each lane over its groups, then a
-// butterfly, so every lane returns the same value.
-__device__ __forceinline__ float swiglu_backward_row(const uint4* __restrict__ h13, const uint4* __restrict__ da,
-                                                     float w, int64_t groups, uint4* __restrict__ dgu,
-                                                     uint4* __restrict__ wa, int lane) {
+// A row's router-weight gradient <da, a> is summed in segments of kSegmentGroups groups: each lane over
+// its groups of the segment, a butterfly over the warp, then the segments' sums added in order from 0.
+// The fused backward hands a row's segments to different warps (moe/fused_backward_tiles.cuh); summing
+// both paths this way gives them the same bits.
+
+// One segment of `groups` (at most kSegmentGroups) groups, by one warp.
+// a = silu(g) u;  dgu = [w da u silu'(g), w da silu(g)];  wa = w a. Returns the segment's share of
+// <da, a> (exact when w = 0); every lane returns the same value.
+__device__ __forceinline__ float swiglu_backward_segment(const uint4* __restrict__ h13, const uint4* __restrict__ da,
+                                                         float w, int groups, uint4* __restrict__ dgu,
+                                                         uint4* __restrict__ wa, int lane) {
   float dot = 0.0f;
-// Four groups' loads in flight per lane: a fused backward runs these rows on one SM's warps.
 #pragma unroll 4
-  for (int64_t j = lane; j < groups; j += 32) {
+  for (int j = lane; j < groups; j += 32) {
     const uint4 g_bits = h13[2 * j], u_bits = h13[2 * j + 1], d_bits = da[j];
     const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g_bits);
     const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u_bits);
@@ -49,6 +55,18 @@ __device__ __forceinline__ float swiglu_backward_row(const uint4* __restrict__ h
     wa[j] = wa_bits;
   }
   for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, offset);
+  return dot;
+}
+
+// A whole row of `groups` groups, by one warp: returns <da, a>.
+__device__ __forceinline__ float swiglu_backward_row(const uint4* __restrict__ h13, const uint4* __restrict__ da,
+                                                     float w, int64_t groups, uint4* __restrict__ dgu,
+                                                     uint4* __restrict__ wa, int lane) {
+  float dot = 0.0f;
+  for (int64_t s = 0; s < groups; s += kSegmentGroups) {
+    const int n = int(groups - s < kSegmentGroups ? groups - s : kSegmentGroups);
+    dot += swiglu_backward_segment(h13 + 2 * s, da + s, w, n, dgu + 2 * s, wa + s, lane);
+  }
   return dot;
 }
 
