@@ -757,13 +757,19 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     fill_random_bf16(dy.data(), T * H, 300, 1.0f, stream);
     const RankIO io{x[0].data(), d_ids.data(), d_weights.data(), T, y_fused.data()};
     const RankGrads grads{dy.data(), dx.data(), d_topk.data(), dw13.data(), dw2.data()};
-    traced.forward(io, stream, /*keep_for_backward=*/true);
-    traced.backward(io, grads, WeightGradOutput::kBf16, stream);  // the first backward allocates its buffers
-    traced.start_timeline(8 * spans_per_forward);                 // the backward's four GEMMs have more tiles
-    traced.forward(io, stream, /*keep_for_backward=*/true);
-    traced.backward(io, grads, WeightGradOutput::kBf16, stream);
-    save("training-step", traced.stop_timeline());
-    traced.check_device_errors();
+    // A training step with each backward: the chain of kernels (the default) and the fused kernel.
+    FusedMoe traced_fused_backward(one_rank, {.fused_backward = true});
+    traced_fused_backward.set_weights({w13.data(), w2.data()});
+    for (auto [layer, what] : {std::pair{&traced, "training-step"},
+                               std::pair{&traced_fused_backward, "training-step-fused-backward"}}) {
+      layer->forward(io, stream, /*keep_for_backward=*/true);
+      layer->backward(io, grads, WeightGradOutput::kBf16, stream);  // the first backward allocates its buffers
+      layer->start_timeline(8 * spans_per_forward);                 // the backward's four GEMMs have more tiles
+      layer->forward(io, stream, /*keep_for_backward=*/true);
+      layer->backward(io, grads, WeightGradOutput::kBf16, stream);
+      save(what, layer->stop_timeline());
+      layer->check_device_errors();
+    }
     result["timeline"] = timeline;
   }
   CUDA_CHECK(cudaStreamSynchronize(stream));
