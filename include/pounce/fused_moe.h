@@ -51,9 +51,10 @@ struct FusedMoeOptions {
                                                 // more. docs/fused_moe.md gives the formula.
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // any single wait inside the kernel; then a named error
   bool backward_replays = true;  // a backward without its kept forward replays it (false: throws instead)
-  // A backward from a kept forward runs its data path as one persistent kernel, the forward's with the
-  // directions swapped (same bits as the chain). Off by default: on one GPU, where it runs today, the
-  // chain of kernels measured 2-24 % faster (docs/backward.md).
+  // On one GPU, a backward from a kept forward runs its data path as one persistent kernel, the forward's
+  // with the directions swapped (same bits as the chain of kernels). Off by default: there the two are
+  // level on large experts and the chain is up to 7 % faster on small ones (docs/backward.md). A layer
+  // across GPUs always runs the persistent kernel.
   bool fused_backward = false;
 };
 
@@ -106,10 +107,9 @@ class FusedMoe {
   // it can be captured in a CUDA graph. Throws on bad host-visible input (shapes, null or misaligned
   // pointers, calls in the wrong order). Bad routing ids are found on the device: check_device_errors()
   // reports them, and y is left untouched.
-  // keep_for_backward (a training forward, on one GPU): the forward also keeps what its backward needs,
-  // the gate/up rows before SwiGLU (2I bf16 per routed row) beside its schedule, so that backward neither
-  // plans again nor recomputes GEMM1. The first such forward allocates them: run one before capturing a
-  // graph. A layer across GPUs refuses it (its backward does not exist yet).
+  // keep_for_backward (a training forward): the forward also keeps what its backward needs, the gate/up
+  // rows before SwiGLU (2I bf16 per routed row) beside its schedule, so that backward neither plans again
+  // nor recomputes GEMM1. The first such forward allocates them: run one before capturing a graph.
   void forward(std::span<const RankIO> ranks, cudaStream_t stream, bool keep_for_backward = false);
   void forward(const RankIO& rank, cudaStream_t stream, bool keep_for_backward = false) {
     forward(std::span(&rank, 1), stream, keep_for_backward);
@@ -123,10 +123,11 @@ class FusedMoe {
   // last_backward_replayed() says which ran). A forward the host did not see in between (a CUDA graph
   // replay) is caught on the device and reported by check_device_errors(); inputs changed in place since
   // their forward are not detected. Keep each forward and its backward in order on one stream: the
-  // backward reads the forward's buffers (and with more ranks writes its combine slots). It runs on one
-  // GPU (one rank or virtual ranks) as a chain of pounce kernels; a layer across GPUs throws. The first
-  // backward allocates its buffers (a replay, or a kept forward whose ring does not hold every x row,
-  // needs more): run one of each kind before capturing a graph.
+  // backward reads the forward's buffers (and with more ranks writes its combine slots). On one GPU (one
+  // rank or virtual ranks) it runs as a chain of pounce kernels, or see fused_backward. A layer across GPUs
+  // (collective: every rank calls it) runs the persistent kernel from the kept rows only, and throws
+  // without them. The first backward allocates its buffers (a replay, or a kept forward whose ring does
+  // not hold every x row, needs more): run one of each kind before capturing a graph.
   void backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
                 cudaStream_t stream);
   void backward(const RankIO& forward_input, const RankGrads& grads, WeightGradOutput mode, cudaStream_t stream) {

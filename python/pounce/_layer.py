@@ -66,6 +66,7 @@ class Layer:
         self._device = None
         self._sized_for = 0  # what the C++ layer was sized for
         self._weights = None  # (w13, w2) pointers last handed to it
+        self._kept = None  # what the latest forward ran on, when it kept its rows for the backward
 
     @staticmethod
     def get(key: int) -> "Layer":
@@ -188,12 +189,19 @@ class Layer:
             ios = self._rank_ios(x, topk_ids, topk_weights, y)
             stream = torch.cuda.current_stream(x.device).cuda_stream
             _lib.check(_lib.library().pounce_moe_forward(self._handle, self.virtual_ranks, ios, int(keep), stream))
+        self._kept = _inputs_key(x, topk_ids, topk_weights, w13, w2) if keep else None
         return y
 
     def runs_backward(self, x: torch.Tensor) -> bool:
-        """Whether the C++ layer computes the backward of this input: on one GPU (one rank or virtual
-        ranks), today."""
-        return x.is_cuda and self.group is None
+        """Whether the C++ layer can compute backwards of this input: on CUDA tensors (one GPU, or across
+        GPUs from the rows its forward kept: see kept_forward)."""
+        return x.is_cuda
+
+    def kept_forward(self, x, topk_ids, topk_weights, w13, w2) -> bool:
+        """Whether this layer's latest forward ran on these tensors and kept its rows: across GPUs the C++
+        backward starts only from them (every rank of the group decides alike: they run the same
+        schedule of forwards and backwards)."""
+        return self._kept == _inputs_key(x, topk_ids, topk_weights, w13, w2)
 
     def backward(self, dy, x, topk_ids, topk_weights, w13, w2):
         """(dx, d_topk_weights, dw13, dw2) of a forward on these inputs, by pounce's backward on the current
@@ -273,3 +281,9 @@ class Layer:
 def _address(t: torch.Tensor, row: int) -> int:
     """Address of row `row` of a contiguous 2-D tensor (its end when row == rows)."""
     return t.data_ptr() + row * t.stride(0) * t.element_size()
+
+
+def _inputs_key(x, topk_ids, topk_weights, w13, w2):
+    """What the C++ layer compares to decide a forward's rows are this backward's (pointers and tokens)."""
+    return (x.shape[0],) + tuple(t.data_ptr() for t in (x, topk_ids, topk_weights, w13, w2))
+

@@ -1,6 +1,6 @@
 """The custom ops: pounce::moe_forward (the fused kernel through the C ABI) and pounce::moe_backward
-(pounce's backward kernels on one GPU, across GPUs PyTorch), with their fake (meta)
-implementations and the autograd formula joining them.
+(pounce's backward kernels; across GPUs from the kept rows of its forward, else PyTorch), with their
+fake (meta) implementations and the autograd formula joining them.
 
 The layer is passed as an int, the key of a pounce Layer, so the ops stay opaque to torch.compile and
 can be captured in CUDA graphs (the PyTorch backward synchronizes with the host: not that one)."""
@@ -49,8 +49,8 @@ def moe_forward(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, layer: int, keep: bool = False
 ) -> Tensor:
     """y [T, H] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), by the fused kernel on the
-    current CUDA stream. keep: a training forward; where pounce runs the backward (on one GPU) the layer
-    keeps the gate/up rows for it, so the backward does not recompute them."""
+    current CUDA stream. keep: a training forward; the layer keeps the gate/up rows for its backward, so
+    the backward does not recompute them (and across GPUs can run at all)."""
     owner = Layer.get(layer)
     check_inputs(x, topk_ids, topk_weights, w13, w2, owner, pointers=True)
     return owner.forward(x, topk_ids, topk_weights, w13, w2, keep=keep and owner.runs_backward(x))
@@ -63,8 +63,10 @@ def _(x, topk_ids, topk_weights, w13, w2, layer, keep=False):
 
 
 # ---- backward ----------------------------------------------------------------------------------------
-# On one GPU (one rank or virtual ranks): pounce's backward (libpounce: a chain of its kernels, no host
-# synchronization). Process groups: the PyTorch backward below, until pounce's covers ranks across GPUs.
+# pounce's backward (libpounce, no host synchronization): on one GPU (one rank or virtual ranks) always;
+# across GPUs when the layer's latest forward was this op's, kept for it (the persistent kernel starts
+# from those rows). Otherwise across GPUs (several forwards before their backwards, as pipeline
+# schedules run them): the PyTorch backward below.
 
 
 def _split_w13_rows(gu: Tensor) -> Tuple[Tensor, Tensor]:
@@ -124,11 +126,13 @@ def moe_backward(
     dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, layer: int
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_weights, dw13, dw2) of pounce::moe_forward. On one GPU: pounce's backward kernels.
-    Across GPUs in PyTorch with fp32 accumulation: across GPUs each route's x and dy rows travel
-    to its expert's rank and its dx share and router-weight gradient back (all_to_all); this path
-    synchronizes with the host (per-expert loop)."""
+    Across GPUs: pounce's fused backward from the rows the forward kept, when that forward is the layer's
+    latest; otherwise in PyTorch with fp32 accumulation (each route's x and dy rows travel to its
+    expert's rank and its dx share and router-weight gradient back, all_to_all; this path synchronizes
+    with the host: per-expert loop)."""
     owner = Layer.get(layer)
-    if owner.runs_backward(x):
+    across_gpus = owner.group is not None
+    if owner.runs_backward(x) and (not across_gpus or owner.kept_forward(x, topk_ids, topk_weights, w13, w2)):
         check_inputs(x, topk_ids, topk_weights, w13, w2, owner, pointers=True)
         if dy.dtype != x.dtype or dy.shape != x.shape or not dy.is_contiguous() or dy.data_ptr() % 16 != 0:
             raise Error(f"pounce.moe backward: dy must be a contiguous, 16-byte aligned {x.dtype} tensor shaped "

@@ -45,7 +45,8 @@ def moe(
     e = topk_ids[t, k], for x [T, H] bf16, topk_ids [T, k] int32 (int64 is converted), topk_weights
     [T, k] fp32, w13 [E_here, 2I, H] (gate and up rows interleaved in groups of 8: interleave_w13) and
     w2 [E_here, H, I] bf16, all contiguous on one GPU. Differentiable in x, topk_weights, w13 and w2;
-    the backward runs pounce's backward kernels on one GPU, across GPUs PyTorch (fp32).
+    the backward runs pounce's backward kernels (across GPUs from the kept rows of the latest forward,
+    else PyTorch, fp32).
 
     layer: the pounce.Layer to run on; without one, a layer shared by calls of the same shape, group and
     virtual_ranks is used (pass one explicitly under torch.compile). group / virtual_ranks: as for MoE."""
@@ -76,9 +77,11 @@ class MoE(nn.Module):
 
     forward(x [T, H] bf16, topk_ids [T, k] int32 or int64, topk_weights [T, k] fp32) -> y [T, H] bf16,
     differentiable in x, topk_weights, w13 and w2. The backward (pounce::moe_backward) runs pounce's
-    backward kernels on one GPU (one rank or virtual ranks), from the gate/up rows its training forward
-    kept; with a process group it is computed in PyTorch for now (fp32 accumulation, a per-expert loop
-    that synchronizes with the host).
+    backward kernels from the gate/up rows its training forward kept. With a process group that takes
+    the backward right after its forward (as a plain training step runs them); a backward whose forward
+    is not the layer's latest (several forwards before their backwards, as pipeline schedules run them)
+    is computed in PyTorch instead (fp32 accumulation, a per-expert loop that synchronizes with the
+    host).
 
     group: a torch.distributed process group, one rank per GPU (torchrun): rank r holds experts
     [r E/P, (r+1) E/P), tokens travel over NVLink through NCCL. Every rank calls forward (with its own

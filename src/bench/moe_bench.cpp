@@ -760,8 +760,8 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     // A training step with each backward: the chain of kernels (the default) and the fused kernel.
     FusedMoe traced_fused_backward(one_rank, {.fused_backward = true});
     traced_fused_backward.set_weights({w13.data(), w2.data()});
-    for (auto [layer, what] : {std::pair{&traced, "training-step"},
-                               std::pair{&traced_fused_backward, "training-step-fused-backward"}}) {
+    for (auto [layer, what] :
+         {std::pair{&traced, "training-step"}, std::pair{&traced_fused_backward, "training-step-fused-backward"}}) {
       layer->forward(io, stream, /*keep_for_backward=*/true);
       layer->backward(io, grads, WeightGradOutput::kBf16, stream);  // the first backward allocates its buffers
       layer->start_timeline(8 * spans_per_forward);                 // the backward's four GEMMs have more tiles

@@ -159,10 +159,15 @@ class FusedBackwardTiles {
         bw.d_topk_weights[rs_.row_source_rank[row]][int64_t(token) * p_.topk + rs_.row_k[row]] = dot;
       }
     }
-    // Every warp's stores before the release.
+    // Every warp's stores before the release. Across GPUs the router-weight gradients went to the source
+    // ranks' memory: a system-scope fence, so that the pushes of the dx rows behind this release (the
+    // source acquires their arrivals at system scope) order them too.
     ptx::named_barrier_sync(gemm::pipeline::kEpilogueBarrierBase + consumer, 128);
     if (thread == 0) {
-      __threadfence();
+      if (p_.peers_on_this_gpu)
+        __threadfence();
+      else
+        ptx::fence_acq_rel_sys();
       ptx::red_release_gpu_add(&rs_.swiglu_done[tile.m_block], 1);
     }
   }

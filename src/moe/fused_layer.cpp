@@ -97,6 +97,9 @@ FusedLayer::FusedLayer(const EpConfig& config, ncclComm_t comm, const FusedMoeOp
   const size_t slots_at = layout.add(slot_elems_ * 2);
   const size_t arrivals_at = layout.add(T * 4);
   const size_t flags_at = layout.add(P * 4);
+  const size_t weights_at = layout.add(T * k * 4);
+  const size_t d_topk_at = layout.add(T * k * 4);
+  const size_t backward_words_at = layout.add((T + P) * 4);
   window_ = std::make_unique<comm::NcclWindow>(comm, layout.bytes());
   window_bytes_ = int64_t(layout.bytes());
   window_->require_team_is_communicator("fused MoE");
@@ -110,6 +113,9 @@ FusedLayer::FusedLayer(const EpConfig& config, ncclComm_t comm, const FusedMoeOp
     params_.peers.slots[r] = params_.in_place ? nullptr : reinterpret_cast<__nv_bfloat16*>(peers.at(r, slots_at));
     params_.peers.arrivals[r] = reinterpret_cast<uint32_t*>(peers.at(r, arrivals_at));
     params_.peers.start_flags[r] = reinterpret_cast<uint32_t*>(peers.at(r, flags_at));
+    window_weights_[r] = reinterpret_cast<float*>(peers.at(r, weights_at));
+    window_d_topk_[r] = reinterpret_cast<float*>(peers.at(r, d_topk_at));
+    window_backward_words_[r] = reinterpret_cast<uint32_t*>(peers.at(r, backward_words_at));
   }
   params_.peers_on_this_gpu = P == 1;
 }
@@ -291,9 +297,11 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
 void FusedLayer::reset_counters() {
   CUDA_CHECK(cudaMemset(counters_.data(), 0, counters_.bytes()));
   if (peer_words_.size() > 0) CUDA_CHECK(cudaMemset(peer_words_.data(), 0, peer_words_.bytes()));
-  if (window_) {
+  if (window_) {  // one rank (more ranks never reset): its own words
     CUDA_CHECK(cudaMemset(params_.peers.arrivals[0], 0, config_.max_tokens_per_rank * sizeof(uint32_t)));
     CUDA_CHECK(cudaMemset(params_.peers.start_flags[0], 0, sizeof(uint32_t)));
+    const int64_t words = std::max<int64_t>(config_.max_tokens_per_rank, 1) + 1;
+    CUDA_CHECK(cudaMemset(window_backward_words_[0], 0, words * sizeof(uint32_t)));
   }
   CUDA_CHECK(cudaMemset(epoch_.data(), 0, epoch_.bytes()));
   CUDA_CHECK(cudaMemset(kept_record_.data(), 0, kept_record_.bytes()));
@@ -354,9 +362,6 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream, boo
   for (int lr = 0; lr < L; ++lr) check_io(ranks[lr], params_.first_rank + lr);
 
   if (keep_for_backward) {
-    POUNCE_REQUIRE(!window_ || config_.ranks == 1,
-                   "FusedMoe::forward: keep_for_backward on a layer across GPUs; its backward runs on one GPU "
-                   "(virtual ranks) for now");
     if (gate_up_kept_.size() == 0) {
       cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
       CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -463,8 +468,6 @@ KeptForward FusedLayer::kept_rows(int lr) const {
 
 void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads,
                           WeightGradOutput mode, cudaStream_t stream) {
-  POUNCE_REQUIRE(!window_ || config_.ranks == 1, "FusedMoe::backward: ", config_.ranks,
-                 " ranks across GPUs; the backward runs on one GPU (virtual ranks) for now");
   POUNCE_REQUIRE(has_weights_, "FusedMoe::backward: call set_weights first");
   POUNCE_REQUIRE(!errors_.has_error(),
                  "FusedMoe::backward: a forward reported a device error that check_device_errors() has not "
@@ -494,9 +497,20 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
   std::vector<ExpertGradients> experts(L);
   for (int lr = 0; lr < L; ++lr) {
     experts[lr] = {weights_[lr].w13, weights_[lr].w2, grads[lr].dw13, grads[lr].dw2, mode};
-    backward_->check(params_.first_rank + lr, sources, experts[lr]);  // every rank before any is enqueued
+    if (L == config_.ranks) {
+      backward_->check(params_.first_rank + lr, sources, experts[lr]);  // every rank before any is enqueued
+    } else {                                                            // a rank across GPUs sees only its own tensors
+      backward_->check_source(params_.first_rank + lr, sources[lr]);
+      backward_->check_experts(params_.first_rank + lr, experts[lr]);
+    }
   }
+  // Across GPUs only the fused backward exists, from kept rows (its replay would need the chain).
+  const bool across_gpus = window_ && config_.ranks > 1;
   const bool kept = kept_forward_matches(forward_inputs);
+  POUNCE_REQUIRE(kept || !across_gpus,
+                 "FusedMoe::backward: no kept forward for these inputs (the latest forward did not keep its rows, "
+                 "or ran on other inputs or weights); across GPUs the backward starts only from the rows of a "
+                 "forward called with keep_for_backward right before");
   POUNCE_REQUIRE(kept || backward_replays_,
                  "FusedMoe::backward: no kept forward for these inputs (the latest forward did not keep its rows, "
                  "or ran on other inputs or weights), and this layer does not replay forwards "
@@ -504,7 +518,7 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
   // The host's view misses forwards replayed by CUDA graphs: the device checks the rows are still these.
   if (kept) launch_check_kept_forward(params_, fingerprint(forward_inputs), stream);
   last_backward_replayed_ = !kept;
-  if (kept && fused_backward_enabled_ && !window_)
+  if (kept && (fused_backward_enabled_ || across_gpus))
     return fused_backward(forward_inputs, grads, sources, experts, stream);
   for (int lr = 0; lr < L; ++lr) {
     const KeptForward rows = kept_rows(lr);
@@ -525,9 +539,19 @@ int64_t FusedLayer::FusedBackwardState::bytes() const {
   return bytes;
 }
 
-// The backward from a kept forward on virtual ranks: one persistent launch for the data path (the
-// forward's kernel with dy in place of x: moe/fused_kernel.cu), then each rank's weight gradients from
-// the rows it left. The launch plans again: the planner gives the kept forward's schedule bit for bit.
+// The backward from a kept forward: one persistent launch for the data path (the forward's kernel with
+// dy in place of x: moe/fused_kernel.cu), then each rank's weight gradients from the rows it left. The
+// launch plans again: the planner gives the kept forward's schedule bit for bit. On virtual ranks the
+// peers' tensors are the callers'; across GPUs (NCCL) they are in the symmetric window:
+//   dy           in the x buffer of the parity the kept forward did not use. It held the forward before
+//                it, which every rank has finished (they all started the kept one). It is overwritten
+//                next by the forward after this backward, on this rank, after this backward's kernel,
+//                which ends only once every route of its tokens came back, so once every peer pulled
+//                its dy rows.
+//   topk_ids, token counts   the kept forward's, still in its parity's buffers.
+//   router weights, their gradients   window buffers of their own; the gradients are copied out after
+//                the kernel, whose sums waited for every route of every token.
+//   dx rows      into the forward's combine slots, free once every rank started this backward.
 void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads,
                                 std::span<const BackwardSource> sources, std::span<const ExpertGradients> experts,
                                 cudaStream_t stream) {
@@ -572,13 +596,32 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
   p.out_ring = s.dx_rows.data();
   if (timeline_) p.timeline.kernel = kFusedBackwardKernel;
   p.bwd = {gate_up_kept_.data(), s.dgu.data(), s.wa.data(), {}, {}, s.segment_dots.data()};
-  for (int r = 0; r < P; ++r) {  // virtual ranks: launch rank r is rank r
-    p.peers.x[r] = grads[r].dy;
-    p.peers.topk_ids[r] = forward_inputs[r].topk_ids;
-    p.peers.arrivals[r] = s.peer_words.data() + r * (T + P);
-    p.peers.start_flags[r] = p.peers.arrivals[r] + T;
-    p.bwd.topk_weights[r] = forward_inputs[r].topk_weights;
-    p.bwd.d_topk_weights[r] = grads[r].d_topk_weights;
+  const int kept_parity = int(forwards_ % 2), dy_parity = 1 - kept_parity;
+  const int rank = params_.first_rank;
+  if (window_) {
+    const RankIO& in = forward_inputs[0];
+    if (in.tokens > 0) {
+      CUDA_CHECK(cudaMemcpyAsync(window_x_[dy_parity][rank], grads[0].dy, in.tokens * H * sizeof(__nv_bfloat16),
+                                 cudaMemcpyDeviceToDevice, stream));
+      CUDA_CHECK(cudaMemcpyAsync(window_weights_[rank], in.topk_weights, in.tokens * config_.topk * sizeof(float),
+                                 cudaMemcpyDeviceToDevice, stream));
+    }
+    for (int r = 0; r < P; ++r) {  // topk_ids and token counts: the kept forward's, in params_ already
+      p.peers.x[r] = window_x_[dy_parity][r];
+      p.peers.arrivals[r] = window_backward_words_[r];
+      p.peers.start_flags[r] = p.peers.arrivals[r] + T;
+      p.bwd.topk_weights[r] = window_weights_[r];
+      p.bwd.d_topk_weights[r] = window_d_topk_[r];
+    }
+  } else {
+    for (int r = 0; r < P; ++r) {  // virtual ranks: launch rank r is rank r
+      p.peers.x[r] = grads[r].dy;
+      p.peers.topk_ids[r] = forward_inputs[r].topk_ids;
+      p.peers.arrivals[r] = s.peer_words.data() + r * (T + P);
+      p.peers.start_flags[r] = p.peers.arrivals[r] + T;
+      p.bwd.topk_weights[r] = forward_inputs[r].topk_weights;
+      p.bwd.d_topk_weights[r] = grads[r].d_topk_weights;
+    }
   }
   for (int lr = 0; lr < L; ++lr) {
     RankState& rs = p.rank_state[lr];
@@ -604,10 +647,18 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
     maps.w13[lr] = make_bf16_tensor_map(weights_[lr].w13, H, E * 2 * I, 64, kBlockK);
   }
   launch_fused_moe_backward(p, maps, stream);
+  if (window_ && forward_inputs[0].tokens > 0)
+    CUDA_CHECK(cudaMemcpyAsync(grads[0].d_topk_weights, window_d_topk_[rank],
+                               forward_inputs[0].tokens * config_.topk * sizeof(float), cudaMemcpyDeviceToDevice,
+                               stream));
 
+  // The x rows of the weight gradients come from every source rank's tokens: across GPUs, the copies in
+  // the kept forward's window buffers (no rank overwrites them before the forward after next starts).
+  std::vector<const __nv_bfloat16*> x(P);
+  for (int r = 0; r < P; ++r) x[r] = window_ ? window_x_[kept_parity][r] : sources[r].x;
   const int64_t rank_rows = M * kBlockM;
   for (int lr = 0; lr < L; ++lr)
-    backward_->run_weight_gradients(params_.first_rank + lr, sources, experts[lr], kept_rows(lr),
+    backward_->run_weight_gradients(rank + lr, x, experts[lr], kept_rows(lr),
                                     {s.dy_rows.data() + lr * rank_rows * H, s.dgu.data() + lr * rank_rows * 2 * I,
                                      s.wa.data() + lr * rank_rows * I},
                                     stream);

@@ -134,6 +134,12 @@ class FusedLayer {
   __nv_bfloat16* window_x_[2][kMaxRanks] = {};  // [forward parity][rank]
   int32_t* window_ids_[2][kMaxRanks] = {};
   int32_t* window_counts_[2][kMaxRanks] = {};
+  // The fused backward across GPUs: what peers read (router weights [T_max, k]) and write (their
+  // gradients [T_max, k]; the backward's arrivals [T_max] and start flags [P]). Its dy goes into the x
+  // buffer of the parity its kept forward did not use (FusedLayer::fused_backward says why that is free).
+  float* window_weights_[kMaxRanks] = {};
+  float* window_d_topk_[kMaxRanks] = {};
+  uint32_t* window_backward_words_[kMaxRanks] = {};
   int device_ = -1;      // the GPU the layer's buffers live on
   bool failed_ = false;  // NCCL, P > 1: a device error ended this layer
   std::string failed_reason_;

@@ -1,8 +1,10 @@
 // The fused layer across GPUs: one NCCL rank per visible GPU (2 to 8), driven from one process with a
-// thread per GPU, against the host reference of the expert-parallel layer, over several forwards whose
-// token counts and routings change. Skips with fewer than two Hopper GPUs.
+// thread per GPU, against the host reference of the expert-parallel layer, over several forwards (and
+// training steps) whose token counts and routings change. Skips with fewer than two Hopper GPUs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <functional>
 #include <optional>
 
 #include "comm/gpu_threads.h"
@@ -20,6 +22,38 @@ namespace {
 int visible_gpus() {
   int count = 0;
   return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
+}
+
+// Runs steps(layer, r) on every GPU r at once (a thread each), with a layer over NCCL whose rank r holds
+// its own experts [r E/P, (r+1) E/P) of w13 and w2 only; every rank must finish without an error.
+void on_every_gpu(const EpConfig& config, const std::vector<float>& w13, const std::vector<float>& w2,
+                  const std::function<void(FusedMoe& layer, int rank)>& steps) {
+  const int P = config.ranks;
+  const int64_t w13_share = config.local_experts() * 2 * config.intermediate * config.hidden;
+  const int64_t w2_share = config.local_experts() * config.hidden * config.intermediate;
+  std::vector<ncclComm_t> comms = comm::init_single_process_comms_on_first(P);
+  std::vector<std::optional<DeviceBuffer<uint16_t>>> d_w13(P), d_w2(P);
+  std::vector<std::optional<FusedMoe>> layers(P);
+  const std::vector<std::string> failures = comm::run_on_every_gpu(
+      P,
+      [&](int r) {
+        const auto w13_bits = testing::to_bf16_bits(w13), w2_bits = testing::to_bf16_bits(w2);
+        d_w13[r].emplace(std::span(w13_bits).subspan(r * w13_share, w13_share));
+        d_w2[r].emplace(std::span(w2_bits).subspan(r * w2_share, w2_share));
+      },
+      [&](int r) {
+        FusedMoe& layer = layers[r].emplace(config, comms[r]);
+        layer.set_weights(
+            {reinterpret_cast<__nv_bfloat16*>(d_w13[r]->data()), reinterpret_cast<__nv_bfloat16*>(d_w2[r]->data())});
+        steps(layer, r);
+      },
+      [&](int r) {
+        layers[r].reset();
+        d_w13[r].reset();
+        d_w2[r].reset();
+      });
+  comm::destroy_single_process_comms(comms);
+  for (int r = 0; r < P; ++r) ASSERT_EQ(failures[r], "") << "rank " << r;
 }
 
 TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
@@ -50,45 +84,24 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
       weights[f].push_back(reference::synthetic_topk_weights(tokens[f][r], int(k), rng));
     }
 
-  std::vector<ncclComm_t> comms = comm::init_single_process_comms_on_first(P);
   std::vector<std::vector<std::vector<uint16_t>>> got(kForwards, std::vector<std::vector<uint16_t>>(P));
-  std::vector<std::optional<DeviceBuffer<uint16_t>>> d_w13(P), d_w2(P);
-  std::vector<std::optional<FusedMoe>> layers(P);
-  const std::vector<std::string> failures = comm::run_on_every_gpu(
-      P,
-      [&](int r) {
-        // Each GPU holds its own experts only: [r E/P, (r+1) E/P).
-        const auto w13_bits = testing::to_bf16_bits(w13), w2_bits = testing::to_bf16_bits(w2);
-        const int64_t w13_share = E / P * 2 * I * H, w2_share = E / P * H * I;
-        d_w13[r].emplace(std::span(w13_bits).subspan(r * w13_share, w13_share));
-        d_w2[r].emplace(std::span(w2_bits).subspan(r * w2_share, w2_share));
-      },
-      [&](int r) {
-        FusedMoe& layer = layers[r].emplace(config, comms[r]);
-        layer.set_weights(
-            {reinterpret_cast<__nv_bfloat16*>(d_w13[r]->data()), reinterpret_cast<__nv_bfloat16*>(d_w2[r]->data())});
-        for (int f = 0; f < kForwards; ++f) {
-          DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x[f][r])), d_y(std::max<int64_t>(1, tokens[f][r] * H));
-          DeviceBuffer<int32_t> d_ids(ids[f][r]);
-          DeviceBuffer<float> d_weights(weights[f][r]);
-          d_y.fill_bytes(0xFF);
-          const RankIO io{reinterpret_cast<__nv_bfloat16*>(d_x.data()), d_ids.data(), d_weights.data(), tokens[f][r],
-                          reinterpret_cast<__nv_bfloat16*>(d_y.data())};
-          layer.forward(io, nullptr);
-          const cudaError_t synced = cudaDeviceSynchronize();
-          layer.check_device_errors();  // first: after a trap its record says more than the CUDA error
-          CUDA_CHECK(synced);
-          got[f][r] = d_y.download();
-          got[f][r].resize(tokens[f][r] * H);
-        }
-      },
-      [&](int r) {
-        layers[r].reset();
-        d_w13[r].reset();
-        d_w2[r].reset();
-      });
-  comm::destroy_single_process_comms(comms);
-  for (int r = 0; r < P; ++r) ASSERT_EQ(failures[r], "") << "rank " << r;
+  on_every_gpu(config, w13, w2, [&](FusedMoe& layer, int r) {
+    for (int f = 0; f < kForwards; ++f) {
+      DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x[f][r])), d_y(std::max<int64_t>(1, tokens[f][r] * H));
+      DeviceBuffer<int32_t> d_ids(ids[f][r]);
+      DeviceBuffer<float> d_weights(weights[f][r]);
+      d_y.fill_bytes(0xFF);
+      const RankIO io{reinterpret_cast<__nv_bfloat16*>(d_x.data()), d_ids.data(), d_weights.data(), tokens[f][r],
+                      reinterpret_cast<__nv_bfloat16*>(d_y.data())};
+      layer.forward(io, nullptr);
+      const cudaError_t synced = cudaDeviceSynchronize();
+      layer.check_device_errors();  // first: after a trap its record says more than the CUDA error
+      CUDA_CHECK(synced);
+      got[f][r] = d_y.download();
+      got[f][r].resize(tokens[f][r] * H);
+    }
+  });
+  if (HasFatalFailure()) return;
 
   for (int f = 0; f < kForwards; ++f) {
     std::vector<reference::EpRankInputs> in(P);
@@ -101,6 +114,109 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
       EXPECT_LT(testing::relative_l2_error(y, want[r].y), testing::kBf16LayerL2) << "forward " << f << ", rank " << r;
       EXPECT_LT(testing::worst_token_error(y, want[r].y, H), testing::kBf16LayerWorstToken)
           << "forward " << f << ", rank " << r;
+    }
+  }
+}
+
+// Training steps across GPUs: a forward that keeps its rows, then the fused backward over NCCL, twice
+// (the same bits), for routings and token counts (down to zero on some ranks) that change every step,
+// with a quarter of the router weights exactly zero; every gradient against the EP reference.
+TEST(FusedMoeMultiGpu, OneRankPerGpuBackwardMatchesReference) {
+  POUNCE_REQUIRE_HOPPER();
+  const int P = std::min(visible_gpus(), 8);
+  if (P < 2) GTEST_SKIP() << "needs at least two GPUs; this machine has " << P;
+  auto rng = testing::fresh_rng();
+  const EpConfig config{
+      .ranks = P, .experts = 4 * P, .topk = 3, .hidden = 256, .intermediate = 1152, .max_tokens_per_rank = 200};
+  const int64_t H = config.hidden, I = config.intermediate, E = config.experts, El = config.local_experts();
+  const int64_t k = config.topk;
+  const auto w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
+  const auto w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
+  constexpr int kSteps = 3;
+  const int64_t counts[kSteps] = {200, 1, 150};
+
+  std::vector<std::vector<int64_t>> tokens(kSteps, std::vector<int64_t>(P));
+  std::vector<std::vector<std::vector<float>>> x(kSteps), weights(kSteps), dy(kSteps);
+  std::vector<std::vector<std::vector<int32_t>>> ids(kSteps);
+  for (int f = 0; f < kSteps; ++f)
+    for (int r = 0; r < P; ++r) {
+      tokens[f][r] = std::max<int64_t>(0, counts[f] - r);
+      x[f].push_back(testing::random_bf16_values(rng, tokens[f][r] * H));
+      dy[f].push_back(testing::random_bf16_values(rng, tokens[f][r] * H));
+      ids[f].push_back(
+          reference::synthetic_topk_ids(reference::RoutingPattern::kZipf, tokens[f][r], int(E), int(k), rng));
+      weights[f].push_back(reference::synthetic_topk_weights(tokens[f][r], int(k), rng));
+      for (int64_t route = f; route < tokens[f][r] * k; route += 4) weights[f][r][route] = 0.0f;
+    }
+
+  struct Got {
+    std::vector<uint16_t> dx;
+    std::vector<float> d_topk, dw13, dw2;
+    bool operator==(const Got&) const = default;
+  };
+  std::vector<std::vector<Got>> got(kSteps, std::vector<Got>(P));
+  std::vector<std::vector<bool>> same_bits(kSteps, std::vector<bool>(P));
+  on_every_gpu(config, w13, w2, [&](FusedMoe& layer, int r) {
+    const auto bf16 = [](DeviceBuffer<uint16_t>& b) { return reinterpret_cast<__nv_bfloat16*>(b.data()); };
+    for (int f = 0; f < kSteps; ++f) {
+      const int64_t T = tokens[f][r], rows = std::max<int64_t>(1, T);
+      DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x[f][r])), d_y(rows * H);
+      DeviceBuffer<uint16_t> d_dy(testing::to_bf16_bits(dy[f][r]));
+      DeviceBuffer<int32_t> d_ids(ids[f][r]);
+      DeviceBuffer<float> d_weights(weights[f][r]);
+      const RankIO io{bf16(d_x), d_ids.data(), d_weights.data(), T, bf16(d_y)};
+      layer.forward(io, nullptr, /*keep_for_backward=*/true);
+      for (int repeat = 0; repeat < 2; ++repeat) {
+        DeviceBuffer<uint16_t> d_dx(rows * H);
+        DeviceBuffer<float> d_topk(std::max<int64_t>(1, T * k)), dw13(El * 2 * I * H), dw2(El * H * I);
+        for (auto* b : {&d_topk, &dw13, &dw2}) b->fill_bytes(0xFF);
+        d_dx.fill_bytes(0xFF);
+        layer.backward(io, {bf16(d_dy), bf16(d_dx), d_topk.data(), dw13.data(), dw2.data()}, WeightGradOutput::kF32,
+                       nullptr);
+        const cudaError_t synced = cudaDeviceSynchronize();
+        layer.check_device_errors();
+        CUDA_CHECK(synced);
+        Got g{d_dx.download(), d_topk.download(), dw13.download(), dw2.download()};
+        g.dx.resize(T * H);
+        g.d_topk.resize(T * k);
+        if (repeat == 0)
+          got[f][r] = std::move(g);
+        else
+          same_bits[f][r] = g == got[f][r];
+      }
+    }
+  });
+  if (HasFatalFailure()) return;
+
+  for (int f = 0; f < kSteps; ++f) {
+    std::vector<reference::EpRankInputs> in(P);
+    for (int r = 0; r < P; ++r) in[r] = {tokens[f][r], x[f][r], ids[f][r], weights[f][r], dy[f][r]};
+    const auto want = reference::moe_layer_ep(config, in, w13, w2, /*with_backward=*/true);
+    for (int r = 0; r < P; ++r) {
+      SCOPED_TRACE("step " + std::to_string(f) + ", rank " + std::to_string(r));
+      EXPECT_TRUE(same_bits[f][r]) << "a second backward from the same kept rows gave other bits";
+      const Got& g = got[f][r];
+      if (tokens[f][r] > 0) {
+        std::vector<float> dx;
+        for (uint16_t b : g.dx) dx.push_back(formats::bf16_to_float(b));
+        EXPECT_LT(testing::relative_l2_error(dx, want[r].dx), 2e-2);
+        EXPECT_LT(testing::worst_token_error(dx, want[r].dx, H), 5e-2);
+        EXPECT_LT(testing::relative_l2_error(g.d_topk, want[r].d_topk_weights), 2e-2);
+      }
+      for (int64_t e = 0; e < El; ++e) {
+        const auto slice = [](const auto& v, int64_t at, int64_t n) {
+          return std::vector(v.begin() + at, v.begin() + at + n);
+        };
+        const auto got13 = slice(g.dw13, e * 2 * I * H, 2 * I * H), got2 = slice(g.dw2, e * H * I, H * I);
+        const auto want13 = slice(want[r].dw13, e * 2 * I * H, 2 * I * H);
+        const auto want2 = slice(want[r].dw2, e * H * I, H * I);
+        if (std::all_of(want13.begin(), want13.end(), [](double v) { return v == 0; })) {
+          EXPECT_TRUE(std::all_of(got13.begin(), got13.end(), [](float v) { return v == 0; })) << "expert " << e;
+          continue;
+        }
+        EXPECT_LT(testing::relative_l2_error(got13, want13), 2e-2) << "dW13 of local expert " << e;
+        EXPECT_LT(testing::relative_l2_error(got2, want2), 2e-2) << "dW2 of local expert " << e;
+      }
     }
   }
 }

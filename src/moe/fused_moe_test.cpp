@@ -910,6 +910,38 @@ TEST(FusedMoe, BackwardOnVirtualRanksHasTheBitsOfOneRank) {
   }
 }
 
+// The fused backward over the NCCL window at one rank (dy, the router weights and their gradients
+// through the window, the backward's own arrivals and start flags there) gives the virtual-rank layer's
+// gradients bit for bit, backward after backward.
+TEST(FusedMoe, NcclOneRankBackwardMatchesVirtualRanksBitwise) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, Case{1, 333, 256, 1536, 8, 3, RoutingPattern::kZipf});
+  for (int64_t route = 0; route < p.tokens[0] * p.config.topk; route += 4) p.weights[0][route] = 0.0f;
+  p.d_weights[0].upload(p.weights[0]);
+  const std::vector<DeviceBuffer<uint16_t>> d_dy = [&] {
+    std::vector<DeviceBuffer<uint16_t>> dy;
+    dy.emplace_back(testing::to_bf16_bits(testing::random_bf16_values(rng, p.tokens[0] * p.config.hidden)));
+    return dy;
+  }();
+  FusedMoe virtual_layer(p.config, {.fused_backward = true});
+  p.load_weights(virtual_layer);
+  virtual_layer.forward(p.io(), nullptr, /*keep_for_backward=*/true);
+  const Gradients want = run_backward(virtual_layer, p, d_dy);
+
+  std::vector<ncclComm_t> comms = comm::init_single_process_comms({0});
+  {
+    FusedMoe nccl_layer(p.config, comms[0], {.fused_backward = true});
+    p.load_weights(nccl_layer);
+    for (int repeat = 0; repeat < 3; ++repeat) {
+      nccl_layer.forward(p.io(), nullptr, /*keep_for_backward=*/true);
+      EXPECT_TRUE(run_backward(nccl_layer, p, d_dy) == want) << "backward " << repeat;
+      EXPECT_FALSE(nccl_layer.last_backward_replayed());
+    }
+  }
+  comm::destroy_single_process_comms(comms);
+}
+
 // Padding rows of the ring and of the kept gate/up rows hold whatever earlier forwards left there: after a
 // forward whose every x is NaN, the next forward's backward must still be finite and right, in place and
 // through a bounded ring.

@@ -35,24 +35,32 @@ BackwardChain::~BackwardChain() = default;
 
 void BackwardChain::check(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts) const {
   const int P = config_.ranks;
-  const int64_t H = config_.hidden, I = config_.intermediate, E = config_.local_experts(), k = config_.topk;
   POUNCE_REQUIRE(rank >= 0 && rank < P, "MoE backward: rank ", rank, " of ", P);
   POUNCE_REQUIRE(int(sources.size()) == P, "MoE backward: got ", sources.size(),
                  " source ranks' tensors, the layer has ", P);
+  for (int s = 0; s < P; ++s) check_source(s, sources[s]);
+  check_experts(rank, experts);
+}
+
+void BackwardChain::check_source(int rank, const BackwardSource& src) const {
+  const int64_t H = config_.hidden, k = config_.topk, T = src.tokens;
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  for (int s = 0; s < P; ++s) {
-    const BackwardSource& src = sources[s];
-    const int64_t T = src.tokens;
-    POUNCE_REQUIRE(T >= 0 && T <= config_.max_tokens_per_rank, "MoE backward: rank ", s, " has ", T,
-                   " tokens, outside [0, max_tokens_per_rank = ", config_.max_tokens_per_rank, "]");
-    require_device_tensor(src.x, T * H * 2, device, "x", s);
-    require_device_tensor(src.topk_ids, T * k * 4, device, "topk_ids", s);
-    require_device_tensor(src.topk_weights, T * k * 4, device, "topk_weights", s);
-    require_device_tensor(src.dy, T * H * 2, device, "dy", s);
-    require_device_tensor(src.dx, T * H * 2, device, "dx", s);
-    require_device_tensor(src.d_topk_weights, T * k * 4, device, "d_topk_weights", s);
-  }
+  POUNCE_REQUIRE(T >= 0 && T <= config_.max_tokens_per_rank, "MoE backward: rank ", rank, " has ", T,
+                 " tokens, outside [0, max_tokens_per_rank = ", config_.max_tokens_per_rank, "]");
+  require_device_tensor(src.x, T * H * 2, device, "x", rank);
+  require_device_tensor(src.topk_ids, T * k * 4, device, "topk_ids", rank);
+  require_device_tensor(src.topk_weights, T * k * 4, device, "topk_weights", rank);
+  require_device_tensor(src.dy, T * H * 2, device, "dy", rank);
+  require_device_tensor(src.dx, T * H * 2, device, "dx", rank);
+  require_device_tensor(src.d_topk_weights, T * k * 4, device, "d_topk_weights", rank);
+}
+
+void BackwardChain::check_experts(int rank, const ExpertGradients& experts) const {
+  const int64_t H = config_.hidden, I = config_.intermediate, E = config_.local_experts();
+  POUNCE_REQUIRE(rank >= 0 && rank < config_.ranks, "MoE backward: rank ", rank, " of ", config_.ranks);
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
   require_device_tensor(experts.w13, E * 2 * I * H * 2, device, "w13", rank);
   require_device_tensor(experts.w2, E * H * I * 2, device, "w2", rank);
   const int64_t dw_bytes = experts.mode == WeightGradOutput::kBf16 ? 2 : 4;
@@ -126,13 +134,15 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
   weight_gradients(experts, stream);
 }
 
-void BackwardChain::run_weight_gradients(int rank, std::span<const BackwardSource> sources,
+void BackwardChain::run_weight_gradients(int rank, std::span<const __nv_bfloat16* const> x,
                                          const ExpertGradients& experts, const KeptForward& kept, const RouteRows& rows,
                                          cudaStream_t stream) {
-  check(rank, sources, experts);
+  check_experts(rank, experts);
+  POUNCE_REQUIRE(int(x.size()) == config_.ranks, "MoE backward: got ", x.size(), " source ranks' x, the layer has ",
+                 config_.ranks);
   const int64_t H = config_.hidden, k = config_.topk;
   backward::RouteSources from{};
-  for (int s = 0; s < config_.ranks; ++s) from.x[s] = sources[s].x;  // x rows only: no dy, no weights
+  for (int s = 0; s < config_.ranks; ++s) from.x[s] = x[s];  // x rows only: no dy, no weights
   last_experts_ = experts;
   rows_in_use_ = kept;
   route_rows_ = rows;

@@ -99,9 +99,13 @@ class BackwardChain {
            cudaStream_t stream);
   // run()'s host-visible checks alone (a layer checks every rank before it enqueues any).
   void check(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts) const;
+  // One source rank's tensors, and one rank's experts (a rank of a layer across GPUs sees only its own).
+  void check_source(int rank, const BackwardSource& source) const;
+  void check_experts(int rank, const ExpertGradients& experts) const;
   // The weight gradients alone, from rows the fused backward left (moe/fused_kernel.h) for rank `rank`'s
-  // schedule `kept`; x rows from kept.x_rows when it has them, else gathered from the sources.
-  void run_weight_gradients(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts,
+  // schedule `kept`; x rows from kept.x_rows when it has them, else gathered from each source rank's
+  // tokens x[s] (checked by the caller; across GPUs, peers' memory).
+  void run_weight_gradients(int rank, std::span<const __nv_bfloat16* const> x, const ExpertGradients& experts,
                             const KeptForward& kept, const RouteRows& rows, cudaStream_t stream);
   // More ranks: each source's dx from its slots, after run() of every rank.
   void finish(std::span<const BackwardSource> sources, cudaStream_t stream);
