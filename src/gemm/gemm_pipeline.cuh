@@ -241,13 +241,23 @@ __device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site
 }
 
 // A consumer warp (or the scale loader) takes the next tile the producer published, and frees its slot.
+// NOTES: lane 0 alone reads the slot and hands it to the warp by shuffles, so its own arrival orders every
+// read of the slot before the producer refills it. Read by every lane, only a __syncwarp (nothing at all
+// in converged code) stood between the other lanes' loads and lane 0's arrival: racecheck reported the
+// producer's next write racing with them.
 template <class Storage>
 __device__ __forceinline__ TileInfo take_tile(Storage& s, uint32_t& slot, uint32_t& slot_phase,
                                               const WaitSite& pipe_site) {
+  static_assert(sizeof(TileInfo) % sizeof(int32_t) == 0, "TileInfo travels as 32-bit words");
+  constexpr int kWords = sizeof(TileInfo) / sizeof(int32_t);
+  const bool leader = threadIdx.x % 32 == 0;
   mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
-  const TileInfo tile = s.tiles[slot];
-  __syncwarp();
-  if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&s.tile_empty[slot]);
+  TileInfo tile;
+  const int32_t* from = reinterpret_cast<const int32_t*>(&s.tiles[slot]);
+  int32_t* to = reinterpret_cast<int32_t*>(&tile);
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) to[i] = __shfl_sync(0xFFFFFFFFu, leader ? from[i] : 0, 0);
+  if (leader) ptx::mbarrier_arrive(&s.tile_empty[slot]);
   if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
   return tile;
 }
