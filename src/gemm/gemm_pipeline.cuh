@@ -624,7 +624,10 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
         for (int slice = 0; slice < tile.k_blocks; ++slice) {
           mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
           tiles.run_elementwise(tile, slice, s.a[stage], s.b[stage], consumer, thread);
-          __syncwarp();  // every lane's reads of the stage before lane 0 frees it
+          // Every thread's reads of the stage before lane 0 of each warp frees it. A __syncwarp would
+          // do (the reads' values are used before the arrival issues), but compiles to nothing in
+          // converged code, and racecheck then sees the producer's next bulk copy racing with them.
+          ptx::named_barrier_sync(kEpilogueBarrierBase + consumer, 128);
           if (thread % 32 == 0) ptx::mbarrier_arrive(&s.empty[stage]);
           if (++stage == Storage::kStages) stage = 0, phase ^= 1;
         }
