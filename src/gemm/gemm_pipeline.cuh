@@ -624,9 +624,11 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
         for (int slice = 0; slice < tile.k_blocks; ++slice) {
           mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
           tiles.run_elementwise(tile, slice, s.a[stage], s.b[stage], consumer, thread);
-          // Every thread's reads of the stage before lane 0 of each warp frees it. A __syncwarp would
-          // do (the reads' values are used before the arrival issues), but compiles to nothing in
-          // converged code, and racecheck then sees the producer's next bulk copy racing with them.
+          // Every thread's reads of the stage before lane 0 of each warp frees it (a __syncwarp compiles
+          // to nothing in converged code). NOTES: racecheck still reports the producer's next bulk copy
+          // into the stage against these reads when a CTA runs several items: it orders only the
+          // arriving thread's own reads before the refill (results/archive/h200/
+          // 2026-12-01-racecheck-fused-backward.txt); an arrival per reading thread would satisfy it.
           ptx::named_barrier_sync(kEpilogueBarrierBase + consumer, 128);
           if (thread % 32 == 0) ptx::mbarrier_arrive(&s.empty[stage]);
           if (++stage == Storage::kStages) stage = 0, phase ^= 1;
