@@ -178,7 +178,7 @@ class Layer:
 
     def forward(self, x, topk_ids, topk_weights, w13, w2, keep: bool = False) -> torch.Tensor:
         """y = the MoE of x, enqueued on the current stream (the body of pounce::moe_forward); `keep`: keep
-        the gate/up rows for this forward's backward (on one GPU)."""
+        the gate/up rows for this forward's backward."""
         tokens = x.shape[0]
         with torch.cuda.device(x.device):
             self._ensure(tokens, x.device)
@@ -194,14 +194,21 @@ class Layer:
 
     def runs_backward(self, x: torch.Tensor) -> bool:
         """Whether the C++ layer can compute backwards of this input: on CUDA tensors (one GPU, or across
-        GPUs from the rows its forward kept: see kept_forward)."""
+        GPUs from the rows its forward kept: see group_kept_forward)."""
         return x.is_cuda
 
-    def kept_forward(self, x, topk_ids, topk_weights, w13, w2) -> bool:
-        """Whether this layer's latest forward ran on these tensors and kept its rows: across GPUs the C++
-        backward starts only from them (every rank of the group decides alike: they run the same
-        schedule of forwards and backwards)."""
-        return self._kept == _inputs_key(x, topk_ids, topk_weights, w13, w2)
+    def group_kept_forward(self, x, topk_ids, topk_weights, w13, w2) -> bool:
+        """Whether the layer's latest forward, on every rank of the group, ran on these tensors and kept its
+        rows: across GPUs the C++ backward starts only from them, and every rank must take the same path
+        (the other one is PyTorch's, with all_to_all). A rank without tokens cannot tell its forwards apart
+        (every pointer of an empty tensor is null: it may answer yes for an older forward), so the ranks
+        agree by an all_reduce (MIN) of their answers, read on the host: the one synchronization of this
+        path. The answers are the C++ layer's own test (pointers, token counts, weights, latest forward),
+        so where all say yes every rank's C++ backward finds its kept rows."""
+        mine = self._kept == _inputs_key(x, topk_ids, topk_weights, w13, w2)
+        verdict = torch.tensor([1 if mine else 0], dtype=torch.int32, device=x.device)
+        torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN, group=self.group)
+        return bool(verdict.item())
 
     def backward(self, dy, x, topk_ids, topk_weights, w13, w2):
         """(dx, d_topk_weights, dw13, dw2) of a forward on these inputs, by pounce's backward on the current

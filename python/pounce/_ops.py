@@ -127,12 +127,12 @@ def moe_backward(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_weights, dw13, dw2) of pounce::moe_forward. On one GPU: pounce's backward kernels.
     Across GPUs: pounce's fused backward from the rows the forward kept, when that forward is the layer's
-    latest; otherwise in PyTorch with fp32 accumulation (each route's x and dy rows travel to its
+    latest (the ranks agree on it by one all_reduce of a flag, read on the host); otherwise in PyTorch
+    with fp32 accumulation (each route's x and dy rows travel to its
     expert's rank and its dx share and router-weight gradient back, all_to_all; this path synchronizes
     with the host: per-expert loop)."""
     owner = Layer.get(layer)
-    across_gpus = owner.group is not None
-    if owner.runs_backward(x) and (not across_gpus or owner.kept_forward(x, topk_ids, topk_weights, w13, w2)):
+    if owner.runs_backward(x) and (owner.group is None or owner.group_kept_forward(x, topk_ids, topk_weights, w13, w2)):
         check_inputs(x, topk_ids, topk_weights, w13, w2, owner, pointers=True)
         if dy.dtype != x.dtype or dy.shape != x.shape or not dy.is_contiguous() or dy.data_ptr() % 16 != 0:
             raise Error(f"pounce.moe backward: dy must be a contiguous, 16-byte aligned {x.dtype} tensor shaped "

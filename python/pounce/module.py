@@ -78,7 +78,8 @@ class MoE(nn.Module):
     forward(x [T, H] bf16, topk_ids [T, k] int32 or int64, topk_weights [T, k] fp32) -> y [T, H] bf16,
     differentiable in x, topk_weights, w13 and w2. The backward (pounce::moe_backward) runs pounce's
     backward kernels from the gate/up rows its training forward kept. With a process group that takes
-    the backward right after its forward (as a plain training step runs them); a backward whose forward
+    the backward right after its forward (as a plain training step runs them; the ranks agree on that by
+    one all_reduce of a flag, read on the host); a backward whose forward
     is not the layer's latest (several forwards before their backwards, as pipeline schedules run them)
     is computed in PyTorch instead (fp32 accumulation, a per-expert loop that synchronizes with the
     host).

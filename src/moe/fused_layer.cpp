@@ -469,6 +469,8 @@ KeptForward FusedLayer::kept_rows(int lr) const {
 void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads,
                           WeightGradOutput mode, cudaStream_t stream) {
   POUNCE_REQUIRE(has_weights_, "FusedMoe::backward: call set_weights first");
+  POUNCE_REQUIRE(!failed_, "FusedMoe::backward: this layer failed in an earlier forward or backward (", failed_reason_,
+                 "); across GPUs its counters cannot be reset alone: rebuild the layer on every rank");
   POUNCE_REQUIRE(!errors_.has_error(),
                  "FusedMoe::backward: a forward reported a device error that check_device_errors() has not "
                  "collected: ",
@@ -504,8 +506,16 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
       backward_->check_experts(params_.first_rank + lr, experts[lr]);
     }
   }
-  // Across GPUs only the fused backward exists, from kept rows (its replay would need the chain).
+  // Across GPUs only the fused backward exists, from kept rows (its replay would need the chain). Like
+  // the forward there, it cannot be captured: the window buffers it uses alternate with the host's count
+  // of forwards, which a graph replay would not advance.
   const bool across_gpus = window_ && config_.ranks > 1;
+  if (across_gpus) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone,
+                   "FusedMoe::backward: a layer across GPUs cannot be captured in a CUDA graph");
+  }
   const bool kept = kept_forward_matches(forward_inputs);
   POUNCE_REQUIRE(kept || !across_gpus,
                  "FusedMoe::backward: no kept forward for these inputs (the latest forward did not keep its rows, "
