@@ -156,34 +156,59 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuBackwardMatchesReference) {
   };
   std::vector<std::vector<Got>> got(kSteps, std::vector<Got>(P));
   std::vector<std::vector<bool>> same_bits(kSteps, std::vector<bool>(P));
+  // Every step's inputs are uploaded first and the steps then enqueued back to back, with no host
+  // synchronization between them: ranks drift apart across forward -> backward -> backward -> forward,
+  // which the window buffers' reuse must survive.
   on_every_gpu(config, w13, w2, [&](FusedMoe& layer, int r) {
     const auto bf16 = [](DeviceBuffer<uint16_t>& b) { return reinterpret_cast<__nv_bfloat16*>(b.data()); };
+    struct Outputs {
+      DeviceBuffer<uint16_t> dx;
+      DeviceBuffer<float> d_topk, dw13, dw2;
+    };
+    struct Step {
+      DeviceBuffer<uint16_t> x, y, dy;
+      DeviceBuffer<int32_t> ids;
+      DeviceBuffer<float> weights;
+      std::vector<Outputs> out;  // one per backward
+    };
+    std::vector<Step> steps;
     for (int f = 0; f < kSteps; ++f) {
       const int64_t T = tokens[f][r], rows = std::max<int64_t>(1, T);
-      DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x[f][r])), d_y(rows * H);
-      DeviceBuffer<uint16_t> d_dy(testing::to_bf16_bits(dy[f][r]));
-      DeviceBuffer<int32_t> d_ids(ids[f][r]);
-      DeviceBuffer<float> d_weights(weights[f][r]);
-      const RankIO io{bf16(d_x), d_ids.data(), d_weights.data(), T, bf16(d_y)};
-      layer.forward(io, nullptr, /*keep_for_backward=*/true);
+      Step& step = steps.emplace_back(Step{DeviceBuffer<uint16_t>(testing::to_bf16_bits(x[f][r])),
+                                           DeviceBuffer<uint16_t>(rows * H),
+                                           DeviceBuffer<uint16_t>(testing::to_bf16_bits(dy[f][r])),
+                                           DeviceBuffer<int32_t>(ids[f][r]),
+                                           DeviceBuffer<float>(weights[f][r]),
+                                           {}});
       for (int repeat = 0; repeat < 2; ++repeat) {
-        DeviceBuffer<uint16_t> d_dx(rows * H);
-        DeviceBuffer<float> d_topk(std::max<int64_t>(1, T * k)), dw13(El * 2 * I * H), dw2(El * H * I);
-        for (auto* b : {&d_topk, &dw13, &dw2}) b->fill_bytes(0xFF);
-        d_dx.fill_bytes(0xFF);
-        layer.backward(io, {bf16(d_dy), bf16(d_dx), d_topk.data(), dw13.data(), dw2.data()}, WeightGradOutput::kF32,
-                       nullptr);
-        const cudaError_t synced = cudaDeviceSynchronize();
-        layer.check_device_errors();
-        CUDA_CHECK(synced);
-        Got g{d_dx.download(), d_topk.download(), dw13.download(), dw2.download()};
-        g.dx.resize(T * H);
-        g.d_topk.resize(T * k);
-        if (repeat == 0)
-          got[f][r] = std::move(g);
-        else
-          same_bits[f][r] = g == got[f][r];
+        Outputs& o = step.out.emplace_back(
+            Outputs{DeviceBuffer<uint16_t>(rows * H), DeviceBuffer<float>(std::max<int64_t>(1, T * k)),
+                    DeviceBuffer<float>(El * 2 * I * H), DeviceBuffer<float>(El * H * I)});
+        for (auto* b : {&o.d_topk, &o.dw13, &o.dw2}) b->fill_bytes(0xFF);
+        o.dx.fill_bytes(0xFF);
       }
+    }
+    CUDA_CHECK(cudaDeviceSynchronize());
+    for (int f = 0; f < kSteps; ++f) {
+      Step& step = steps[f];
+      const RankIO io{bf16(step.x), step.ids.data(), step.weights.data(), tokens[f][r], bf16(step.y)};
+      layer.forward(io, nullptr, /*keep_for_backward=*/true);
+      for (Outputs& o : step.out)
+        layer.backward(io, {bf16(step.dy), bf16(o.dx), o.d_topk.data(), o.dw13.data(), o.dw2.data()},
+                       WeightGradOutput::kF32, nullptr);
+    }
+    const cudaError_t synced = cudaDeviceSynchronize();
+    layer.check_device_errors();
+    CUDA_CHECK(synced);
+    for (int f = 0; f < kSteps; ++f) {
+      std::vector<Got> g;
+      for (Outputs& o : steps[f].out) {
+        g.push_back({o.dx.download(), o.d_topk.download(), o.dw13.download(), o.dw2.download()});
+        g.back().dx.resize(tokens[f][r] * H);
+        g.back().d_topk.resize(tokens[f][r] * k);
+      }
+      same_bits[f][r] = g[1] == g[0];
+      got[f][r] = std::move(g[0]);
     }
   });
   if (HasFatalFailure()) return;
