@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Scale model: the fused MoE forward against an unfused expert-parallel chain, from measured rates.
+"""Scale model: the fused MoE layer against an unfused expert-parallel chain, from measured rates.
 
 Predicts, per rank, the forward time of pounce's fused layer and of an unfused expert-parallel chain
 (permute, all-to-all dispatch, grouped GEMMs, all-to-all combine, weighted sum) at EP = 1, 2, 4, 8 inside
@@ -44,11 +44,21 @@ Model, per rank (P ranks; uniform routing: a route's expert is on another rank w
     Each all-to-all is credited with the full link bandwidth and lands rows already grouped by expert,
     so the chain's predicted time is on its fast side and the fused layer's predicted lead is not
     flattered.
+  - Backward (from the rows a training forward kept; a training step is the forward and it): the fused
+    kernel moves the forward's bytes (dy rows pulled, dx rows pushed and summed unweighted), its GEMM CTAs
+    run the data-gradient GEMMs (the forward's FLOPs, at the ratio of their measured rate to the forward
+    GEMMs', each against the dense GEMM timed beside it) and the SwiGLU backward (12·I bytes per padded
+    row through HBM); then, with more ranks, the x rows are gathered again (the bounded ring kept none:
+    an all-to-all's bytes) and the weight-gradient GEMMs run on every SM (their measured ratio too). The
+    unfused chain's backward: dy permuted and sent, the data-gradient GEMMs and the SwiGLU backward pass,
+    dx sent back and summed, the weight-gradient GEMMs (its forward kept the x rows it dispatched).
+    Ratios from results/archive/h200/2026-12-01-8ddb9c5-gpu-check.json; one fitted overhead each.
   - Clocks: a prediction for a timed group uses the dense GEMM rate measured in that group; predictions
     for EP sizes use the median of the one-GPU forward groups' dense rates.
 
 Calibration: the GEMM curve on the grouped GEMMs; the unfused overhead on the one-GPU unfused chains; the
-copy factor beside GEMMs and the fused overhead on the one-GPU fused forwards and sweeps. Virtual ranks
+copy factor beside GEMMs and the fused overhead on the one-GPU fused forwards and sweeps; the two backward
+overheads on the one-GPU backwards (fused kernel and chain of kernels, every shape). Virtual ranks
 P = 2, 4, 8 (their rows move through HBM: modelled with the HBM copy rates), the dispatch probe, and EP = 2
 across two GPUs are not fitted: they check the model. The report states the error against every point.
 
@@ -72,6 +82,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results" / "archive" / "h200" / "2026-12-01-3fd1262-gpu-check.json"
 EP_RESULTS = ROOT / "results" / "archive" / "h200x2" / "2026-11-29-9718134-ep.json"
 EP_DISPATCH = ROOT / "results" / "archive" / "h200x2" / "2026-11-29-9718134-dispatch.json"
+# The backward on one H200: both backwards from kept rows (the fused kernel and the chain of kernels), and
+# the forward's and the backward's grouped GEMMs alone, each timed beside the dense GEMM.
+BACKWARD_RESULTS = ROOT / "results" / "archive" / "h200" / "2026-12-01-8ddb9c5-gpu-check.json"
 
 BLOCK_M, BLOCK_N = 128, 256  # the GEMM tile and m-block (src/common/tiles.h)
 EP_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -87,6 +100,7 @@ STATED_ERROR = {
     "virtual ranks P = 2, 4, 8, one GPU": 0.07,
     "dispatch probe, virtual ranks, one GPU": 0.10,
     "EP = 2, two GPUs": 0.04,
+    "backward, one GPU": 0.08,
 }
 OUTSIDE = "outside the model"  # measured settings the model does not describe (listed, not claimed)
 
@@ -125,6 +139,8 @@ class Fit:
     comm_eff: float = 1.0  # a comm CTA's copy rate beside running GEMMs over its rate alone
     overhead_fused_ms: float = 0.0
     overhead_unfused_ms: float = 0.0
+    overhead_backward_fused_ms: float = 0.0
+    overhead_backward_unfused_ms: float = 0.0
 
 
 def dense_tflops(timings: list[dict]) -> float:
@@ -151,8 +167,14 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float:
 class Measured:
     """Every measured input, read from the committed JSON, with where each came from."""
 
-    def __init__(self, results: Path = RESULTS, ep: Path = EP_RESULTS, ep_dispatch: Path = EP_DISPATCH):
-        self.paths = {"one_gpu": results, "ep": ep, "ep_dispatch": ep_dispatch}
+    def __init__(
+        self,
+        results: Path = RESULTS,
+        ep: Path = EP_RESULTS,
+        ep_dispatch: Path = EP_DISPATCH,
+        backward: Path = BACKWARD_RESULTS,
+    ):
+        self.paths = {"one_gpu": results, "ep": ep, "ep_dispatch": ep_dispatch, "backward": backward}
         doc = json.loads(results.read_text())
         self.doc, self.ep = doc, json.loads(ep.read_text())
         self.ep_dispatch = json.loads(ep_dispatch.read_text())
@@ -198,6 +220,21 @@ class Measured:
         self.nvlink_latency_ms = (
             pull["nccl"]["first_tile_us_slowest_rank"] - pull["virtual"]["first_tile_us_slowest_rank"]
         ) * 1e-3
+        # The backward: its GEMMs against the forward's, each GEMM's time over the dense GEMM timed beside
+        # it (the clocks cancel). The data gradients have the forward's FLOPs, the weight gradients as many.
+        bwd = json.loads(backward.read_text())
+        self.backward_commit = bwd["git_commit"]
+        self.backward_shapes = {s["shape"]: s for s in bwd["bench_uniform"]["shapes"]}
+        self.dgrad_factor, self.wgrad_factor = {}, {}
+        for name, s in self.backward_shapes.items():
+            g, b = s["grouped_gemms"], s["backward_gemms"]
+
+            def in_dense(rows: list[dict], impl: str = "pounce") -> float:
+                return median_ms(rows, impl) / median_ms(rows, "cublas dense 8192^3")
+
+            forward = in_dense(g["gemm1_gate_up"], "pounce (SwiGLU fused)") + in_dense(g["gemm2_down"])
+            self.dgrad_factor[name] = (in_dense(b["dgrad_down"]) + in_dense(b["dgrad_gate_up"])) / forward
+            self.wgrad_factor[name] = (in_dense(b["wgrad_down"]) + in_dense(b["wgrad_gate_up"])) / forward
 
     def cta_gbps(self, row_bytes: int, engine_rows: int, ctas: int = PROBE_CTAS) -> float:
         """GB/s one comm CTA moves (with `ctas` CTAs copying), by row length and bulk-engine rows."""
@@ -214,6 +251,7 @@ class Measured:
     def inputs(self) -> dict:
         """The measured inputs as reported (name: value, source)."""
         first = f"{self.paths['one_gpu'].resolve().relative_to(ROOT)} ({self.gpu}, commit {self.commit})"
+        backward = f"{self.paths['backward'].resolve().relative_to(ROOT)} (commit {self.backward_commit})"
         two = "results/archive/h200x2/2026-11-29-9718134-dispatch.json (two H200s, commit 9718134)"
         return {
             "sms": (self.sms, first + ": bench_uniform.environment.multiprocessors"),
@@ -235,6 +273,14 @@ class Measured:
             "nvlink_latency_ms": (
                 self.nvlink_latency_ms,
                 two + ": first tile over NCCL minus on virtual ranks at P = 2",
+            ),
+            "dgrad_over_forward_gemms": (
+                [self.dgrad_factor[s] for s in sorted(self.dgrad_factor)],
+                backward + ": backward_gemms dgrad / grouped_gemms, each over its dense GEMM, shapes by name",
+            ),
+            "wgrad_over_forward_gemms": (
+                [self.wgrad_factor[s] for s in sorted(self.wgrad_factor)],
+                backward + ": backward_gemms wgrad / grouped_gemms, each over its dense GEMM, shapes by name",
             ),
         }
 
@@ -353,6 +399,12 @@ class Model:
         tokens = case.tokens * (case.ranks if case.virtual else 1)
         return tokens * (case.shape.topk + 1) * case.row_bytes / (self.m.hbm_gbps * 1e9) * 1e3
 
+    def swiglu_backward_ms(self, case: Case, ctas: float) -> float:
+        """The SwiGLU backward of every padded row (da and the kept gate/up values read, dgu and w·a
+        written: 12·I bytes) at the HBM rate of `ctas` SMs' share."""
+        bytes_ = case.padded * 12 * case.shape.intermediate
+        return bytes_ / (self.m.hbm_gbps * 1e9 * ctas / self.m.sms) * 1e3
+
     def alltoall_ms(self, case: Case) -> float:
         """One all-to-all of the unfused chain: every remote row at the full link rate, local rows in HBM."""
         local, nvlink, network = self.route_split(case)
@@ -364,14 +416,21 @@ class Model:
             ms.append(network * bytes_ / (self.fabric.net_gbps * 1e9) * 1e3)
         return max(ms) + self.latency_ms(case)
 
-    # -- the two forwards
+    # -- the two forwards, and their backwards from kept rows
 
-    def fused(self, case: Case) -> dict:
-        """The fused layer's predicted time and phases, at the case's comm CTAs or the best count."""
+    def fused(self, case: Case, backward: bool = False) -> dict:
+        """The fused layer's predicted time and phases, at the case's comm CTAs or the best count.
+        backward: its backward from kept rows instead. The same kernel with dy rows pulled in and dx rows
+        pushed back (the forward's bytes), the data-gradient GEMMs (the forward's FLOPs, at the measured
+        ratio of their rate to the forward GEMMs') and the SwiGLU-backward items on the GEMM CTAs, the sums
+        unweighted; then the weight gradients' GEMMs on every SM (at their measured ratio), after the x
+        rows were gathered again where the ring did not keep them (more ranks)."""
         if case.comm_ctas is None:
             # The fastest count; where the curve is flat (in place it nearly is), the fewest CTAs within
             # 0.2% of it: a prediction cannot separate them, and fewer leave the GEMMs more SMs.
-            options = [self.fused(replace(case, comm_ctas=c)) for c in range(1, self.ctas_per_rank(case) // 2 + 1)]
+            options = [
+                self.fused(replace(case, comm_ctas=c), backward) for c in range(1, self.ctas_per_rank(case) // 2 + 1)
+            ]
             fastest = min(o["ms"] for o in options)
             return next(o for o in options if o["ms"] <= fastest * 1.002)
         S, c = self.ctas_per_rank(case), case.comm_ctas
@@ -386,6 +445,9 @@ class Model:
         # The opening: every CTA of the rank pulls the first minibatch before any GEMM runs.
         opening = latency + mb_rows * row * self.ms_per_byte(case, S, 1.0)
         gemm_cta_ms = self.gemm_ms(case, case.padded, 1)  # the rank's GEMM work in CTA-milliseconds
+        dgrad = self.m.dgrad_factor[case.shape.name] if backward else 1.0
+        if backward:
+            gemm_cta_ms = gemm_cta_ms * dgrad + self.swiglu_backward_ms(case, 1)
         if in_place:
             comm = (routes - mb_rows) * row * per_byte
             # Once dispatch is done the comm CTAs take GEMM tiles too.
@@ -395,11 +457,14 @@ class Model:
             comm = 2 * (routes - mb_rows) * row * per_byte
             gemm = gemm_cta_ms / g
             last_combine = mb_rows * row * per_byte + latency
-        last_gemm = self.gemm_ms(case, mb, g)  # the last minibatch, after its rows arrived
+        last_gemm = self.gemm_ms(case, mb, g) * dgrad  # the last minibatch, after its rows arrived
         main = max(gemm, comm + last_gemm)
         sums = self.sums_ms(case)
-        overhead = self.fit.overhead_fused_ms
-        total = plan + opening + main + last_combine + sums + overhead
+        x_gather = 0.0 if in_place or not backward else self.alltoall_ms(case)
+        wgrad = self.gemm_ms(case, case.padded, self.m.sms) * self.m.wgrad_factor[case.shape.name] if backward else 0.0
+        overhead = self.fit.overhead_backward_fused_ms if backward else self.fit.overhead_fused_ms
+        kernel = plan + opening + main + last_combine + sums
+        total = kernel + x_gather + wgrad + overhead
         t0 = plan + opening
         timeline = [
             ("plan (on the GPU)", 0.0, plan),
@@ -407,9 +472,14 @@ class Model:
             ("GEMMs (GEMM CTAs; the last minibatch after its rows)", t0, t0 + main),
             ("dispatch + combine stream (comm CTAs)", t0, t0 + comm),
             ("last minibatch's combine", t0 + main, t0 + main + last_combine),
-            ("weighted sums", t0 + main + last_combine, t0 + main + last_combine + sums),
-            ("overhead (fitted)", total - overhead, total),
+            ("weighted sums" if not backward else "dx sums", t0 + main + last_combine, kernel),
         ]
+        if backward:
+            timeline += [
+                ("x rows gathered again (more ranks)", kernel, kernel + x_gather),
+                ("weight-gradient GEMMs (every SM)", kernel + x_gather, kernel + x_gather + wgrad),
+            ]
+        timeline.append(("overhead (fitted)", total - overhead, total))
         return {
             "ms": total,
             "comm_ctas": c,
@@ -424,31 +494,47 @@ class Model:
                 "last_minibatch_gemm": last_gemm,
                 "last_combine": last_combine,
                 "sums": sums,
+                "x_gather": x_gather,
+                "weight_gradients": wgrad,
                 "overhead": overhead,
             },
             "bound": "communication" if comm + last_gemm > gemm else "GEMM",
             "timeline": timeline,
         }
 
-    def unfused(self, case: Case) -> dict:
-        """The unfused chain: every phase after the previous one, the GEMMs on every SM."""
+    def unfused(self, case: Case, backward: bool = False) -> dict:
+        """The unfused chain: every phase after the previous one, the GEMMs on every SM. backward: its
+        backward from rows the forward kept (x rows and gate/up values, so no planning and no gather of
+        x): dy permuted and sent to the experts' ranks, the data-gradient GEMMs with the SwiGLU backward
+        between them, dx rows sent back and summed, then the weight-gradient GEMMs."""
         if case.virtual and case.ranks > 1:
             raise ValueError("the unfused chain is modelled one rank per GPU")
-        plan = 0.0 if case.host_schedule else self.m.plan_ms
+        plan = 0.0 if case.host_schedule or backward else self.m.plan_ms
         permute = (case.routes + case.padded) * case.row_bytes / (self.m.hbm_gbps * 1e9) * 1e3
         a2a = self.alltoall_ms(case) if case.ranks > 1 else 0.0
         gemm = self.gemm_ms(case, case.padded, self.m.sms)
         sums = self.sums_ms(case)
-        overhead = self.fit.overhead_unfused_ms
-        phases = [
-            ("plan", plan),
-            ("permute", permute),
-            ("dispatch all-to-all", a2a),
-            ("GEMM1 + GEMM2", gemm),
-            ("combine all-to-all", a2a),
-            ("weighted sums", sums),
-            ("overhead (fitted)", overhead),
-        ]
+        if backward:
+            phases = [
+                ("dy permute", permute),
+                ("dy all-to-all", a2a),
+                ("data-gradient GEMMs", gemm * self.m.dgrad_factor[case.shape.name]),
+                ("SwiGLU backward", self.swiglu_backward_ms(case, self.m.sms)),
+                ("dx all-to-all", a2a),
+                ("dx sums", sums),
+                ("weight-gradient GEMMs", gemm * self.m.wgrad_factor[case.shape.name]),
+                ("overhead (fitted)", self.fit.overhead_backward_unfused_ms),
+            ]
+        else:
+            phases = [
+                ("plan", plan),
+                ("permute", permute),
+                ("dispatch all-to-all", a2a),
+                ("GEMM1 + GEMM2", gemm),
+                ("combine all-to-all", a2a),
+                ("weighted sums", sums),
+                ("overhead (fitted)", self.fit.overhead_unfused_ms),
+            ]
         timeline, t = [], 0.0
         for name, ms in phases:
             timeline.append((name, t, t + ms))
@@ -476,7 +562,7 @@ class Point:
     group: str
     label: str
     measured_ms: float
-    kind: str  # gemms (GEMM1 + GEMM2), fused, unfused, dispatch
+    kind: str  # gemms (GEMM1 + GEMM2), fused, unfused, dispatch, backward fused, backward unfused
     case: Case
     role: str = "check"  # fit: used to fit constants; check: not fitted; input: a rate was taken from it
     note: str = ""
@@ -488,6 +574,10 @@ class Point:
             return model.unfused(self.case)["ms"]
         if self.kind == "dispatch":
             return model.dispatch_only(self.case)
+        if self.kind == "backward fused":
+            return model.fused(self.case, backward=True)["ms"]
+        if self.kind == "backward unfused":
+            return model.unfused(self.case, backward=True)["ms"]
         return model.gemm_ms(self.case, self.case.padded, model.m.sms)  # the two GEMMs on every SM
 
 
@@ -622,6 +712,18 @@ def measured_points(m: Measured) -> list[Point]:
                     "its NVLink factor and first-row latency are inputs",
                 )
             )
+    # The backward from kept rows on one GPU, both ways, in its own run (its clock: the dense GEMM timed
+    # in its group).
+    for name, s in m.backward_shapes.items():
+        if name not in m.bench_shapes:
+            continue
+        case = one_gpu_case(m, name, dense_tflops(s["backward"]))
+        for kind, impl in (
+            ("backward fused", "pounce backward, from the kept forward, fused kernel"),
+            ("backward unfused", "pounce backward, from the kept forward"),
+        ):
+            label = f"{name} {'fused kernel' if kind == 'backward fused' else 'chain of kernels'}"
+            pts.append(Point("backward, one GPU", label, median_ms(s["backward"], impl), kind, case, "fit"))
     return pts
 
 
@@ -642,7 +744,7 @@ def rms_relative(preds: list[float], meas: list[float]) -> float:
 
 
 def calibrate(measured: Measured, fabric: Fabric = Fabric()) -> tuple[Model, list[Point]]:
-    """Fits the five constants on the one-GPU points (least squares of relative errors)."""
+    """Fits the seven constants on the one-GPU points (least squares of relative errors)."""
     pts = measured_points(measured)
     fit_pts = [p for p in pts if p.role == "fit"]
     gemm = [p for p in fit_pts if p.kind == "gemms"]
@@ -679,7 +781,20 @@ def calibrate(measured: Measured, fabric: Fabric = Fabric()) -> tuple[Model, lis
         err = rms_relative([x + offset for x in preds], meas)
         if best is None or err < best[0]:
             best = (err, replace(trial, overhead_fused_ms=offset))
-    return Model(measured, fabric, best[1]), pts
+
+    # The backwards' constants, with everything else fixed.
+    fit = best[1]
+    model = Model(measured, fabric, fit)
+    offsets = {}
+    for kind in ("backward fused", "backward unfused"):
+        group = [p for p in fit_pts if p.kind == kind]
+        offsets[kind] = least_squares_offset([p.predict(model) for p in group], [p.measured_ms for p in group])
+    fit = replace(
+        fit,
+        overhead_backward_fused_ms=offsets["backward fused"],
+        overhead_backward_unfused_ms=offsets["backward unfused"],
+    )
+    return Model(measured, fabric, fit), pts
 
 
 def errors(model: Model, pts: list[Point]) -> list[dict]:
@@ -725,6 +840,8 @@ def predictions(model: Model, tokens: int | None = None) -> list[dict]:
                 continue  # the experts do not split over P GPUs
             case = model.ep_case(shape, P, tokens)
             fused, unfused = model.fused(case), model.unfused(case)
+            fused_bwd, unfused_bwd = model.fused(case, backward=True), model.unfused(case, backward=True)
+            step_fused, step_unfused = fused["ms"] + fused_bwd["ms"], unfused["ms"] + unfused_bwd["ms"]
             out.append(
                 {
                     "shape": shape.name,
@@ -741,6 +858,13 @@ def predictions(model: Model, tokens: int | None = None) -> list[dict]:
                     "fused_bound": fused["bound"],
                     "fused_phases_ms": fused["phases_ms"],
                     "unfused_phases_ms": unfused["phases_ms"],
+                    "backward_fused_ms": fused_bwd["ms"],
+                    "backward_unfused_ms": unfused_bwd["ms"],
+                    "training_step_fused_ms": step_fused,
+                    "training_step_unfused_ms": step_unfused,
+                    "training_step_unfused_over_fused": step_unfused / step_fused,
+                    "backward_fused_phases_ms": fused_bwd["phases_ms"],
+                    "backward_unfused_phases_ms": unfused_bwd["phases_ms"],
                 }
             )
     return out
@@ -750,6 +874,7 @@ def headline(model: Model, rows: list[dict], tokens: int | None = None) -> dict:
     name, P = HEADLINE
     case = model.ep_case(model.m.shapes[name], P, tokens)
     fused, unfused = model.fused(case), model.unfused(case)
+    fused_bwd, unfused_bwd = model.fused(case, backward=True), model.unfused(case, backward=True)
     # The one assumption that moves it most: the NVLink bandwidth (only two GPUs were measured).
     half = Model(model.m, replace(model.fabric, nvlink_gbps=model.fabric.nvlink_gbps / 2), model.fit)
     f2, u2 = half.fused(case), half.unfused(case)
@@ -759,6 +884,9 @@ def headline(model: Model, rows: list[dict], tokens: int | None = None) -> dict:
         "fused": fused,
         "unfused": unfused,
         "unfused_over_fused": unfused["ms"] / fused["ms"],
+        "backward_fused": fused_bwd,
+        "backward_unfused": unfused_bwd,
+        "training_step_unfused_over_fused": (unfused["ms"] + unfused_bwd["ms"]) / (fused["ms"] + fused_bwd["ms"]),
         "error": headline_error(rows),
         "at_half_nvlink": {
             "nvlink_gbps": half.fabric.nvlink_gbps,
@@ -779,7 +907,7 @@ def headline_error(rows: list[dict]) -> dict:
 
 def report(model: Model, rows: list[dict], groups: dict, preds: list[dict], head: dict) -> str:
     m, fab, fit = model.m, model.fabric, model.fit
-    out = ["pounce scale model: the fused forward against an unfused expert-parallel chain", ""]
+    out = ["pounce scale model: the fused layer against an unfused expert-parallel chain, forward and backward", ""]
     add = out.append
     add("Measured inputs:")
     for k, (v, src) in m.inputs().items():
@@ -794,6 +922,10 @@ def report(model: Model, rows: list[dict], groups: dict, preds: list[dict], head
     add(f"  GEMM rate = {fit.gemm_peak:.3f} x dense x r / (r + {fit.gemm_r0:.0f}), r rows per expert, on padded rows")
     add(f"  comm CTA copy rate beside GEMMs = {fit.comm_eff:.2f} x its rate alone")
     add(f"  overhead: fused {fit.overhead_fused_ms:.3f} ms, unfused {fit.overhead_unfused_ms:.3f} ms")
+    add(
+        f"  backward overhead: fused {fit.overhead_backward_fused_ms:.3f} ms, "
+        f"unfused {fit.overhead_backward_unfused_ms:.3f} ms"
+    )
     add("")
     add("Error against every measured point (relative: predicted / measured - 1):")
     add(f"  {'group':<40} {'point':<58} {'measured':>9} {'predicted':>9} {'error':>7}")
@@ -818,6 +950,14 @@ def report(model: Model, rows: list[dict], groups: dict, preds: list[dict], head
         add("  {:<18} {:3d} {:6d} {:11.0f} {:8.3f} {:8.3f} {:13.2f} {:9d} {:9d}  {}".format(*values))
     add(f"  (EP above {fab.gpus_per_node} spans nodes; Mixtral's 8 experts do not split beyond EP 8)")
     add("")
+    add("Predicted training step per rank (forward + backward from kept rows, ms):")
+    columns = ("shape", "EP", "bwd fused", "bwd unfused", "step fused", "step unfused", "unfused/fused")
+    add("  {:<18} {:>3} {:>9} {:>11} {:>10} {:>12} {:>13}".format(*columns))
+    for p in preds:
+        values = (p["shape"], p["ep"], p["backward_fused_ms"], p["backward_unfused_ms"])
+        values += (p["training_step_fused_ms"], p["training_step_unfused_ms"], p["training_step_unfused_over_fused"])
+        add("  {:<18} {:3d} {:9.3f} {:11.3f} {:10.3f} {:12.3f} {:13.2f}".format(*values))
+    add("")
     f, u, err, h = head["fused"], head["unfused"], head["error"], head["at_half_nvlink"]
     add(f"Headline: {head['shape']} EP shape at EP {head['ep']} (one NVLink node, {fab.nvlink_gbps:g} GB/s assumed):")
     add(f"  fused {f['ms']:.2f} ms ({f['comm_ctas']} comm CTAs, minibatch {f['minibatch_rows']} rows)")
@@ -828,11 +968,20 @@ def report(model: Model, rows: list[dict], groups: dict, preds: list[dict], head
     ratio = f"{h['unfused_over_fused']:.2f}x"
     add(f"  at {h['nvlink_gbps']:g} GB/s NVLink (half): fused {h['fused_ms']:.2f} ms, unfused {h['unfused_ms']:.2f} ms")
     out[-1] += f", {ratio}"
+    fb, ub = head["backward_fused"], head["backward_unfused"]
+    add(f"  training step (forward + backward from kept rows): fused {f['ms'] + fb['ms']:.2f} ms, unfused")
+    out[-1] += f" {u['ms'] + ub['ms']:.2f} ms: {head['training_step_unfused_over_fused']:.2f}x"
     add("  Fused timeline (ms from the start of the forward):")
     for name, t0, t1 in f["timeline"]:
         add(f"    {t0:7.3f} - {t1:7.3f}  {name}")
     add("  Unfused timeline:")
     for name, t0, t1 in u["timeline"]:
+        add(f"    {t0:7.3f} - {t1:7.3f}  {name}")
+    add("  Fused backward timeline (ms from the start of the backward):")
+    for name, t0, t1 in fb["timeline"]:
+        add(f"    {t0:7.3f} - {t1:7.3f}  {name}")
+    add("  Unfused backward timeline:")
+    for name, t0, t1 in ub["timeline"]:
         add(f"    {t0:7.3f} - {t1:7.3f}  {name}")
     return "\n".join(out)
 
@@ -921,6 +1070,8 @@ def to_json(model: Model, rows: list[dict], groups: dict, preds: list[dict], hea
     head = dict(head)
     head["fused"] = {**head["fused"], "timeline": timeline(head["fused"]["timeline"])}
     head["unfused"] = {**head["unfused"], "timeline": timeline(head["unfused"]["timeline"])}
+    for key in ("backward_fused", "backward_unfused"):
+        head[key] = {**head[key], "timeline": timeline(head[key]["timeline"])}
     return {
         "tool": "tools/scale_model.py",
         "git_commit": tool_commit(),
@@ -941,6 +1092,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=RESULTS, help="one-GPU results (default: the last full check on one H200)")
     ap.add_argument("--ep-results", type=Path, default=EP_RESULTS, help="pounce_ep_bench JSON of two GPUs")
     ap.add_argument("--ep-dispatch", type=Path, default=EP_DISPATCH, help="pounce_dispatch_bench JSON of two GPUs")
+    ap.add_argument("--backward-results", type=Path, default=BACKWARD_RESULTS, help="one-GPU results with the backward")
     ap.add_argument(
         "--nvlink-gbps", type=float, default=Fabric.nvlink_gbps, help="assumed NVLink GB/s per GPU per direction"
     )
@@ -958,7 +1110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", type=Path, help="write the plot here (needs matplotlib)")
     args = ap.parse_args(argv)
 
-    measured = Measured(args.results, args.ep_results, args.ep_dispatch)
+    measured = Measured(args.results, args.ep_results, args.ep_dispatch, args.backward_results)
     fabric = Fabric(args.nvlink_gbps, args.net_gbps, args.net_latency_us, args.gpus_per_node)
     model, pts = calibrate(measured, fabric)
     rows = errors(model, pts)
