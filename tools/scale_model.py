@@ -911,7 +911,7 @@ def report(model: Model, rows: list[dict], groups: dict, preds: list[dict], head
     add = out.append
     add("Measured inputs:")
     for k, (v, src) in m.inputs().items():
-        val = ", ".join(f"{x:.1f}" for x in v) if isinstance(v, list) else f"{v:.4g}"
+        val = ", ".join(f"{x:.4g}" for x in v) if isinstance(v, list) else f"{v:.4g}"
         add(f"  {k} = {val}  [{src}]")
     add("Assumed, not measured (options):")
     add(f"  NVLink {fab.nvlink_gbps:g} GB/s per GPU per direction (--nvlink-gbps)")
