@@ -117,8 +117,8 @@ int pounce_moe_set_weights(pounce_moe* layer, int n, const void* const* w13, con
 int pounce_moe_forward(pounce_moe* layer, int n, const pounce_rank_io* ios, int keep_for_backward, void* stream);
 
 /* Enqueues the backward of a forward on the same inputs (its pounce_rank_io, y unused) for the n ranks on
- * this GPU (pounce::FusedMoe::backward: on one GPU for now). `weight_grad_output` is a
- * pounce_weight_grad_output. No host synchronization. */
+ * this GPU (pounce::FusedMoe::backward; across GPUs collective, from the kept rows of the latest forward).
+ * `weight_grad_output` is a pounce_weight_grad_output. No host synchronization. */
 int pounce_moe_backward(pounce_moe* layer, int n, const pounce_rank_io* forward_inputs, const pounce_rank_grads* grads,
                         int weight_grad_output, void* stream);
 

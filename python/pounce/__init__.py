@@ -4,8 +4,9 @@
     topk_ids, topk_weights = pounce.route(router_logits, topk)
     y = moe(x, topk_ids, topk_weights)
 
-The forward is pounce's fused kernel (libpounce.so, through its C ABI); the backward is, for now,
-computed in PyTorch. See MoE, moe, route and tokens_per_expert.
+The forward is pounce's fused kernel (libpounce.so, through its C ABI), and so is the backward (on one
+GPU, and across GPUs from the rows its forward kept; otherwise PyTorch's). See MoE, moe, route and
+tokens_per_expert.
 """
 
 import os
