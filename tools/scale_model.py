@@ -971,18 +971,15 @@ def report(model: Model, rows: list[dict], groups: dict, preds: list[dict], head
     fb, ub = head["backward_fused"], head["backward_unfused"]
     add(f"  training step (forward + backward from kept rows): fused {f['ms'] + fb['ms']:.2f} ms, unfused")
     out[-1] += f" {u['ms'] + ub['ms']:.2f} ms: {head['training_step_unfused_over_fused']:.2f}x"
-    add("  Fused timeline (ms from the start of the forward):")
-    for name, t0, t1 in f["timeline"]:
-        add(f"    {t0:7.3f} - {t1:7.3f}  {name}")
-    add("  Unfused timeline:")
-    for name, t0, t1 in u["timeline"]:
-        add(f"    {t0:7.3f} - {t1:7.3f}  {name}")
-    add("  Fused backward timeline (ms from the start of the backward):")
-    for name, t0, t1 in fb["timeline"]:
-        add(f"    {t0:7.3f} - {t1:7.3f}  {name}")
-    add("  Unfused backward timeline:")
-    for name, t0, t1 in ub["timeline"]:
-        add(f"    {t0:7.3f} - {t1:7.3f}  {name}")
+    for title, result in (
+        ("Fused timeline (ms from the start of the forward)", f),
+        ("Unfused timeline", u),
+        ("Fused backward timeline (ms from the start of the backward)", fb),
+        ("Unfused backward timeline", ub),
+    ):
+        add(f"  {title}:")
+        for name, t0, t1 in result["timeline"]:
+            add(f"    {t0:7.3f} - {t1:7.3f}  {name}")
     return "\n".join(out)
 
 
@@ -1068,9 +1065,7 @@ def to_json(model: Model, rows: list[dict], groups: dict, preds: list[dict], hea
         return [{"phase": n, "start_ms": a, "end_ms": b} for n, a, b in t]
 
     head = dict(head)
-    head["fused"] = {**head["fused"], "timeline": timeline(head["fused"]["timeline"])}
-    head["unfused"] = {**head["unfused"], "timeline": timeline(head["unfused"]["timeline"])}
-    for key in ("backward_fused", "backward_unfused"):
+    for key in ("fused", "unfused", "backward_fused", "backward_unfused"):
         head[key] = {**head[key], "timeline": timeline(head[key]["timeline"])}
     return {
         "tool": "tools/scale_model.py",
