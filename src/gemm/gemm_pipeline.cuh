@@ -117,7 +117,7 @@ struct SharedStorage {
   float b_scale[Stages::kScales ? kStages : 1];
   uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes; with
                             // scales, + one arrival per scale-loader lane once its copies landed)
-  uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer warp)
+  uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer thread: free_stage)
   uint64_t tile_full[kTileSlots];
   uint64_t tile_empty[kTileSlots];  // one arrival per consumer warp (and the scale loader's)
   TileInfo tiles[kTileSlots];
@@ -413,13 +413,20 @@ __device__ __forceinline__ void release_done(uint32_t*& counter) {
   counter = nullptr;
 }
 
+// A stage's empty barrier counts consumer threads. A warp whose reads of the stage are its wgmmas (waited
+// for) frees it by one arrival of 32 from lane 0; an elementwise slice, read by every thread with generic
+// loads, by one arrival from each thread. NOTES: racecheck orders a stage's reads before the producer's
+// refill only for the thread that arrives: with lane 0 arriving for its warp's generic reads (after a
+// warpgroup barrier), it reported the refill racing with them.
+__device__ __forceinline__ void free_stage(uint64_t* empty) { ptx::mbarrier_arrive(empty, 32); }
+
 // A consumer whose rows are all padding (`skip` below): waits for each stage and releases it at once.
 template <class Storage>
 __device__ __forceinline__ void drain_stages(Storage& s, int k_blocks, uint32_t& stage, uint32_t& phase,
                                              uint32_t*& pending_done, const WaitSite& pipe_site, int thread) {
   for (int kb = 0; kb < k_blocks; ++kb) {
     mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-    if (thread % 32 == 0) ptx::mbarrier_arrive(&s.empty[stage]);
+    if (thread % 32 == 0) free_stage(&s.empty[stage]);
     if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
     if (++stage == Storage::kStages) stage = 0, phase ^= 1;
   }
@@ -454,14 +461,14 @@ __device__ __forceinline__ void run_mainloop(SharedStorage<Bf16Stages>& s, float
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();
     ptx::fence_registers(acc);
-    if (kb > 0 && lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
+    if (kb > 0 && lane == 0) free_stage(&s.empty[previous_stage]);
     if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
     previous_stage = stage;
     if (++stage == Bf16Stages::kStages) stage = 0, phase ^= 1;
   }
   ptx::wgmma_wait_group<0>();
   ptx::fence_registers(acc);
-  if (k_blocks > 0 && lane == 0) ptx::mbarrier_arrive(&s.empty[previous_stage]);
+  if (k_blocks > 0 && lane == 0) free_stage(&s.empty[previous_stage]);
 }
 
 // E4M3 consumers take turns issuing their slices' wgmmas: consumer c issues its next slice once the
@@ -515,7 +522,7 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
       mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
       turns.wait(consumer);
       turns.pass(consumer);
-      if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
+      if (lane == 0) free_stage(&s.empty[stage]);
       if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
       if (++stage == Fp8Stages::kStages) stage = 0, phase ^= 1;
     }
@@ -542,7 +549,7 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
           ptx::ld_shared_f32(a_scale + stage * sizeof(s.a_scale[0]) + 8 * sizeof(float)) * slice_b_scale;
       ptx::wgmma_wait_group<0>();
       ptx::fence_registers(part);
-      if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
+      if (lane == 0) free_stage(&s.empty[stage]);
       if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i % 4 < 2 ? scale_lo : scale_hi, acc[i]);
@@ -575,7 +582,7 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
     const float scale_lo = ptx::ld_shared_f32(a_scale + at * sizeof(s.a_scale[0])) * slice_b_scale;
     const float scale_hi = ptx::ld_shared_f32(a_scale + at * sizeof(s.a_scale[0]) + 8 * sizeof(float)) * slice_b_scale;
     __syncwarp();  // every lane has read the stage's scales before lane 0 frees it
-    if (lane == 0) ptx::mbarrier_arrive(&s.empty[at]);
+    if (lane == 0) free_stage(&s.empty[at]);
     if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i % 4 < 2 ? scale_lo : scale_hi, acc[i]);
@@ -624,13 +631,8 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
         for (int slice = 0; slice < tile.k_blocks; ++slice) {
           mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
           tiles.run_elementwise(tile, slice, s.a[stage], s.b[stage], consumer, thread);
-          // Every thread's reads of the stage before lane 0 of each warp frees it (a __syncwarp compiles
-          // to nothing in converged code). NOTES: racecheck still reports the producer's next bulk copy
-          // into the stage against these reads when a CTA runs several items: it orders only the
-          // arriving thread's own reads before the refill (results/archive/h200/
-          // 2026-12-01-racecheck-fused-backward.txt); an arrival per reading thread would satisfy it.
-          ptx::named_barrier_sync(kEpilogueBarrierBase + consumer, 128);
-          if (thread % 32 == 0) ptx::mbarrier_arrive(&s.empty[stage]);
+          // Every thread read the stage: each frees it for itself (free_stage).
+          ptx::mbarrier_arrive(&s.empty[stage]);
           if (++stage == Storage::kStages) stage = 0, phase ^= 1;
         }
         ptx::named_barrier_sync(kConsumersBarrier, kConsumerThreads);
@@ -711,7 +713,7 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
   if (threadIdx.x == 0) {
     for (int i = 0; i < s.kStages; ++i) {
       ptx::mbarrier_init(&s.full[i], 1 + kScaleLoaderLanes);
-      ptx::mbarrier_init(&s.empty[i], kConsumerWarps);
+      ptx::mbarrier_init(&s.empty[i], kConsumerThreads);
     }
     for (int i = 0; i < kTileSlots; ++i) {
       ptx::mbarrier_init(&s.tile_full[i], 1);
