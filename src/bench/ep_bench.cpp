@@ -4,7 +4,8 @@
 // expert-parallel chain (NCCL all-to-all, pounce's grouped GEMMs, all-to-all back; baseline/unfused_ep.h)
 // on the same inputs. Reports each forward's time (the slowest rank's median), per-GPU TFLOP/s, the
 // NVLink bytes each GPU sent and received per second (the same rows either way), and how far the two
-// outputs are apart. JSON to --json; options: --help.
+// outputs are apart; then the fused layer's training step (a forward that keeps its rows and the
+// backward across GPUs from them). JSON to --json; options: --help.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -83,7 +84,7 @@ int run(int argc, char** argv) {
 
   const int64_t w13_elems = E / P * 2 * I * H, w2_elems = E / P * H * I;
   std::vector<ncclComm_t> comms = comm::init_single_process_comms_on_first(P);
-  std::vector<Timing> timings(P), unfused_timings(P);
+  std::vector<Timing> timings(P), unfused_timings(P), step_timings(P);
   std::vector<OutputError> unfused_vs_fused(P);
   int comm_ctas = 0;
   int64_t layer_bytes = 0;
@@ -137,6 +138,22 @@ int run(int argc, char** argv) {
         chain.check_device_errors();
         CUDA_CHECK(synced);
         unfused_vs_fused[r] = compare.error();
+
+        // The fused layer's training step: a forward that keeps its rows, then the backward across GPUs
+        // (bf16 weight gradients, what the Python package asks for).
+        DeviceBuffer<__nv_bfloat16> dy(T * H), dx(T * H), dw13(w13_elems), dw2(w2_elems);
+        DeviceBuffer<float> d_topk(T * k);
+        fill_random_bf16(dy.data(), dy.size(), 300 + r, 1.0f, nullptr);
+        const RankGrads grads{dy.data(), dx.data(), d_topk.data(), dw13.data(), dw2.data()};
+        step_timings[r] = time_interleaved(std::vector<std::function<void(int)>>{[&](int) {
+                                             layer.forward(std::span(&io, 1), nullptr, /*keep_for_backward=*/true);
+                                             layer.backward(std::span(&io, 1), std::span(&grads, 1),
+                                                            WeightGradOutput::kBf16, nullptr);
+                                           }},
+                                           nullptr, warmup, reps)[0];
+        const cudaError_t stepped = cudaDeviceSynchronize();
+        layer.check_device_errors();
+        CUDA_CHECK(stepped);
       },
       [&](int r) {
         layers[r].reset();
@@ -147,10 +164,11 @@ int run(int argc, char** argv) {
   comm::destroy_single_process_comms(comms);
   for (int r = 0; r < P; ++r) POUNCE_REQUIRE(failures[r].empty(), "rank ", r, ": ", failures[r]);
 
-  double slowest = 0, unfused_slowest = 0;
+  double slowest = 0, unfused_slowest = 0, step_slowest = 0;
   for (int r = 0; r < P; ++r) {
     slowest = std::max(slowest, timings[r].median_ms);
     unfused_slowest = std::max(unfused_slowest, unfused_timings[r].median_ms);
+    step_slowest = std::max(step_slowest, step_timings[r].median_ms);
   }
   const char* commit = std::getenv("POUNCE_COMMIT");
   Json out = {{"gpu", gpu_info().name},
@@ -162,7 +180,8 @@ int run(int argc, char** argv) {
               {"comm_ctas", comm_ctas},
               {"forward_ms_slowest_rank", slowest},
               {"unfused_forward_ms_slowest_rank", unfused_slowest},
-              {"speedup_vs_unfused", unfused_slowest / slowest}};
+              {"speedup_vs_unfused", unfused_slowest / slowest},
+              {"training_step_ms_slowest_rank", step_slowest}};
   // Memory per GPU: its experts' weights, and what the layer allocated (ring, schedule, combine slots).
   const int64_t weight_bytes = int64_t(w13_elems + w2_elems) * 2;
   out["weight_bytes_per_gpu"] = weight_bytes;
@@ -173,6 +192,9 @@ int run(int argc, char** argv) {
   std::printf("%d communication CTAs per rank\n", comm_ctas);
   std::printf("fused %.3f ms, unfused expert-parallel chain %.3f ms (slowest ranks' medians): %.3fx\n", slowest,
               unfused_slowest, unfused_slowest / slowest);
+  std::printf(
+      "fused training step (forward keeping its rows + backward across GPUs): %.3f ms (slowest rank's median)\n",
+      step_slowest);
   std::printf(
       "rank  fused ms  TFLOP/s  NVLink GB/s out  in  unfused ms  NVLink GB/s out  in  unfused vs fused (rel. L2)\n");
   bool outputs_agree = true;
@@ -194,7 +216,12 @@ int run(int argc, char** argv) {
                      {"unfused_tflops_at_slowest", flops / (unfused_slowest * 1e-3) / 1e12},
                      {"unfused_nvlink_out_gbps", u_out},
                      {"unfused_nvlink_in_gbps", u_in},
-                     {"unfused_vs_fused", {{"relative_l2", e.relative_l2}, {"worst_token", e.worst_row}}}});
+                     {"unfused_vs_fused", {{"relative_l2", e.relative_l2}, {"worst_token", e.worst_row}}},
+                     // A training step moves every remote row twice each way: x and dy out, y and dx back.
+                     {"training_step_timing", step_timings[r]},
+                     {"training_step_tflops_at_slowest", 3 * flops / (step_slowest * 1e-3) / 1e12},
+                     {"training_step_nvlink_out_gbps", 2 * sent[r] / (step_slowest * 1e-3) / 1e9},
+                     {"training_step_nvlink_in_gbps", 2 * received[r] / (step_slowest * 1e-3) / 1e9}});
   }
   out["ranks"] = ranks;
   out["outputs_agree"] = outputs_agree;
