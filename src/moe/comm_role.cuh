@@ -27,6 +27,14 @@ __device__ inline int64_t ring_row(const FusedParams& p, int lr, int32_t m_block
   return (int64_t(lr) * p.ring_blocks + m_block % p.ring_blocks) * kBlockM + r;
 }
 
+// Backward: the router weight of row r of m-block b, from its source rank, beside its dy row (the
+// release of dispatched[b] that follows publishes both).
+__device__ inline void pull_row_weight(const FusedParams& p, const RankState& rs, int lr, int32_t b, int r) {
+  const int64_t row = int64_t(b) * kBlockM + r;
+  const int64_t route = int64_t(rs.row_token[row]) * p.topk + rs.row_k[row];
+  p.bwd.row_weight[ring_row(p, lr, b, r)] = p.bwd.topk_weights[rs.row_source_rank[row]][route];
+}
+
 // Shared memory of a communication CTA.
 struct CommShared {
   CopyEngine::Shared engine;
@@ -89,6 +97,7 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
       if (rank >= 0 && !item.combine) {
         src = p.peers.x[rank] + int64_t(rs.row_token[row]) * p.hidden;
         dst = p.x_ring + ring_row(p, lr, b, r) * p.hidden;
+        if (p.backward) pull_row_weight(p, rs, lr, b, r);
       } else if (rank >= 0) {
         src = p.out_ring + ring_row(p, lr, b, r) * p.hidden;
         dst = p.peers.slots[rank] + (int64_t(rs.row_token[row]) * p.topk + rs.row_k[row]) * p.hidden;
@@ -139,6 +148,7 @@ __device__ inline void pull_opening(const FusedParams& p, const RankState& rs, i
       const int32_t rank = rs.row_source_rank[row];
       cs.src[threadIdx.x] = rank >= 0 ? p.peers.x[rank] + int64_t(rs.row_token[row]) * p.hidden : nullptr;
       cs.dst[threadIdx.x] = p.x_ring + ring_row(p, lr, b, r) * p.hidden;
+      if (p.backward && rank >= 0) pull_row_weight(p, rs, lr, b, r);
     }
     __syncthreads();
     copy_rows_by_warps<kThreads>(cs.src, cs.dst, kPieceRows, row_bytes, /*first_warp=*/0);

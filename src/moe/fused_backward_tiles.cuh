@@ -139,7 +139,7 @@ class FusedBackwardTiles {
     }
     // Where the segment lies in the stages: groups from the slice's first.
     const int64_t at = segment / segments_ * groups_ + first - slice_first_group(slice);
-    const float w = bw.topk_weights[rs_.row_source_rank[row]][int64_t(token) * p_.topk + rs_.row_k[row]];
+    const float w = bw.row_weight[ring];  // copied beside the dy row by dispatch
     const float dot = backward::swiglu_backward_segment(
         reinterpret_cast<const uint4*>(b) + 2 * at, reinterpret_cast<const uint4*>(a) + at, w, groups, dgu, wa, lane);
     if (lane == 0) bw.segment_dots[ring * segments_ + segment % segments_] = dot;

@@ -544,7 +544,7 @@ constexpr uint8_t kForwardKernel = 0, kFirstBackwardKernel = 1, kFusedBackwardKe
 int64_t FusedLayer::FusedBackwardState::bytes() const {
   int64_t bytes = 0;
   for (size_t b : {counters.bytes(), epoch.bytes(), peer_words.bytes(), dy_rows.bytes(), da.bytes(), dgu.bytes(),
-                   wa.bytes(), dx_rows.bytes(), segment_dots.bytes()})
+                   wa.bytes(), dx_rows.bytes(), segment_dots.bytes(), row_weight.bytes()})
     bytes += int64_t(b);
   return bytes;
 }
@@ -586,6 +586,7 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
     s->wa = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
     s->dx_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
     s->segment_dots = DeviceBuffer<float>(ring_rows * backward::segments_per_row(I / 8));
+    s->row_weight = DeviceBuffer<float>(ring_rows);
     for (auto* words : {&s->counters, &s->epoch, &s->peer_words}) words->fill_bytes(0);
     s->dy_rows.fill_bytes(0);  // padding rows feed the first GEMM before their S item zeroes them
     fused_backward_ = std::move(s);
@@ -605,7 +606,7 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
   p.h_ring = s.da.data();
   p.out_ring = s.dx_rows.data();
   if (timeline_) p.timeline.kernel = kFusedBackwardKernel;
-  p.bwd = {gate_up_kept_.data(), s.dgu.data(), s.wa.data(), {}, {}, s.segment_dots.data()};
+  p.bwd = {gate_up_kept_.data(), s.dgu.data(), s.wa.data(), {}, {}, s.segment_dots.data(), s.row_weight.data()};
   const int kept_parity = int(forwards_ % 2), dy_parity = 1 - kept_parity;
   const int rank = params_.first_rank;
   if (window_) {

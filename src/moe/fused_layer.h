@@ -124,7 +124,7 @@ class FusedLayer {
   struct FusedBackwardState {
     DeviceBuffer<uint32_t> counters, epoch, peer_words;
     DeviceBuffer<__nv_bfloat16> dy_rows, da, dgu, wa, dx_rows;
-    DeviceBuffer<float> segment_dots;
+    DeviceBuffer<float> segment_dots, row_weight;
     int64_t bytes() const;
   };
   std::unique_ptr<FusedBackwardState> fused_backward_;

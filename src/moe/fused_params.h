@@ -113,6 +113,9 @@ struct BackwardRows {
   const float* topk_weights[kMaxRanks];  // [global rank]: that rank's router weights [T, k]
   float* d_topk_weights[kMaxRanks];      // [global rank]: their gradients [T, k]
   float* segment_dots;                   // [ring rows, segments of a row]: each segment's share of <da, a>
+  // [ring rows]: each routed row's router weight, copied by dispatch beside its dy row (across GPUs the
+  // weights live in the source ranks' memory, an NVLink round trip away from the elementwise items).
+  float* row_weight;
 };
 
 struct FusedParams {
