@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 NCCL_UNIQUE_ID_BYTES = 128
 
 
@@ -40,6 +40,7 @@ class Options(ctypes.Structure):
         ("ring_bytes", ctypes.c_int64),
         ("wait_timeout_ns", ctypes.c_uint64),
         ("backward_replays", ctypes.c_int32),
+        ("fused_backward", ctypes.c_int32),
     ]
 
 

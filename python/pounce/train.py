@@ -192,12 +192,14 @@ class MoEFeedForward(nn.Module):
     """Router (fp32 logits), pounce.route (softmax, normalized top-k), then the experts: pounce.MoE or
     EagerMoE, which have the same parameters."""
 
-    def __init__(self, hidden: int, intermediate: int, experts: int, topk: int, moe: str):
+    def __init__(self, hidden: int, intermediate: int, experts: int, topk: int, moe: str, options=None):
         super().__init__()
         self.topk = topk
         self.router = nn.Linear(hidden, experts, bias=False)
-        experts_class = pounce.MoE if moe == "pounce" else EagerMoE
-        self.experts = experts_class(hidden, intermediate, experts, topk)
+        if moe == "pounce":
+            self.experts = pounce.MoE(hidden, intermediate, experts, topk, options=options)
+        else:
+            self.experts = EagerMoE(hidden, intermediate, experts, topk)
 
     def forward(self, x: Tensor):
         """x [T, H] -> (y [T, H], load-balancing loss)."""
@@ -212,7 +214,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(args.hidden)
         self.attention = Attention(args.hidden, args.heads)
         self.ffn_norm = RMSNorm(args.hidden)
-        self.ffn = MoEFeedForward(args.hidden, args.intermediate, args.experts, args.topk, moe)
+        self.ffn = MoEFeedForward(args.hidden, args.intermediate, args.experts, args.topk, moe, pounce_options(args))
 
     def forward(self, x: Tensor):
         x = x + self.attention(self.attention_norm(x))
@@ -363,7 +365,7 @@ def time_moe_alone(args, device: torch.device) -> dict:
     H, I, E, k, T = args.hidden, args.intermediate, args.experts, args.topk, args.batch * args.seq
     torch.manual_seed(args.seed)
     eager = EagerMoE(H, I, E, k).to(device)
-    fused = pounce.MoE(H, I, E, k, device=device)
+    fused = pounce.MoE(H, I, E, k, device=device, options=pounce_options(args))
     fused.load_state_dict(eager.state_dict())
     x = torch.randn(T, H, dtype=torch.bfloat16, device=device, requires_grad=True)
     topk_ids, topk_weights = pounce.route(torch.randn(T, E, device=device), k)
@@ -502,8 +504,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--val-batches", type=int, default=8, help="batches of validation windows")
     p.add_argument("--moe-warmup", type=int, default=5, help="warm-up repetitions of the MoE layers alone")
     p.add_argument("--moe-reps", type=int, default=30, help="timed repetitions of the MoE layers alone")
+    p.add_argument("--fused-backward", action="store_true",
+                   help="pounce's backward as one persistent kernel (FusedMoeOptions::fused_backward)")
     p.add_argument("--out", default="results/train", help="folder for train.json and loss.png")
     return p
+
+
+def pounce_options(args) -> dict:
+    """pounce.MoE's options for this run: the fused backward kernel when asked for."""
+    return {"fused_backward": 1} if args.fused_backward else {}
 
 
 def parse_args(argv=None):

@@ -70,7 +70,8 @@ pounce::FusedMoeOptions to_options(const pounce_options* o) {
           .ring_blocks = o->ring_blocks,
           .ring_bytes = o->ring_bytes,
           .wait_timeout_ns = o->wait_timeout_ns,
-          .backward_replays = o->backward_replays != 0};
+          .backward_replays = o->backward_replays != 0,
+          .fused_backward = o->fused_backward != 0};
 }
 
 // Finalizes and destroys a communicator, reporting the first failure after trying both.
@@ -100,7 +101,8 @@ int pounce_default_options(pounce_options* out) {
             .ring_blocks = d.ring_blocks,
             .ring_bytes = d.ring_bytes,
             .wait_timeout_ns = d.wait_timeout_ns,
-            .backward_replays = d.backward_replays ? 1 : 0};
+            .backward_replays = d.backward_replays ? 1 : 0,
+            .fused_backward = d.fused_backward ? 1 : 0};
   });
 }
 
