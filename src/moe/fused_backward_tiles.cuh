@@ -14,12 +14,9 @@
 #pragma once
 
 #include "common/bounded_wait.cuh"
-#include "gemm/gemm_pipeline.cuh"
 #include "moe/backward/swiglu_backward.cuh"
-#include "moe/comm_role.cuh"
 #include "moe/fused_kernel.h"
-#include "moe/fused_params.h"
-#include "moe/work_queues.h"
+#include "moe/rank_tiles.cuh"
 
 namespace pounce::moe {
 
@@ -32,16 +29,14 @@ inline constexpr int kSliceSegments = gemm::pipeline::kConsumerWarps;
 static_assert(kSliceSegments * backward::kSegmentGroups * 16 == kBlockM * kBlockK * sizeof(__nv_bfloat16),
               "a slice's da values fill stage A, and its gate/up values (twice as many) stage B");
 
-class FusedBackwardTiles {
+class FusedBackwardTiles : public RankTiles {
  public:
   static constexpr gemm::pipeline::TileKind kKind = gemm::pipeline::TileKind::kDataGrad;
 
   // ops: shared [2], as in FusedTiles.
   __device__ FusedBackwardTiles(const FusedParams& p, const RankState& rs, int lr, const FusedMaps& maps,
                                 gemm::pipeline::GemmOperands* ops)
-      : p_(p), rs_(rs), lr_(lr), sizes_(*rs.sizes), ops_(ops) {
-    n_blocks_[0] = n_blocks(p.intermediate);
-    n_blocks_[1] = n_blocks(p.hidden);
+      : RankTiles(p, rs, lr, p.intermediate, p.hidden, ops) {
     groups_ = p.intermediate / 8;
     segments_ = backward::segments_per_row(groups_);
     if (threadIdx.x == 0) {
@@ -72,20 +67,26 @@ class FusedBackwardTiles {
     // NOTES: A rows written by other CTAs (bulk copies, the S items' stores), acquired above through the
     // generic proxy, are read by TMA through the async proxy.
     ptx::fence_proxy_async_global();
-    const int32_t expert = expert_of_row(rs_.expert_offsets, p_.local_experts, int64_t(m_block) * kBlockM);
-    const int32_t row = int32_t(ring_row(p_, lr_, m_block, 0));
-    const int32_t rows =
-        min(kBlockM, max(0, rs_.expert_offsets[expert] + rs_.expert_routes[expert] - m_block * kBlockM));
+    const MBlockRows m = rows_of(m_block);
     if (tile.gemm == kElementwiseItem) {
-      const int32_t keep_row = int32_t(lr_ * p_.capacity_rows + int64_t(m_block) * kBlockM);
       const int32_t slices = int32_t((kSwigluRows * segments_ + kSliceSegments - 1) / kSliceSegments);
-      info = {kElementwiseItem, {row, 0}, {0, 0}, row, 0, tile.n_block, m_block, slices, 1, keep_row, rows};
+      info = {kElementwiseItem, {m.ring_row, 0}, {0, 0}, m.ring_row,        0,     tile.n_block,
+              m_block,          slices,          1,      keep_row(m_block), m.rows};
       return true;
     }
     // B is N-major [experts * K, N]: the expert's first K row, the n-block's column.
     const int32_t k = tile.gemm == 0 ? p_.hidden : 2 * p_.intermediate;
-    info = {tile.gemm, {row, 0}, {expert * k, tile.n_block * kBlockN}, row, 0, tile.n_block, m_block, k / kBlockK, 1,
-            0,         rows};
+    info = {tile.gemm,
+            {m.ring_row, 0},
+            {m.expert * k, tile.n_block * kBlockN},
+            m.ring_row,
+            0,
+            tile.n_block,
+            m_block,
+            k / kBlockK,
+            1,
+            0,
+            m.rows};
     return true;
   }
 
@@ -172,17 +173,8 @@ class FusedBackwardTiles {
     }
   }
 
-  __device__ const gemm::pipeline::GemmOperands& operands(int gemm) const { return ops_[gemm]; }
-  __device__ const TimelineSink& timeline() const { return p_.timeline; }
-
  private:
-  const FusedParams& p_;
-  const RankState& rs_;
-  int lr_;
-  planner::DeviceScheduleSizes sizes_;
-  int32_t n_blocks_[2];
   int64_t groups_, segments_;  // of a row of da: 16-byte groups, and segments of the router-weight sums
-  const gemm::pipeline::GemmOperands* ops_;
 };
 
 }  // namespace pounce::moe

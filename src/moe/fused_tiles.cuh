@@ -9,14 +9,11 @@
 #pragma once
 
 #include "common/bounded_wait.cuh"
-#include "gemm/gemm_pipeline.cuh"
-#include "moe/comm_role.cuh"
-#include "moe/fused_params.h"
-#include "moe/work_queues.h"
+#include "moe/rank_tiles.cuh"
 
 namespace pounce::moe {
 
-class FusedTiles {
+class FusedTiles : public RankTiles {
  public:
   static constexpr gemm::pipeline::TileKind kKind = gemm::pipeline::TileKind::kForward;
 
@@ -26,9 +23,7 @@ class FusedTiles {
   // on L2 for the operands (measured ~0.8 us a tile against the stand-alone engine).
   __device__ FusedTiles(const FusedParams& p, const RankState& rs, int lr, const FusedMaps& maps,
                         gemm::pipeline::GemmOperands* ops)
-      : p_(p), rs_(rs), lr_(lr), sizes_(*rs.sizes), ops_(ops) {
-    n_blocks_[0] = n_blocks(2 * p.intermediate);
-    n_blocks_[1] = n_blocks(p.hidden);
+      : RankTiles(p, rs, lr, 2 * p.intermediate, p.hidden, ops) {
     if (threadIdx.x == 0) {
       ops[0] = {&maps.x_ring,
                 &maps.w13[lr],
@@ -56,21 +51,22 @@ class FusedTiles {
     // the generic proxy; our TMA loads read through the async proxy.
     ptx::fence_proxy_async_global();
     // Weight rows of this rank's own experts: its weights hold the local experts only.
-    const int32_t expert = expert_of_row(rs_.expert_offsets, p_.local_experts, int64_t(m_block) * kBlockM);
+    const MBlockRows m = rows_of(m_block);
     const int32_t n = gemm == 0 ? 2 * p_.intermediate : p_.hidden;
-    const int32_t row = int32_t(ring_row(p_, lr_, m_block, 0));
     const int32_t k_blocks = (gemm == 0 ? p_.hidden : p_.intermediate) / kBlockK;
-    // Kept gate/up rows sit in schedule order (the ring's rows are reused), one capacity of rows per rank.
-    const int32_t keep_row = int32_t(lr_ * p_.capacity_rows + int64_t(m_block) * kBlockM);
-    // Rows of the m-block that hold routes: the rest is padding, skipped by the consumers it fills.
-    const int32_t rows =
-        min(kBlockM, max(0, rs_.expert_offsets[expert] + rs_.expert_routes[expert] - m_block * kBlockM));
-    info = {gemm, {row, 0}, {expert * n + n_block * kBlockN, 0}, row, 0, n_block, m_block, k_blocks, 1, keep_row, rows};
+    info = {gemm,
+            {m.ring_row, 0},
+            {m.expert * n + n_block * kBlockN, 0},
+            m.ring_row,
+            0,
+            n_block,
+            m_block,
+            k_blocks,
+            1,
+            keep_row(m_block),
+            m.rows};
     return true;
   }
-
-  __device__ const gemm::pipeline::GemmOperands& operands(int gemm) const { return ops_[gemm]; }
-  __device__ const TimelineSink& timeline() const { return p_.timeline; }
 
  private:
   // The tile order lives in moe/work_queues.h, where the host tests check it.
@@ -81,13 +77,6 @@ class FusedTiles {
     gemm = tile.gemm, m_block = tile.m_block, n_block = tile.n_block;
     return true;
   }
-
-  const FusedParams& p_;
-  const RankState& rs_;
-  int lr_;
-  planner::DeviceScheduleSizes sizes_;
-  int32_t n_blocks_[2];
-  const gemm::pipeline::GemmOperands* ops_;
 };
 
 }  // namespace pounce::moe
