@@ -150,7 +150,7 @@ __device__ __forceinline__ SharedStorage<Stages>& shared_storage(uint8_t* smem_r
 //   void run_elementwise(const TileInfo& tile, int slice, const void* a, const void* b, int consumer,
 //                        int thread) const
 //                              run by every consumer thread (thread 0..127 of warpgroup `consumer`) on a
-//                              landed slice; the stage is freed when its warp returns
+//                              landed slice; each thread frees the stage when it returns
 //   void finish_elementwise(const TileInfo& tile, int consumer, int thread) const
 //                              run by every consumer thread once both warpgroups ran every slice (their
 //                              shared- and global-memory writes are visible to each other)
