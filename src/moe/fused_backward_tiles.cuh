@@ -37,8 +37,7 @@ class FusedBackwardTiles : public RankTiles {
   __device__ FusedBackwardTiles(const FusedParams& p, const RankState& rs, int lr, const FusedMaps& maps,
                                 gemm::pipeline::GemmOperands* ops)
       : RankTiles(p, rs, lr, p.intermediate, p.hidden, ops) {
-    groups_ = p.intermediate / 8;
-    segments_ = backward::segments_per_row(groups_);
+    slices_ = {p.intermediate / 8, kSwigluRows, backward::kSegmentGroups, kSliceSegments};
     if (threadIdx.x == 0) {
       ops[0] = {&maps.x_ring,  &maps.w2[lr], &maps.h_ring_store, gemm::Epilogue::kStore, nullptr,
                 rs.gemm1_done, nullptr};
@@ -69,9 +68,8 @@ class FusedBackwardTiles : public RankTiles {
     ptx::fence_proxy_async_global();
     const MBlockRows m = rows_of(m_block);
     if (tile.gemm == kElementwiseItem) {
-      const int32_t slices = int32_t((kSwigluRows * segments_ + kSliceSegments - 1) / kSliceSegments);
-      info = {kElementwiseItem, {m.ring_row, 0}, {0, 0}, m.ring_row,        0,     tile.n_block,
-              m_block,          slices,          1,      keep_row(m_block), m.rows};
+      info = {kElementwiseItem, {m.ring_row, 0},  {0, 0}, m.ring_row,        0,     tile.n_block,
+              m_block,          slices_.slices(), 1,      keep_row(m_block), m.rows};
       return true;
     }
     // B is N-major [experts * K, N]: the expert's first K row, the n-block's column.
@@ -90,25 +88,15 @@ class FusedBackwardTiles : public RankTiles {
     return true;
   }
 
-  // Slice `slice` of an S item: its first group, counted from the start of the item's first row.
-  __device__ int64_t slice_first_group(int slice) const {
-    const int64_t segment = int64_t(slice) * kSliceSegments;
-    return segment / segments_ * groups_ + segment % segments_ * backward::kSegmentGroups;
-  }
-  // Its groups: up to the end of its last segment.
-  __device__ int64_t slice_end_group(int slice) const {
-    const int64_t last = min(int64_t(slice + 1) * kSliceSegments, int64_t(kSwigluRows) * segments_) - 1;
-    return last / segments_ * groups_ + min(groups_, (last % segments_ + 1) * backward::kSegmentGroups);
-  }
-
   // The producer: slice `slice` of S item `tile`, da into stage A and the kept gate/up values into B.
   __device__ void load_elementwise(const gemm::pipeline::TileInfo& tile, int slice, void* a, void* b,
                                    uint64_t* full) const {
-    const int64_t first_row = int64_t(tile.n_block) * kSwigluRows, first = slice_first_group(slice);
-    const uint32_t bytes = uint32_t(slice_end_group(slice) - first) * 16;
-    const uint4* da = reinterpret_cast<const uint4*>(p_.h_ring) + (tile.c_row + first_row) * groups_ + first;
+    const int64_t first_row = int64_t(tile.n_block) * kSwigluRows, first = slices_.slice_start(slice);
+    const uint32_t bytes = uint32_t(slices_.slice_end(slice) - first) * 16;
+    const int64_t groups = slices_.groups;
+    const uint4* da = reinterpret_cast<const uint4*>(p_.h_ring) + (tile.c_row + first_row) * groups + first;
     const uint4* gate_up =
-        reinterpret_cast<const uint4*>(p_.bwd.gate_up_kept) + ((tile.keep_row + first_row) * groups_ + first) * 2;
+        reinterpret_cast<const uint4*>(p_.bwd.gate_up_kept) + ((tile.keep_row + first_row) * groups + first) * 2;
     ptx::mbarrier_arrive_expect_tx(full, 3 * bytes);
     ptx::bulk_load(a, da, bytes, full);
     ptx::bulk_load(b, gate_up, 2 * bytes, full);
@@ -120,14 +108,15 @@ class FusedBackwardTiles : public RankTiles {
                                   int consumer, int thread) const {
     const int lane = thread % 32;
     const int64_t segment = int64_t(slice) * kSliceSegments + consumer * 4 + thread / 32;
-    if (segment >= int64_t(kSwigluRows) * segments_) return;
-    const int32_t r = tile.n_block * kSwigluRows + int32_t(segment / segments_);  // row of the m-block
-    const int64_t first = segment % segments_ * backward::kSegmentGroups;         // group of the row
-    const int groups = int(min(int64_t(backward::kSegmentGroups), groups_ - first));
+    if (segment >= slices_.segments()) return;
+    const int64_t start = slices_.segment_start(segment), groups_per_row = slices_.groups;
+    const int32_t r = tile.n_block * kSwigluRows + int32_t(start / groups_per_row);  // row of the m-block
+    const int64_t first = start % groups_per_row;                                    // group of the row
+    const int groups = int(slices_.segment_end(segment) - start);
     const int64_t row = int64_t(tile.m_block) * kBlockM + r, ring = int64_t(tile.c_row) + r;
     const BackwardRows& bw = p_.bwd;
-    uint4* dgu = reinterpret_cast<uint4*>(bw.dgu) + (ring * groups_ + first) * 2;
-    uint4* wa = reinterpret_cast<uint4*>(bw.wa) + ring * groups_ + first;
+    uint4* dgu = reinterpret_cast<uint4*>(bw.dgu) + (ring * groups_per_row + first) * 2;
+    uint4* wa = reinterpret_cast<uint4*>(bw.wa) + ring * groups_per_row + first;
     const int32_t token = rs_.row_token[row];
     if (token < 0) {
       backward::swiglu_backward_padding_row(groups, dgu, wa, lane);
@@ -139,11 +128,11 @@ class FusedBackwardTiles : public RankTiles {
       return;
     }
     // Where the segment lies in the stages: groups from the slice's first.
-    const int64_t at = segment / segments_ * groups_ + first - slice_first_group(slice);
+    const int64_t at = start - slices_.slice_start(slice);
     const float w = bw.row_weight[ring];  // copied beside the dy row by dispatch
     const float dot = backward::swiglu_backward_segment(
         reinterpret_cast<const uint4*>(b) + 2 * at, reinterpret_cast<const uint4*>(a) + at, w, groups, dgu, wa, lane);
-    if (lane == 0) bw.segment_dots[ring * segments_ + segment % segments_] = dot;
+    if (lane == 0) bw.segment_dots[ring * slices_.segments_per_row() + segment % slices_.segments_per_row()] = dot;
   }
 
   // Each route's router-weight gradient: its row's segment sums in order (as swiglu_backward_row adds
@@ -156,7 +145,8 @@ class FusedBackwardTiles : public RankTiles {
       const int32_t token = rs_.row_token[row];
       if (token >= 0) {
         float dot = 0.0f;
-        for (int64_t s = 0; s < segments_; ++s) dot += bw.segment_dots[ring * segments_ + s];
+        const int64_t segments = slices_.segments_per_row();
+        for (int64_t s = 0; s < segments; ++s) dot += bw.segment_dots[ring * segments + s];
         bw.d_topk_weights[rs_.row_source_rank[row]][int64_t(token) * p_.topk + rs_.row_k[row]] = dot;
       }
     }
@@ -174,7 +164,7 @@ class FusedBackwardTiles : public RankTiles {
   }
 
  private:
-  int64_t groups_, segments_;  // of a row of da: 16-byte groups, and segments of the router-weight sums
+  ElementwiseSlices slices_;  // of an S item: rows of da in 16-byte groups, their segments and slices
 };
 
 }  // namespace pounce::moe

@@ -85,6 +85,31 @@ struct TileQueue {
 // GemmTile::gemm of an elementwise item (gemm/gemm_pipeline.cuh: kElementwiseTile).
 inline constexpr int32_t kElementwiseItem = 2;
 
+// How an elementwise item's rows go through the stages (moe/fused_backward_tiles.cuh): its `rows` rows
+// of `groups` 16-byte groups are cut into segments of at most `segment_groups` groups that never cross
+// a row, numbered row-major; slice s holds segments [s * per_slice, (s + 1) * per_slice), which lie back
+// to back in memory (so do the rows). Positions count groups from the item's first row.
+struct ElementwiseSlices {
+  int64_t groups;  // of a row
+  int32_t rows, segment_groups, per_slice;
+
+  POUNCE_HOST_DEVICE int64_t segments_per_row() const { return (groups + segment_groups - 1) / segment_groups; }
+  POUNCE_HOST_DEVICE int64_t segments() const { return rows * segments_per_row(); }
+  POUNCE_HOST_DEVICE int32_t slices() const { return int32_t((segments() + per_slice - 1) / per_slice); }
+  POUNCE_HOST_DEVICE int64_t segment_start(int64_t q) const {
+    return q / segments_per_row() * groups + q % segments_per_row() * segment_groups;
+  }
+  POUNCE_HOST_DEVICE int64_t segment_end(int64_t q) const {
+    const int64_t end_in_row = (q % segments_per_row() + 1) * segment_groups;
+    return q / segments_per_row() * groups + (end_in_row < groups ? end_in_row : groups);
+  }
+  POUNCE_HOST_DEVICE int64_t slice_start(int32_t s) const { return segment_start(int64_t(s) * per_slice); }
+  POUNCE_HOST_DEVICE int64_t slice_end(int32_t s) const {
+    const int64_t next = int64_t(s + 1) * per_slice;
+    return segment_end((next < segments() ? next : segments()) - 1);
+  }
+};
+
 // The fused backward's queue. Step j holds D1(j) (the first GEMM's tiles of minibatch j), S(j-1) (the
 // elementwise items of minibatch j-1, `pieces` per m-block) and D2(j-2) (the second GEMM's tiles of
 // minibatch j-2), m-blocks fastest in each. S(b) waits for D1(b) and D2(b) for S(b): a whole minibatch of

@@ -3,7 +3,7 @@
 // holds every tile once, in the minibatch order the argument needs; and a simulation of CTAs taking
 // both queues in order, after the opening, never deadlocks when the ring holds two minibatches (and can
 // when it holds one), nor in place (one rank, the ring holding every m-block, communication CTAs joining
-// the GEMMs).
+// the GEMMs). Also how the backward's elementwise items cut their rows into stage-sized slices.
 #include "moe/work_queues.h"
 
 #include <gtest/gtest.h>
@@ -218,6 +218,35 @@ bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t rin
     }
   }
   return finished == work;
+}
+
+// The elementwise items' slices tile an item's rows exactly, each within one stage, and every segment
+// lies within one row; rows of one group to many segments, the last one short.
+TEST(ElementwiseSlices, TileTheItemsRowsInSegmentsThatFitAStage) {
+  constexpr int32_t kSegmentGroups = 128, kPerSlice = 8;
+  for (int64_t groups : {1, 8, 24, 96, 127, 128, 129, 192, 256, 272, 1792, 2000})
+    for (int32_t rows : {1, 7, 32}) {
+      SCOPED_TRACE("groups " + std::to_string(groups) + ", rows " + std::to_string(rows));
+      const ElementwiseSlices e{groups, rows, kSegmentGroups, kPerSlice};
+      ASSERT_EQ(e.segments(), rows * ((groups + kSegmentGroups - 1) / kSegmentGroups));
+      int64_t at = 0;
+      for (int32_t slice = 0; slice < e.slices(); ++slice) {
+        ASSERT_EQ(e.slice_start(slice), at);
+        const int64_t end = e.slice_end(slice);
+        ASSERT_GT(end, at);
+        ASSERT_LE(end - at, int64_t(kPerSlice) * kSegmentGroups);  // its groups fit stage A
+        at = end;
+      }
+      EXPECT_EQ(at, rows * groups);
+      for (int64_t q = 0; q < e.segments(); ++q) {
+        const int64_t start = e.segment_start(q), end = e.segment_end(q);
+        ASSERT_EQ(start, q == 0 ? 0 : e.segment_end(q - 1)) << "segment " << q;
+        ASSERT_GE(end - start, 1) << "segment " << q;
+        ASSERT_LE(end - start, kSegmentGroups) << "segment " << q;
+        ASSERT_EQ(start / groups, (end - 1) / groups) << "segment " << q << " crosses a row";
+        ASSERT_EQ(start % groups, q % e.segments_per_row() * kSegmentGroups) << "segment " << q;
+      }
+    }
 }
 
 TEST(WorkQueues, NeverDeadlockWithARingOfTwoMinibatches) {
