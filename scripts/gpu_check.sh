@@ -10,10 +10,11 @@
 #   --prebuilt  use the binaries and libpounce.so in build/bin, built beforehand (here or on another
 #               machine with the same toolkit, then copied into build/bin) instead of building: saves the
 #               build's minutes
-#   --phases    a comma-separated subset of tests,sanitize,bench,zipf,movers,torch,train,timeline (default:
-#               all but train and timeline, sanitize only with --sanitize), to split one check over several
-#               shorter runs into the same OUTDIR; torch reads the bench phase's JSON there. train runs
-#               python -m pounce.train into OUTDIR/train. timeline uses a second build with
+#   --phases    a comma-separated subset of tests,sanitize,bench,zipf,movers,torch,train,train-fused,timeline
+#               (default: all but train, train-fused and timeline, sanitize only with --sanitize), to split one
+#               check over several shorter runs into the same OUTDIR; torch reads the bench phase's JSON there.
+#               train runs python -m pounce.train into OUTDIR/train, train-fused the same with
+#               --fused-backward into OUTDIR/train-fused. timeline uses a second build with
 #               -DPOUNCE_TIMELINE=ON (build-timeline/bin with --prebuilt): its test, what recording costs
 #               the forward, and the traces of a forward and a training step in OUTDIR/timeline.
 # The commit recorded in the JSON is $POUNCE_COMMIT, else `git rev-parse HEAD`.
@@ -138,12 +139,16 @@ if has torch; then
     > "$out/torch.log" 2>&1 || status=1
   cat "$out/torch.log"
 fi
-if has train; then
-  # The training comparison (python -m pounce.train) over this build's library.
+# The training comparison (python -m pounce.train) over this build's library; train-fused: the same with
+# pounce's backward as the persistent kernel (--fused-backward).
+for phase in train train-fused; do
+  has $phase || continue
+  flags=()
+  [ $phase = train-fused ] && flags=(--fused-backward)
   PYTHONPATH=python POUNCE_LIBRARY=$(realpath "$bin/libpounce.so") timeout 400 python3 -m pounce.train \
-    --out "$out/train" > "$out/train.log" 2>&1 || status=1
-  tail -20 "$out/train.log"
-fi
+    ${flags[@]+"${flags[@]}"} --out "$out/$phase" > "$out/$phase.log" 2>&1 || status=1
+  tail -20 "$out/$phase.log"
+done
 if has timeline; then
   tbin=build-timeline/bin
   if [ $prebuilt = 0 ]; then
