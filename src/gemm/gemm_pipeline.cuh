@@ -353,13 +353,20 @@ __device__ void store_tile(const float (&acc)[kAcc], Storage& s, const StoreTarg
     if (thread == 0) ptx::bulk_wait_group_read<kStoreSlots - 1>();
     ptx::named_barrier_sync(barrier, 128);
     if constexpr (kF32) {
+      // 8-column chunks of the box: chunk c is 16-byte units 2c and 2c + 1. A 64-bit store is served a
+      // half-warp (4 rows) at a time; in step c, lanes of odd rows store chunk c ^ 2 instead, so the
+      // half-warp's 4 rows hit 4 different unit pairs (unit pair = chunk ^ (row % 8) / 2) and all 32
+      // banks once. Storing chunk c on every row took two passes per half-warp (rows r and r ^ 1 share a
+      // unit pair; measured: twice the ideal shared-store wavefronts).
+      const bool odd_row = row % 2 == 1;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {  // 8-column chunks of the box: 16-byte units 2c and 2c + 1
-        const int chunk = box * 4 + c;
-        const int unit = 2 * c + (lane % 4) / 2;
+      for (int c = 0; c < 4; ++c) {
+        const int chunk = box * 4 + c, swapped = box * 4 + (c ^ 2);
+        const int unit = 2 * (odd_row ? c ^ 2 : c) + (lane % 4) / 2;
         const uint32_t offset = uint32_t((unit ^ (row % 8)) * 16 + (lane % 2) * 8);  // 128-byte swizzle
-        st_shared_f32x2(base + row * 128 + offset, value(4 * chunk), value(4 * chunk + 1));
-        st_shared_f32x2(base + (row + 8) * 128 + offset, value(4 * chunk + 2), value(4 * chunk + 3));
+        const auto pick = [&](int i) { return odd_row ? value(4 * swapped + i) : value(4 * chunk + i); };
+        st_shared_f32x2(base + row * 128 + offset, pick(0), pick(1));
+        st_shared_f32x2(base + (row + 8) * 128 + offset, pick(2), pick(3));
       }
     } else {
 #pragma unroll
