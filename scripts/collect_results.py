@@ -18,6 +18,7 @@ LOGS = ["pounce_tests_gpu", "pounce_experiment_tests", "pytest", "sanitizer", "b
 def scrub(text):
     # Source paths as the compiler saw them, and the output folder, without the machine's directories.
     text = re.sub(r"/[^\s:'\"]*/(src|experiments|include)/", r"\1/", text)
+    text = re.sub(r"/[^\s:'\"]*/site-packages/", "<site-packages>/", text)  # Python warnings' sources
     return re.sub(r"/[^\s:'\"]*/(bench[-\w]*\.json|torch\.json|copy\.json|dispatch\.json|ep\.json)", r"<out>/\1", text)
 
 

@@ -2,7 +2,8 @@
 // plans the routing on the GPU, pulls token rows from their source ranks, runs GEMM1 + SwiGLU and GEMM2
 // on the compute SMs as rows arrive, pushes every output row back to its token's [token, k] slot and
 // sums y[t] = sum_k w[t, k] * out[t, k] in fixed k order (bitwise deterministic). Its backward gives
-// every gradient, on one GPU, from what a training forward kept.
+// every gradient from what a training forward kept (on one GPU it can also replay a forward that kept
+// nothing; across GPUs it needs the kept rows).
 //
 // Two ways to run an expert-parallel group of P ranks:
 //   virtual ranks: all P ranks on the current GPU, in one launch (P = 1 is the plain one-GPU layer);
@@ -53,7 +54,7 @@ struct FusedMoeOptions {
   bool backward_replays = true;  // a backward without its kept forward replays it (false: throws instead)
   // On one GPU, a backward from a kept forward runs its data path as one persistent kernel, the forward's
   // with the directions swapped (same bits as the chain of kernels). Off by default: there the two are
-  // level on large experts and the chain is up to 7 % faster on small ones (docs/backward.md). A layer
+  // level on large experts and the chain is up to 8 % faster on small ones (docs/backward.md). A layer
   // across GPUs always runs the persistent kernel.
   bool fused_backward = false;
 };

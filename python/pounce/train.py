@@ -36,8 +36,8 @@ TINY = dict(layers=2, hidden=64, heads=4, experts=8, topk=2, intermediate=64, se
 
 # The band the final losses of the two models must agree within (relative). Both start from the same
 # bf16 weights and see the same batches; they differ only in rounding: the GEMMs sum in other orders
-# (fp32 accumulators, outputs rounded to bf16, whose unit roundoff is 2^-8 = 0.4%), pounce recomputes the
-# gate/up rows in its backward, the eager MoE adds routes back with atomics. That is ~1e-3 relative per
+# (fp32 accumulators, outputs rounded to bf16, whose unit roundoff is 2^-8 = 0.4%), pounce's backward
+# starts from the gate/up rows its forward kept in bf16, the eager MoE adds routes back with atomics. That is ~1e-3 relative per
 # step and it does not die out: AdamW normalizes every update, and a route whose top-k scores are nearly
 # tied flips to another expert, so the two runs drift apart as runs from nearby seeds do. The loss survives
 # the drift: it is a mean over 10^4 to 10^5 tokens of how well the model fits the text, and runs of one
