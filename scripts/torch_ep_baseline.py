@@ -6,7 +6,8 @@
     rows sent back, weighted index_add_; differentiable through torch.distributed.nn.functional;
   - when the pounce package imports (from python/ over build/bin/libpounce.so, or installed): pounce.MoE
     over the default process group (no group on one rank) on the same weights, forward and forward +
-    backward (across GPUs pounce's backward is PyTorch's, see pounce.MoE), interleaved with the eager EP
+    backward (across GPUs pounce's persistent backward kernel from the rows the training forward kept; see
+    pounce.MoE), interleaved with the eager EP
     MoE in these same processes.
 Each rank holds E/P of a catalogue shape's E experts and the shape's tokens per rank, routed uniformly or
 zipf-skewed. Before timing: the eager y, dx and router-weight gradient against an fp32 reference of each
@@ -196,7 +197,7 @@ def run_shape(name, args):
     moe, pounce_error = None, "pounce does not import" if pounce is None else None
     if pounce is not None:
         try:
-            # One rank needs no communicator (and gets pounce's own backward, not its cross-GPU PyTorch one).
+            # One rank needs no communicator: the layer on its own GPU.
             moe = pounce.MoE(H, I, E, k, dist.group.WORLD if P > 1 else None, max_tokens=T, device="meta")
             moe.w13, moe.w2 = w13, w2  # the eager's tensors: one copy of the weights feeds both
             with torch.no_grad():
