@@ -133,7 +133,8 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
         }
         ptx::red_release_gpu_add(&rs.combined[b], p.steps.combined);
       }
-      timeline::record(p.timeline, item.combine ? TimelineSpan::kCombine : TimelineSpan::kDispatch, taken, b);
+      timeline::record(p.timeline, item.combine ? TimelineSpan::kCombine : TimelineSpan::kDispatch, taken, b,
+                       item.x_rows ? 1 : 0);
     }
   }
 }
