@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <tuple>
 
 #include "comm/nccl_window.h"
 #include "common/gpu.h"
@@ -250,7 +251,27 @@ TEST(UnfusedEp, OneNcclRankMatchesTheReference) {
       CUDA_CHECK(cudaDeviceSynchronize());
       chain.check_device_errors();
       expect_reference(l, in);
-      if (training) expect_backward_reference(l, in);
+      if (!training) continue;
+      expect_backward_reference(l, in);
+      // The fp32 outputs of the weight gradients: stored, their bf16 rounding is what kBf16 gave; added
+      // twice into zeros, exactly twice the stored values.
+      const int64_t w13_elems = in.d_dw13[0].size(), w2_elems = in.d_dw2[0].size();
+      DeviceBuffer<float> dw13(w13_elems), dw2(w2_elems), sum13(w13_elems), sum2(w2_elems);
+      dw13.fill_bytes(0xFF), dw2.fill_bytes(0xFF), sum13.fill_bytes(0), sum2.fill_bytes(0);
+      chain.run_experts_backward(dw13.data(), dw2.data(), WeightGradOutput::kF32, nullptr);
+      for (int twice = 0; twice < 2; ++twice)
+        chain.run_experts_backward(sum13.data(), sum2.data(), WeightGradOutput::kAccumulateF32, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      chain.check_device_errors();
+      for (auto [f32, sum, bf16_grad] :
+           {std::tuple(&dw13, &sum13, &in.d_dw13[0]), std::tuple(&dw2, &sum2, &in.d_dw2[0])}) {
+        const std::vector<float> stored = f32->download(), added = sum->download();
+        const std::vector<uint16_t> rounded = bf16_grad->download();
+        for (size_t i = 0; i < stored.size(); ++i) {
+          ASSERT_EQ(formats::bf16_from_float(stored[i]), rounded[i]) << "element " << i;
+          ASSERT_EQ(added[i], 2.0f * stored[i]) << "element " << i;
+        }
+      }
     }
   }
   comm::destroy_single_process_comms(comms);
