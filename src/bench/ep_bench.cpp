@@ -230,7 +230,8 @@ int run(int argc, char** argv) {
       "(slowest ranks' medians): %.3fx\n",
       step_slowest, unfused_step_slowest, unfused_step_slowest / step_slowest);
   std::printf(
-      "rank  fused ms  TFLOP/s  NVLink GB/s out  in  unfused ms  NVLink GB/s out  in  unfused vs fused (rel. L2)\n");
+      "rank  fused ms  TFLOP/s  NVLink GB/s out  in  unfused ms  NVLink GB/s out  in  unfused vs fused: y, dx "
+      "(rel. L2)\n");
   bool outputs_agree = true;
   for (int r = 0; r < P; ++r) {
     const double flops = 6.0 * routes_in[r] * double(H) * double(I);
@@ -241,8 +242,8 @@ int run(int argc, char** argv) {
     const OutputError& e_dx = unfused_vs_fused_dx[r];
     outputs_agree = outputs_agree && e.relative_l2 < kMaxRelativeL2 && e.worst_row < kMaxWorstToken &&
                     e_dx.relative_l2 < kMaxRelativeL2 && e_dx.worst_row < kMaxWorstToken;
-    std::printf("%4d  %8.3f  %7.1f  %15.1f  %4.1f  %10.3f  %15.1f  %4.1f  %.2e\n", r, timings[r].median_ms, tflops,
-                out_gbps, in_gbps, unfused_timings[r].median_ms, u_out, u_in, e.relative_l2);
+    std::printf("%4d  %8.3f  %7.1f  %15.1f  %4.1f  %10.3f  %15.1f  %4.1f  %.2e, %.2e\n", r, timings[r].median_ms,
+                tflops, out_gbps, in_gbps, unfused_timings[r].median_ms, u_out, u_in, e.relative_l2, e_dx.relative_l2);
     ranks.push_back({{"rank", r},
                      {"timing", timings[r]},
                      {"tflops_at_slowest", tflops},
