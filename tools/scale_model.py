@@ -48,8 +48,9 @@ Model, per rank (P ranks; uniform routing: a route's expert is on another rank w
     kernel moves the forward's bytes (dy rows pulled, dx rows pushed and summed unweighted), its GEMM CTAs
     run the data-gradient GEMMs (the forward's FLOPs, at the ratio of their measured rate to the forward
     GEMMs', each against the dense GEMM timed beside it) and the SwiGLU backward (12·I bytes per padded
-    row through HBM); then, with more ranks, the x rows are gathered again (the bounded ring kept none:
-    an all-to-all's bytes) and the weight-gradient GEMMs run on every SM (their measured ratio too). The
+    row through HBM); with more ranks the communication CTAs also pull every routed row's x again (the
+    bounded ring kept none: an all-to-all's bytes more in the kernel's stream, beside its GEMMs); then the
+    weight-gradient GEMMs run on every SM (their measured ratio too). The
     unfused chain's backward: dy permuted and sent, the data-gradient GEMMs and the SwiGLU backward pass,
     dx sent back and summed, the weight-gradient GEMMs (its forward kept the x rows it dispatched).
     Ratios from results/archive/h200/2026-12-01-8ddb9c5-gpu-check.json; one fitted overhead each.
@@ -423,8 +424,8 @@ class Model:
         backward: its backward from kept rows instead. The same kernel with dy rows pulled in and dx rows
         pushed back (the forward's bytes), the data-gradient GEMMs (the forward's FLOPs, at the measured
         ratio of their rate to the forward GEMMs') and the SwiGLU-backward items on the GEMM CTAs, the sums
-        unweighted; then the weight gradients' GEMMs on every SM (at their measured ratio), after the x
-        rows were gathered again where the ring did not keep them (more ranks)."""
+        unweighted, and with more ranks every routed row's x pulled again in the same stream (the ring
+        did not keep them); then the weight gradients' GEMMs on every SM (at their measured ratio)."""
         if case.comm_ctas is None:
             # The fastest count; where the curve is flat (in place it nearly is), the fewest CTAs within
             # 0.2% of it: a prediction cannot separate them, and fewer leave the GEMMs more SMs.
@@ -454,31 +455,31 @@ class Model:
             gemm = gemm_cta_ms / g if comm * g >= gemm_cta_ms else (gemm_cta_ms + c * comm) / S
             last_combine = 0.0
         else:
-            comm = 2 * (routes - mb_rows) * row * per_byte
+            # Forward: every row pulled and pushed (the opening's pulled before). Backward: dy pulled, dx
+            # pushed, and every row's x pulled for the weight gradients.
+            rows_moved = 2 * (routes - mb_rows) + (routes if backward else 0)
+            comm = rows_moved * row * per_byte
             gemm = gemm_cta_ms / g
             last_combine = mb_rows * row * per_byte + latency
         last_gemm = self.gemm_ms(case, mb, g) * dgrad  # the last minibatch, after its rows arrived
         main = max(gemm, comm + last_gemm)
         sums = self.sums_ms(case)
-        x_gather = 0.0 if in_place or not backward else self.alltoall_ms(case)
         wgrad = self.gemm_ms(case, case.padded, self.m.sms) * self.m.wgrad_factor[case.shape.name] if backward else 0.0
         overhead = self.fit.overhead_backward_fused_ms if backward else self.fit.overhead_fused_ms
         kernel = plan + opening + main + last_combine + sums
-        total = kernel + x_gather + wgrad + overhead
+        total = kernel + wgrad + overhead
         t0 = plan + opening
         timeline = [
             ("plan (on the GPU)", 0.0, plan),
             ("opening: first minibatch pulled by every CTA", plan, t0),
             ("GEMMs (GEMM CTAs; the last minibatch after its rows)", t0, t0 + main),
-            ("dispatch + combine stream (comm CTAs)", t0, t0 + comm),
+            ("dispatch + combine stream (comm CTAs)" if not backward else "dy, x pulls + dx pushes (comm CTAs)",
+             t0, t0 + comm),
             ("last minibatch's combine", t0 + main, t0 + main + last_combine),
             ("weighted sums" if not backward else "dx sums", t0 + main + last_combine, kernel),
         ]
         if backward:
-            timeline += [
-                ("x rows gathered again (more ranks)", kernel, kernel + x_gather),
-                ("weight-gradient GEMMs (every SM)", kernel + x_gather, kernel + x_gather + wgrad),
-            ]
+            timeline.append(("weight-gradient GEMMs (every SM)", kernel, kernel + wgrad))
         timeline.append(("overhead (fitted)", total - overhead, total))
         return {
             "ms": total,
@@ -494,7 +495,6 @@ class Model:
                 "last_minibatch_gemm": last_gemm,
                 "last_combine": last_combine,
                 "sums": sums,
-                "x_gather": x_gather,
                 "weight_gradients": wgrad,
                 "overhead": overhead,
             },

@@ -22,6 +22,13 @@ __global__ void permute_rows_kernel(const uint4* x, const int32_t* row_token, in
   }
 }
 
+__global__ void gather_values_kernel(const float* src, const int32_t* index, int64_t n, float* dst) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t from = index[i];
+    dst[i] = from >= 0 ? src[from] : 0.0f;
+  }
+}
+
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
 
 __global__ void swiglu_kernel(const uint4* h13, int64_t groups_per_row, int64_t total_groups, uint4* hidden) {
@@ -84,6 +91,12 @@ void swiglu_rows(const __nv_bfloat16* h13, int64_t rows, int64_t intermediate, _
   if (total == 0) return;
   swiglu_kernel<<<grid_for((total + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       reinterpret_cast<const uint4*>(h13), intermediate / kVec, total, reinterpret_cast<uint4*>(hidden));
+  CUDA_CHECK_LAUNCH();
+}
+
+void gather_values(const float* src, const int32_t* index, int64_t n, float* dst, cudaStream_t stream) {
+  if (n == 0) return;
+  gather_values_kernel<<<grid_for((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(src, index, n, dst);
   CUDA_CHECK_LAUNCH();
 }
 

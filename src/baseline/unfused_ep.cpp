@@ -7,6 +7,7 @@
 #include "common/cuda_check.h"
 #include "common/require.h"
 #include "common/tiles.h"
+#include "moe/backward/backward_kernels.h"
 
 namespace pounce::baseline {
 
@@ -58,11 +59,12 @@ void UnfusedEpMoe::set_routing(std::span<const std::vector<int32_t>> topk_ids) {
   std::partial_sum(routes[rank_].begin(), routes[rank_].end(), run_start.begin() + 1);
   send_rows_.assign(P, 0);
   for (int d = 0; d < P; ++d) send_rows_[d] = run_start[(d + 1) * local] - run_start[d * local];
-  std::vector<int32_t> send_token(run_start.back()), route_row(mine.size());
+  std::vector<int32_t> send_token(run_start.back()), send_route(run_start.back()), route_row(mine.size());
   std::vector<int64_t> next = run_start;
   for (size_t i = 0; i < mine.size(); ++i) {
     const int64_t row = next[mine[i]]++;
     send_token[row] = int32_t(i / k);
+    send_route[row] = int32_t(i);
     route_row[i] = int32_t(row);
   }
 
@@ -93,12 +95,14 @@ void UnfusedEpMoe::set_routing(std::span<const std::vector<int32_t>> topk_ids) {
   const int64_t H = config_.hidden, I = config_.intermediate;
   const int64_t sent = run_start.back();
   reserve(send_token_, sent);
+  reserve(send_route_, sent);
   reserve(route_row_, int64_t(route_row.size()));
   reserve(pool_source_, padded_rows_);
   reserve(pool_row_, received);
   reserve(expert_offsets_, local + 1);
   reserve(expert_rows_, local);
   send_token_.upload(send_token);
+  send_route_.upload(send_route);
   route_row_.upload(route_row);
   pool_source_.upload(pool_source);
   pool_row_.upload(pool_row);
@@ -109,6 +113,13 @@ void UnfusedEpMoe::set_routing(std::span<const std::vector<int32_t>> topk_ids) {
         std::pair(&back_send_, received), std::pair(&pool_, padded_rows_), std::pair(&out_, padded_rows_)})
     reserve(*buffer, rows * H);
   reserve(hidden_, padded_rows_ * I);
+  // The backward's one float per row (router weights out, route dots back), small: reserved here, so
+  // every rank's exchange buffers exist before any rank's backward exchanges.
+  for (auto [buffer, rows] : {std::pair(&weight_send_, sent), std::pair(&dot_back_recv_, sent),
+                              std::pair(&weight_recv_, received), std::pair(&dot_back_send_, received),
+                              std::pair(&weight_pool_, padded_rows_), std::pair(&dot_pool_, padded_rows_)})
+    reserve(*buffer, rows);
+  kept_ = false;  // a new routing: no forward of it kept anything yet
 }
 
 void UnfusedEpMoe::permute_for_dispatch(const __nv_bfloat16* x, cudaStream_t stream) {
@@ -116,27 +127,90 @@ void UnfusedEpMoe::permute_for_dispatch(const __nv_bfloat16* x, cudaStream_t str
   permute_rows(x, send_token_.data(), total(send_rows_), config_.hidden, send_.data(), stream);
 }
 
-void UnfusedEpMoe::run_experts(cudaStream_t stream) {
+void UnfusedEpMoe::m_grouped(const __nv_bfloat16* a, const __nv_bfloat16* b, gemm::Major b_major, int64_t n, int64_t k,
+                             __nv_bfloat16* c, gemm::Epilogue epilogue, cudaStream_t stream) {
+  gemm::GroupedGemmArgs g;
+  g.a = a;
+  g.a_rows = padded_rows_;
+  g.b = b;
+  g.b_major = b_major;
+  g.experts = config_.local_experts();
+  g.n = n;
+  g.k = k;
+  g.c = c;
+  g.expert_offsets = expert_offsets_.data();
+  g.expert_rows = expert_rows_.data();
+  g.epilogue = epilogue;
+  gemm_.run(g, stream);
+}
+
+void UnfusedEpMoe::run_experts(cudaStream_t stream, bool keep_for_backward) {
   const int64_t H = config_.hidden, I = config_.intermediate;
   permute_rows(recv_.data(), pool_source_.data(), padded_rows_, H, pool_.data(), stream);
-  const auto gemm = [&](const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, int64_t k, __nv_bfloat16* c,
-                        gemm::Epilogue epilogue) {
-    gemm::GroupedGemmArgs g;
-    g.a = a;
-    g.a_rows = padded_rows_;
-    g.b = b;
-    g.experts = config_.local_experts();
-    g.n = n;
-    g.k = k;
-    g.c = c;
-    g.expert_offsets = expert_offsets_.data();
-    g.expert_rows = expert_rows_.data();
-    g.epilogue = epilogue;
-    gemm_.run(g, stream);
-  };
-  gemm(pool_.data(), w13_, 2 * I, H, hidden_.data(), gemm::Epilogue::kSwiGLU);
-  gemm(hidden_.data(), w2_, H, I, out_.data(), gemm::Epilogue::kStore);
+  if (keep_for_backward) {  // the gate/up rows stay for the SwiGLU backward
+    reserve(h13_, padded_rows_ * 2 * I);
+    m_grouped(pool_.data(), w13_, gemm::Major::kK, 2 * I, H, h13_.data(), gemm::Epilogue::kStore, stream);
+    swiglu_rows(h13_.data(), padded_rows_, I, hidden_.data(), stream);
+  } else {
+    m_grouped(pool_.data(), w13_, gemm::Major::kK, 2 * I, H, hidden_.data(), gemm::Epilogue::kSwiGLU, stream);
+  }
+  m_grouped(hidden_.data(), w2_, gemm::Major::kK, H, I, out_.data(), gemm::Epilogue::kStore, stream);
   permute_rows(out_.data(), pool_row_.data(), total(recv_rows_), H, back_send_.data(), stream);
+  kept_ = keep_for_backward;
+}
+
+void UnfusedEpMoe::permute_for_backward(const __nv_bfloat16* dy, const float* topk_weights, cudaStream_t stream) {
+  POUNCE_REQUIRE(kept_,
+                 "unfused EP chain: backward without a training forward on this routing "
+                 "(run_experts with keep_for_backward)");
+  const int64_t sent = total(send_rows_);
+  permute_rows(dy, send_token_.data(), sent, config_.hidden, send_.data(), stream);
+  gather_values(topk_weights, send_route_.data(), sent, weight_send_.data(), stream);
+}
+
+void UnfusedEpMoe::run_experts_backward(void* dw13, void* dw2, WeightGradOutput output, cudaStream_t stream) {
+  POUNCE_REQUIRE(kept_,
+                 "unfused EP chain: backward without a training forward on this routing "
+                 "(run_experts with keep_for_backward)");
+  POUNCE_REQUIRE(dw13 && dw2, "unfused EP chain: null weight-gradient pointer");
+  const int64_t H = config_.hidden, I = config_.intermediate, rows = padded_rows_, received = total(recv_rows_);
+  for (auto [buffer, width] :
+       {std::pair(&dy_pool_, H), std::pair(&da_, I), std::pair(&dgu_, 2 * I), std::pair(&wa_, I)})
+    reserve(*buffer, rows * width);
+  // Into the GEMMs' layout (padding rows: zero dy, zero weight).
+  permute_rows(recv_.data(), pool_source_.data(), rows, H, dy_pool_.data(), stream);
+  gather_values(weight_recv_.data(), pool_source_.data(), rows, weight_pool_.data(), stream);
+  m_grouped(dy_pool_.data(), w2_, gemm::Major::kMN, I, H, da_.data(), gemm::Epilogue::kStore, stream);
+  // Padding rows (pool_source -1) come out zero, as the weight gradients need.
+  moe::backward::swiglu_backward_rows(h13_.data(), da_.data(), weight_pool_.data(), pool_source_.data(), rows, I,
+                                      dgu_.data(), wa_.data(), dot_pool_.data(), stream);
+  m_grouped(dgu_.data(), w13_, gemm::Major::kMN, H, 2 * I, out_.data(), gemm::Epilogue::kStore, stream);
+  permute_rows(out_.data(), pool_row_.data(), received, H, back_send_.data(), stream);
+  gather_values(dot_pool_.data(), pool_row_.data(), received, dot_back_send_.data(), stream);
+
+  const gemm::Epilogue epilogue = output == WeightGradOutput::kAccumulateF32 ? gemm::Epilogue::kAddF32
+                                  : output == WeightGradOutput::kBf16        ? gemm::Epilogue::kStore
+                                                                             : gemm::Epilogue::kStoreF32;
+  const auto k_grouped = [&](const __nv_bfloat16* a, int64_t m, const __nv_bfloat16* b, int64_t n, void* c) {
+    gemm::KGroupedGemmArgs g;
+    g.a = a;
+    g.b = b;
+    g.rows = rows;
+    g.m = m;
+    g.n = n;
+    g.experts = config_.local_experts();
+    g.expert_offsets = expert_offsets_.data();
+    g.c = c;
+    g.epilogue = epilogue;
+    gemm_.run_k_grouped(g, stream);
+  };
+  k_grouped(dy_pool_.data(), H, wa_.data(), I, dw2);     // dW2[e] = dy_rows^T . w a
+  k_grouped(dgu_.data(), 2 * I, pool_.data(), H, dw13);  // dW13[e] = dgu^T . x_rows
+}
+
+void UnfusedEpMoe::combine_backward(__nv_bfloat16* dx, float* d_topk_weights, cudaStream_t stream) {
+  moe::backward::combine_gradients(back_recv_.data(), dot_back_recv_.data(), route_row_.data(), tokens_, config_.topk,
+                                   config_.hidden, dx, d_topk_weights, stream);
 }
 
 void UnfusedEpMoe::combine(const float* topk_weights, __nv_bfloat16* y, cudaStream_t stream) {
@@ -144,19 +218,29 @@ void UnfusedEpMoe::combine(const float* topk_weights, __nv_bfloat16* y, cudaStre
                    stream);
 }
 
-RowExchange UnfusedEpMoe::dispatch_exchange() const { return {send_.data(), send_rows_, recv_.data(), recv_rows_}; }
-RowExchange UnfusedEpMoe::return_exchange() const {
-  return {back_send_.data(), recv_rows_, back_recv_.data(), send_rows_};
+RowExchange UnfusedEpMoe::exchange(Exchange which) const {
+  const int64_t row = config_.hidden * int64_t(sizeof(__nv_bfloat16));
+  switch (which) {
+    case Exchange::kDispatch:
+      return {send_.data(), send_rows_, recv_.data(), recv_rows_, row};
+    case Exchange::kReturn:
+      return {back_send_.data(), recv_rows_, back_recv_.data(), send_rows_, row};
+    case Exchange::kWeights:
+      return {weight_send_.data(), send_rows_, weight_recv_.data(), recv_rows_, sizeof(float)};
+    case Exchange::kDots:
+      return {dot_back_send_.data(), recv_rows_, dot_back_recv_.data(), send_rows_, sizeof(float)};
+  }
+  return {};
 }
 
 int64_t UnfusedEpMoe::rows_to_others() const {
   return total(send_rows_) - send_rows_[rank_] + total(recv_rows_) - recv_rows_[rank_];
 }
 
-void exchange_on_one_gpu(std::span<UnfusedEpMoe* const> ranks, bool dispatch, int64_t hidden, cudaStream_t stream) {
+void exchange_on_one_gpu(std::span<UnfusedEpMoe* const> ranks, Exchange which, cudaStream_t stream) {
   const int P = int(ranks.size());
   std::vector<RowExchange> ex;
-  for (const UnfusedEpMoe* r : ranks) ex.push_back(dispatch ? r->dispatch_exchange() : r->return_exchange());
+  for (const UnfusedEpMoe* r : ranks) ex.push_back(r->exchange(which));
   for (int s = 0; s < P; ++s) {
     int64_t from = 0;  // rows of s's send buffer before destination d's
     for (int d = 0; d < P; ++d) {
@@ -165,25 +249,28 @@ void exchange_on_one_gpu(std::span<UnfusedEpMoe* const> ranks, bool dispatch, in
       const int64_t rows = ex[s].send_rows[d];
       POUNCE_REQUIRE(rows == ex[d].recv_rows[s], "unfused EP chain: rank ", s, " sends ", rows, " rows to rank ", d,
                      ", which expects ", ex[d].recv_rows[s], " (routings set differently)");
+      const int64_t bytes = ex[s].row_bytes;
       if (rows > 0)
-        CUDA_CHECK(cudaMemcpyAsync(ex[d].recv + to * hidden, ex[s].send + from * hidden, rows * hidden * 2,
+        CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(ex[d].recv) + to * bytes,
+                                   static_cast<const uint8_t*>(ex[s].send) + from * bytes, rows * bytes,
                                    cudaMemcpyDeviceToDevice, stream));
       from += rows;
     }
   }
 }
 
-void exchange_over_nccl(const RowExchange& exchange, int64_t hidden, ncclComm_t comm, cudaStream_t stream) {
+void exchange_over_nccl(const RowExchange& exchange, ncclComm_t comm, cudaStream_t stream) {
   const int P = int(exchange.send_rows.size());
+  const int64_t bytes = exchange.row_bytes;  // rows move as bytes: NCCL copies them, it does not reduce
+  const auto* send = static_cast<const uint8_t*>(exchange.send);
+  auto* recv = static_cast<uint8_t*>(exchange.recv);
   NCCL_CHECK(ncclGroupStart());
   int64_t sent = 0, received = 0;
   for (int r = 0; r < P; ++r) {
     if (exchange.send_rows[r] > 0)
-      NCCL_CHECK(ncclSend(exchange.send + sent * hidden, size_t(exchange.send_rows[r] * hidden), ncclBfloat16, r, comm,
-                          stream));
+      NCCL_CHECK(ncclSend(send + sent * bytes, size_t(exchange.send_rows[r] * bytes), ncclUint8, r, comm, stream));
     if (exchange.recv_rows[r] > 0)
-      NCCL_CHECK(ncclRecv(exchange.recv + received * hidden, size_t(exchange.recv_rows[r] * hidden), ncclBfloat16, r,
-                          comm, stream));
+      NCCL_CHECK(ncclRecv(recv + received * bytes, size_t(exchange.recv_rows[r] * bytes), ncclUint8, r, comm, stream));
     sent += exchange.send_rows[r];
     received += exchange.recv_rows[r];
   }

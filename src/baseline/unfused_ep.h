@@ -10,6 +10,11 @@
 //   5. the weighted combine: y[t] = sum_k w[t,k] * row of route (t, k), k in order, fp32.
 // The routing is planned on the host from every rank's topk_ids, once, outside the forward: the chain's
 // best case (no exchange of counts, no host synchronization in a forward).
+// The backward retraces it: dy rows (and each route's router weight) out by the dispatch exchange, the
+// experts' data gradients (dgrad down, the SwiGLU backward with the router weights and each route's
+// <da, a>, dgrad gate/up) and weight gradients on the expert ranks, dx rows (and the route dots) back by
+// the return exchange, then dx[t] = sum_k of its rows and d_topk_weights[t, k] = <da, a> of the route.
+// A training forward keeps GEMM1's gate/up rows (GEMM1, then a SwiGLU pass) and the x rows it pooled.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -23,16 +28,25 @@
 #include "common/device_buffer.h"
 #include "gemm/grouped_gemm.h"
 #include "pounce/config.h"
+#include "pounce/fused_moe.h"
 
 namespace pounce::baseline {
 
 // One exchange of one rank: rows to every destination rank, in rank order, from `send`; rows from every
-// source rank, in rank order, into `recv`. Rows are H bf16.
+// source rank, in rank order, into `recv`. A row is `row_bytes` bytes: H bf16, or one float.
 struct RowExchange {
-  const __nv_bfloat16* send = nullptr;
+  const void* send = nullptr;
   std::vector<int64_t> send_rows;  // [P]
-  __nv_bfloat16* recv = nullptr;
+  void* recv = nullptr;
   std::vector<int64_t> recv_rows;  // [P]
+  int64_t row_bytes = 0;
+};
+
+enum class Exchange {
+  kDispatch,  // x rows (forward) or dy rows (backward) to the experts' ranks
+  kReturn,    // output rows (forward) or dx rows (backward) back to their source ranks
+  kWeights,   // backward: each route's router weight, beside its dy row
+  kDots,      // backward: each route's <da, a> (its router-weight gradient), beside its dx row
 };
 
 class UnfusedEpMoe {
@@ -47,12 +61,18 @@ class UnfusedEpMoe {
   void set_routing(std::span<const std::vector<int32_t>> topk_ids);
 
   // The forward's steps, on one stream, with the two exchanges between them (exchange_on_one_gpu or
-  // exchange_over_nccl): permute_for_dispatch, dispatch exchange, run_experts, return exchange, combine.
+  // exchange_over_nccl): permute_for_dispatch, kDispatch, run_experts, kReturn, combine. A training
+  // forward (keep_for_backward) keeps what the backward reads.
   void permute_for_dispatch(const __nv_bfloat16* x, cudaStream_t stream);
-  void run_experts(cudaStream_t stream);
+  void run_experts(cudaStream_t stream, bool keep_for_backward = false);
   void combine(const float* topk_weights, __nv_bfloat16* y, cudaStream_t stream);
-  RowExchange dispatch_exchange() const;
-  RowExchange return_exchange() const;
+  // The backward of the latest training forward, on the same routing: permute_for_backward, kDispatch and
+  // kWeights, run_experts_backward, kReturn and kDots, combine_backward. Weight gradients of this rank's
+  // experts: dw13 [E/P, 2I, H], dw2 [E/P, H, I], bf16 or fp32, or added into fp32 (`output`).
+  void permute_for_backward(const __nv_bfloat16* dy, const float* topk_weights, cudaStream_t stream);
+  void run_experts_backward(void* dw13, void* dw2, WeightGradOutput output, cudaStream_t stream);
+  void combine_backward(__nv_bfloat16* dx, float* d_topk_weights, cudaStream_t stream);
+  RowExchange exchange(Exchange which) const;
 
   int64_t tokens() const { return tokens_; }
   // Rows this rank sends to other ranks in one forward, both exchanges together (it receives as many:
@@ -62,6 +82,9 @@ class UnfusedEpMoe {
   void check_device_errors() { gemm_.check_device_errors(); }
 
  private:
+  void m_grouped(const __nv_bfloat16* a, const __nv_bfloat16* b, gemm::Major b_major, int64_t n, int64_t k,
+                 __nv_bfloat16* c, gemm::Epilogue epilogue, cudaStream_t stream);
+
   EpConfig config_;
   int rank_;
   int64_t tokens_ = 0;
@@ -69,19 +92,26 @@ class UnfusedEpMoe {
   const __nv_bfloat16* w2_ = nullptr;
   std::vector<int64_t> send_rows_, recv_rows_;  // [P]: this rank's rows to and from each rank
   int64_t padded_rows_ = 0;
+  bool kept_ = false;                     // the latest forward kept its rows for a backward
   DeviceBuffer<int32_t> send_token_;      // [sent rows]: the token of each send row
+  DeviceBuffer<int32_t> send_route_;      // [sent rows]: the route (t * k + j) of each send row
   DeviceBuffer<int32_t> route_row_;       // [tokens, k]: the send (and returned) row of each route
   DeviceBuffer<int32_t> pool_source_;     // [padded rows]: the received row of each GEMM row, -1: padding
   DeviceBuffer<int32_t> pool_row_;        // [received rows]: the GEMM row of each received row
   DeviceBuffer<int32_t> expert_offsets_;  // [E/P + 1]
   DeviceBuffer<int32_t> expert_rows_;     // [E/P]: the routed rows of each expert
+  // Rows in send, received and GEMM (pool) order. The backward reuses the forward's exchange buffers for
+  // its dy and dx rows, and reads the pooled x rows (pool_) and the kept gate/up rows (h13_).
   DeviceBuffer<__nv_bfloat16> send_, recv_, pool_, hidden_, out_, back_send_, back_recv_;
+  DeviceBuffer<__nv_bfloat16> h13_, dy_pool_, da_, dgu_, wa_;  // [padded rows, 2I / H / I / 2I / I]
+  // One float per row: router weights (send, received, pool order) and route dots (pool, received, send).
+  DeviceBuffer<float> weight_send_, weight_recv_, weight_pool_, dot_pool_, dot_back_send_, dot_back_recv_;
   gemm::GroupedGemm gemm_;
 };
 
-// Both exchanges of virtual ranks on one GPU (ranks[r] is rank r): copies, in stream order.
-void exchange_on_one_gpu(std::span<UnfusedEpMoe* const> ranks, bool dispatch, int64_t hidden, cudaStream_t stream);
+// One exchange of virtual ranks on one GPU (ranks[r] is rank r): copies, in stream order.
+void exchange_on_one_gpu(std::span<UnfusedEpMoe* const> ranks, Exchange which, cudaStream_t stream);
 // One rank's part of an exchange over NCCL: grouped sends and receives on `stream`.
-void exchange_over_nccl(const RowExchange& exchange, int64_t hidden, ncclComm_t comm, cudaStream_t stream);
+void exchange_over_nccl(const RowExchange& exchange, ncclComm_t comm, cudaStream_t stream);
 
 }  // namespace pounce::baseline

@@ -4,8 +4,9 @@
 // expert-parallel chain (NCCL all-to-all, pounce's grouped GEMMs, all-to-all back; baseline/unfused_ep.h)
 // on the same inputs. Reports each forward's time (the slowest rank's median), per-GPU TFLOP/s, the
 // NVLink bytes each GPU sent and received per second (the same rows either way), and how far the two
-// outputs are apart; then the fused layer's training step (a forward that keeps its rows and the
-// backward across GPUs from them). JSON to --json; options: --help.
+// outputs are apart; then the training step (a forward that keeps its rows and the backward across GPUs
+// from them) of both, timed interleaved the same way, with how far their dx are apart. JSON to --json;
+// options: --help.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -84,8 +85,8 @@ int run(int argc, char** argv) {
 
   const int64_t w13_elems = E / P * 2 * I * H, w2_elems = E / P * H * I;
   std::vector<ncclComm_t> comms = comm::init_single_process_comms_on_first(P);
-  std::vector<Timing> timings(P), unfused_timings(P), step_timings(P);
-  std::vector<OutputError> unfused_vs_fused(P);
+  std::vector<Timing> timings(P), unfused_timings(P), step_timings(P), unfused_step_timings(P);
+  std::vector<OutputError> unfused_vs_fused(P), unfused_vs_fused_dx(P);
   int comm_ctas = 0;
   int64_t layer_bytes = 0;
   std::vector<std::optional<DeviceBuffer<__nv_bfloat16>>> w13(P), w2(P), x(P), y(P), y_unfused(P);
@@ -118,9 +119,9 @@ int run(int argc, char** argv) {
         chain.set_routing(ids);
         const auto unfused_forward = [&] {
           chain.permute_for_dispatch(x[r]->data(), nullptr);
-          baseline::exchange_over_nccl(chain.dispatch_exchange(), H, comms[r], nullptr);
+          baseline::exchange_over_nccl(chain.exchange(baseline::Exchange::kDispatch), comms[r], nullptr);
           chain.run_experts(nullptr);
-          baseline::exchange_over_nccl(chain.return_exchange(), H, comms[r], nullptr);
+          baseline::exchange_over_nccl(chain.exchange(baseline::Exchange::kReturn), comms[r], nullptr);
           chain.combine(d_weights[r]->data(), y_unfused[r]->data(), nullptr);
         };
         // Every rank launches its forwards back to back, the two layers alternating in the same order on
@@ -139,21 +140,50 @@ int run(int argc, char** argv) {
         CUDA_CHECK(synced);
         unfused_vs_fused[r] = compare.error();
 
-        // The fused layer's training step: a forward that keeps its rows, then the backward across GPUs
-        // (bf16 weight gradients, what the Python package asks for).
+        // The training step of both: a forward that keeps its rows, then the backward across GPUs from
+        // them (bf16 weight gradients, what the Python package asks for). The unfused chain sends the
+        // dy rows and router weights out and the dx rows and route dots back, each pair in one NCCL group.
         DeviceBuffer<__nv_bfloat16> dy(T * H), dx(T * H), dw13(w13_elems), dw2(w2_elems);
-        DeviceBuffer<float> d_topk(T * k);
+        DeviceBuffer<__nv_bfloat16> u_dx(T * H), u_dw13(w13_elems), u_dw2(w2_elems);
+        DeviceBuffer<float> d_topk(T * k), u_d_topk(T * k);
         fill_random_bf16(dy.data(), dy.size(), 300 + r, 1.0f, nullptr);
         const RankGrads grads{dy.data(), dx.data(), d_topk.data(), dw13.data(), dw2.data()};
-        step_timings[r] = time_interleaved(std::vector<std::function<void(int)>>{[&](int) {
-                                             layer.forward(std::span(&io, 1), nullptr, /*keep_for_backward=*/true);
-                                             layer.backward(std::span(&io, 1), std::span(&grads, 1),
-                                                            WeightGradOutput::kBf16, nullptr);
-                                           }},
-                                           nullptr, warmup, reps)[0];
+        const auto unfused_step = [&] {
+          chain.permute_for_dispatch(x[r]->data(), nullptr);
+          baseline::exchange_over_nccl(chain.exchange(baseline::Exchange::kDispatch), comms[r], nullptr);
+          chain.run_experts(nullptr, /*keep_for_backward=*/true);
+          baseline::exchange_over_nccl(chain.exchange(baseline::Exchange::kReturn), comms[r], nullptr);
+          chain.combine(d_weights[r]->data(), y_unfused[r]->data(), nullptr);
+          chain.permute_for_backward(dy.data(), d_weights[r]->data(), nullptr);
+          NCCL_CHECK(ncclGroupStart());
+          baseline::exchange_over_nccl(chain.exchange(baseline::Exchange::kDispatch), comms[r], nullptr);
+          baseline::exchange_over_nccl(chain.exchange(baseline::Exchange::kWeights), comms[r], nullptr);
+          NCCL_CHECK(ncclGroupEnd());
+          chain.run_experts_backward(u_dw13.data(), u_dw2.data(), WeightGradOutput::kBf16, nullptr);
+          NCCL_CHECK(ncclGroupStart());
+          baseline::exchange_over_nccl(chain.exchange(baseline::Exchange::kReturn), comms[r], nullptr);
+          baseline::exchange_over_nccl(chain.exchange(baseline::Exchange::kDots), comms[r], nullptr);
+          NCCL_CHECK(ncclGroupEnd());
+          chain.combine_backward(u_dx.data(), u_d_topk.data(), nullptr);
+        };
+        const std::vector<Timing> steps = time_interleaved(
+            std::vector<std::function<void(int)>>{[&](int) {
+                                                    layer.forward(std::span(&io, 1), nullptr,
+                                                                  /*keep_for_backward=*/true);
+                                                    layer.backward(std::span(&io, 1), std::span(&grads, 1),
+                                                                   WeightGradOutput::kBf16, nullptr);
+                                                  },
+                                                  [&](int) { unfused_step(); }},
+            nullptr, warmup, reps);
+        step_timings[r] = steps[0];
+        unfused_step_timings[r] = steps[1];
+        RowComparison compare_dx(T);
+        compare_dx.enqueue(u_dx.data(), dx.data(), H, nullptr, nullptr);
         const cudaError_t stepped = cudaDeviceSynchronize();
         layer.check_device_errors();
+        chain.check_device_errors();
         CUDA_CHECK(stepped);
+        unfused_vs_fused_dx[r] = compare_dx.error();
       },
       [&](int r) {
         layers[r].reset();
@@ -164,11 +194,12 @@ int run(int argc, char** argv) {
   comm::destroy_single_process_comms(comms);
   for (int r = 0; r < P; ++r) POUNCE_REQUIRE(failures[r].empty(), "rank ", r, ": ", failures[r]);
 
-  double slowest = 0, unfused_slowest = 0, step_slowest = 0;
+  double slowest = 0, unfused_slowest = 0, step_slowest = 0, unfused_step_slowest = 0;
   for (int r = 0; r < P; ++r) {
     slowest = std::max(slowest, timings[r].median_ms);
     unfused_slowest = std::max(unfused_slowest, unfused_timings[r].median_ms);
     step_slowest = std::max(step_slowest, step_timings[r].median_ms);
+    unfused_step_slowest = std::max(unfused_step_slowest, unfused_step_timings[r].median_ms);
   }
   const char* commit = std::getenv("POUNCE_COMMIT");
   Json out = {{"gpu", gpu_info().name},
@@ -181,7 +212,9 @@ int run(int argc, char** argv) {
               {"forward_ms_slowest_rank", slowest},
               {"unfused_forward_ms_slowest_rank", unfused_slowest},
               {"speedup_vs_unfused", unfused_slowest / slowest},
-              {"training_step_ms_slowest_rank", step_slowest}};
+              {"training_step_ms_slowest_rank", step_slowest},
+              {"unfused_training_step_ms_slowest_rank", unfused_step_slowest},
+              {"training_step_speedup_vs_unfused", unfused_step_slowest / step_slowest}};
   // Memory per GPU: its experts' weights, and what the layer allocated (ring, schedule, combine slots).
   const int64_t weight_bytes = int64_t(w13_elems + w2_elems) * 2;
   out["weight_bytes_per_gpu"] = weight_bytes;
@@ -193,10 +226,12 @@ int run(int argc, char** argv) {
   std::printf("fused %.3f ms, unfused expert-parallel chain %.3f ms (slowest ranks' medians): %.3fx\n", slowest,
               unfused_slowest, unfused_slowest / slowest);
   std::printf(
-      "fused training step (forward keeping its rows + backward across GPUs): %.3f ms (slowest rank's median)\n",
-      step_slowest);
+      "training step (forward keeping its rows + backward across GPUs): fused %.3f ms, unfused chain %.3f ms "
+      "(slowest ranks' medians): %.3fx\n",
+      step_slowest, unfused_step_slowest, unfused_step_slowest / step_slowest);
   std::printf(
-      "rank  fused ms  TFLOP/s  NVLink GB/s out  in  unfused ms  NVLink GB/s out  in  unfused vs fused (rel. L2)\n");
+      "rank  fused ms  TFLOP/s  NVLink GB/s out  in  unfused ms  NVLink GB/s out  in  unfused vs fused: y, dx "
+      "(rel. L2)\n");
   bool outputs_agree = true;
   for (int r = 0; r < P; ++r) {
     const double flops = 6.0 * routes_in[r] * double(H) * double(I);
@@ -204,9 +239,11 @@ int run(int argc, char** argv) {
     const double out_gbps = sent[r] / (slowest * 1e-3) / 1e9, in_gbps = received[r] / (slowest * 1e-3) / 1e9;
     const double u_out = sent[r] / (unfused_slowest * 1e-3) / 1e9, u_in = received[r] / (unfused_slowest * 1e-3) / 1e9;
     const OutputError& e = unfused_vs_fused[r];
-    outputs_agree = outputs_agree && e.relative_l2 < kMaxRelativeL2 && e.worst_row < kMaxWorstToken;
-    std::printf("%4d  %8.3f  %7.1f  %15.1f  %4.1f  %10.3f  %15.1f  %4.1f  %.2e\n", r, timings[r].median_ms, tflops,
-                out_gbps, in_gbps, unfused_timings[r].median_ms, u_out, u_in, e.relative_l2);
+    const OutputError& e_dx = unfused_vs_fused_dx[r];
+    outputs_agree = outputs_agree && e.relative_l2 < kMaxRelativeL2 && e.worst_row < kMaxWorstToken &&
+                    e_dx.relative_l2 < kMaxRelativeL2 && e_dx.worst_row < kMaxWorstToken;
+    std::printf("%4d  %8.3f  %7.1f  %15.1f  %4.1f  %10.3f  %15.1f  %4.1f  %.2e, %.2e\n", r, timings[r].median_ms,
+                tflops, out_gbps, in_gbps, unfused_timings[r].median_ms, u_out, u_in, e.relative_l2, e_dx.relative_l2);
     ranks.push_back({{"rank", r},
                      {"timing", timings[r]},
                      {"tflops_at_slowest", tflops},
@@ -221,13 +258,15 @@ int run(int argc, char** argv) {
                      {"training_step_timing", step_timings[r]},
                      {"training_step_tflops_at_slowest", 3 * flops / (step_slowest * 1e-3) / 1e12},
                      {"training_step_nvlink_out_gbps", 2 * sent[r] / (step_slowest * 1e-3) / 1e9},
-                     {"training_step_nvlink_in_gbps", 2 * received[r] / (step_slowest * 1e-3) / 1e9}});
+                     {"training_step_nvlink_in_gbps", 2 * received[r] / (step_slowest * 1e-3) / 1e9},
+                     {"unfused_training_step_timing", unfused_step_timings[r]},
+                     {"unfused_vs_fused_dx", {{"relative_l2", e_dx.relative_l2}, {"worst_token", e_dx.worst_row}}}});
   }
   out["ranks"] = ranks;
   out["outputs_agree"] = outputs_agree;
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << '\n';
   POUNCE_REQUIRE(outputs_agree,
-                 "the unfused chain's output and the fused layer's differ beyond the limits (relative L2 ",
+                 "the unfused chain's output or dx and the fused layer's differ beyond the limits (relative L2 ",
                  kMaxRelativeL2, ", worst token ", kMaxWorstToken, "): see the table");
   return 0;
 }

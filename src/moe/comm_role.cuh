@@ -6,6 +6,8 @@
 //   C(b): wait until GEMM2 finished m-block b; push each row to slot [token, k] of its source rank, then
 //         count it in that rank's arrivals[token] (system scope); release combined[b] (frees the slot).
 // In place (one rank, the ring holds every m-block) the queue is D(0) ... D(M-1): nothing is combined.
+// The backward across ranks adds X(b) (backward_comm_item): pull m-block b's x rows from the kept
+// forward's source ranks for the weight gradients, which run after the kernel (its end publishes them).
 // The opening D(0) ... D(m0-1) (the first minibatch) is pulled before the queue starts, in pieces of
 // kPieceRows rows by every CTA of the rank (pull_opening), so the queue's first ticket is D(m0).
 // Padding rows are never copied: the ring slot keeps stale rows there, whose outputs nobody reads.
@@ -52,7 +54,8 @@ template <int kThreads>
 __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs, int lr, CommShared& cs) {
   const planner::DeviceScheduleSizes sizes = *rs.sizes;
   const uint32_t row_bytes = uint32_t(p.hidden) * 2;
-  const int64_t items = (p.in_place ? 1 : 2) * int64_t(sizes.m_blocks);  // in place: D(b) only
+  const bool pull_x = p.backward && p.bwd.x_rows != nullptr;
+  const int64_t items = (p.in_place ? 1 : pull_x ? 3 : 2) * int64_t(sizes.m_blocks);  // in place: D(b) only
   const int64_t opening = opening_blocks(sizes.m_blocks, p.blocks_per_minibatch);
   const bool stalled = p.stall_rank == rs.rank;  // fault injection: never take an item
   CopyEngine engine(cs.engine, WaitSite{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank});
@@ -63,9 +66,12 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
       const int64_t i = stalled ? items : opening + atomicAdd(&rs.control[kCommTicket], 1u);
       bool go = i < items;
       if (go) {
-        const CommItem item = comm_item(i, sizes.m_blocks, p.ring_blocks);
+        const CommItem item =
+            pull_x ? backward_comm_item(i, sizes.m_blocks) : comm_item(i, sizes.m_blocks, p.ring_blocks);
         const int32_t b = item.m_block;
-        if (!item.combine) {
+        if (item.x_rows) {
+          ptx::fence_proxy_async_global();  // like D(b): the rows are read by bulk loads (async proxy)
+        } else if (!item.combine) {
           const WaitSite site{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank};
           go = b < p.ring_blocks || counter_wait_bounded(&rs.combined[b - p.ring_blocks], epoch(p) * p.steps.combined,
                                                          site, WaitTarget::kRingSlotFree, b);
@@ -94,7 +100,10 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
       const int32_t rank = rs.row_source_rank[row];
       const void* src = nullptr;
       void* dst = nullptr;
-      if (rank >= 0 && !item.combine) {
+      if (rank >= 0 && item.x_rows) {
+        src = p.bwd.x_source[rank] + int64_t(rs.row_token[row]) * p.hidden;
+        dst = p.bwd.x_rows + ring_row(p, lr, b, r) * p.hidden;
+      } else if (rank >= 0 && !item.combine) {
         src = p.peers.x[rank] + int64_t(rs.row_token[row]) * p.hidden;
         dst = p.x_ring + ring_row(p, lr, b, r) * p.hidden;
         if (p.backward) pull_row_weight(p, rs, lr, b, r);
@@ -108,7 +117,9 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
     __syncthreads();
     move_rows<kThreads>(engine, cs.src, cs.dst, row_bytes, p.engine_rows);
     if (threadIdx.x == 0) {
-      if (!item.combine) {
+      if (item.x_rows) {
+        // Nothing in this kernel reads them: its end orders them before the weight gradients.
+      } else if (!item.combine) {
         ptx::red_release_gpu_add(&rs.dispatched[b], p.steps.dispatched);
       } else {
         // NOTES: release pattern for the arrivals: one system-scope fence orders every pushed row (landed
@@ -122,7 +133,8 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
         }
         ptx::red_release_gpu_add(&rs.combined[b], p.steps.combined);
       }
-      timeline::record(p.timeline, item.combine ? TimelineSpan::kCombine : TimelineSpan::kDispatch, taken, b);
+      timeline::record(p.timeline, item.combine ? TimelineSpan::kCombine : TimelineSpan::kDispatch, taken, b,
+                       item.x_rows ? 1 : 0);
     }
   }
 }

@@ -544,7 +544,7 @@ constexpr uint8_t kForwardKernel = 0, kFirstBackwardKernel = 1, kFusedBackwardKe
 int64_t FusedLayer::FusedBackwardState::bytes() const {
   int64_t bytes = 0;
   for (size_t b : {counters.bytes(), epoch.bytes(), peer_words.bytes(), dy_rows.bytes(), da.bytes(), dgu.bytes(),
-                   wa.bytes(), dx_rows.bytes(), segment_dots.bytes(), row_weight.bytes()})
+                   wa.bytes(), dx_rows.bytes(), segment_dots.bytes(), row_weight.bytes(), x_rows.bytes()})
     bytes += int64_t(b);
   return bytes;
 }
@@ -587,6 +587,7 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
     s->dx_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
     s->segment_dots = DeviceBuffer<float>(ring_rows * backward::segments_per_row(I / 8));
     s->row_weight = DeviceBuffer<float>(ring_rows);
+    if (P > 1) s->x_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);  // in place the forward's ring has them
     for (auto* words : {&s->counters, &s->epoch, &s->peer_words}) words->fill_bytes(0);
     s->dy_rows.fill_bytes(0);  // padding rows feed the first GEMM before their S item zeroes them
     fused_backward_ = std::move(s);
@@ -606,7 +607,15 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
   p.h_ring = s.da.data();
   p.out_ring = s.dx_rows.data();
   if (timeline_) p.timeline.kernel = kFusedBackwardKernel;
-  p.bwd = {gate_up_kept_.data(), s.dgu.data(), s.wa.data(), {}, {}, s.segment_dots.data(), s.row_weight.data()};
+  p.bwd = {gate_up_kept_.data(),
+           s.dgu.data(),
+           s.wa.data(),
+           {},
+           {},
+           s.segment_dots.data(),
+           s.row_weight.data(),
+           {},
+           P > 1 ? s.x_rows.data() : nullptr};
   const int kept_parity = int(forwards_ % 2), dy_parity = 1 - kept_parity;
   const int rank = params_.first_rank;
   if (window_) {
@@ -623,6 +632,7 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
       p.peers.start_flags[r] = p.peers.arrivals[r] + T;
       p.bwd.topk_weights[r] = window_weights_[r];
       p.bwd.d_topk_weights[r] = window_d_topk_[r];
+      p.bwd.x_source[r] = window_x_[kept_parity][r];
     }
   } else {
     for (int r = 0; r < P; ++r) {  // virtual ranks: launch rank r is rank r
@@ -632,6 +642,7 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
       p.peers.start_flags[r] = p.peers.arrivals[r] + T;
       p.bwd.topk_weights[r] = forward_inputs[r].topk_weights;
       p.bwd.d_topk_weights[r] = grads[r].d_topk_weights;
+      p.bwd.x_source[r] = forward_inputs[r].x;
     }
   }
   for (int lr = 0; lr < L; ++lr) {
@@ -663,16 +674,20 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
                                forward_inputs[0].tokens * config_.topk * sizeof(float), cudaMemcpyDeviceToDevice,
                                stream));
 
-  // The x rows of the weight gradients come from every source rank's tokens: across GPUs, the copies in
-  // the kept forward's window buffers (no rank overwrites them before the forward after next starts).
+  // The x rows of the weight gradients: in place, the forward's ring; with more ranks, the kernel's X
+  // items pulled them from the source ranks' kept forward inputs (across GPUs the window copies, which
+  // no rank overwrites before the forward after next starts) into s.x_rows, in schedule order.
   std::vector<const __nv_bfloat16*> x(P);
   for (int r = 0; r < P; ++r) x[r] = window_ ? window_x_[kept_parity][r] : sources[r].x;
   const int64_t rank_rows = M * kBlockM;
-  for (int lr = 0; lr < L; ++lr)
-    backward_->run_weight_gradients(rank + lr, x, experts[lr], kept_rows(lr),
+  for (int lr = 0; lr < L; ++lr) {
+    KeptForward rows = kept_rows(lr);
+    if (P > 1) rows.x_rows = s.x_rows.data() + lr * rank_rows * H;
+    backward_->run_weight_gradients(rank + lr, x, experts[lr], rows,
                                     {s.dy_rows.data() + lr * rank_rows * H, s.dgu.data() + lr * rank_rows * 2 * I,
                                      s.wa.data() + lr * rank_rows * I},
                                     stream);
+  }
 }
 
 TimelineSink FusedLayer::backward_timeline() {

@@ -124,6 +124,7 @@ class FusedLayer {
   struct FusedBackwardState {
     DeviceBuffer<uint32_t> counters, epoch, peer_words;
     DeviceBuffer<__nv_bfloat16> dy_rows, da, dgu, wa, dx_rows;
+    DeviceBuffer<__nv_bfloat16> x_rows;  // more than one rank: the x rows the kernel pulled (BackwardRows::x_rows)
     DeviceBuffer<float> segment_dots, row_weight;
     int64_t bytes() const;
   };

@@ -770,7 +770,9 @@ void expect_gradients(const Gradients& got, const reference::MoeGradients& want,
     const auto got13 = slice(got.dw13, e * 2 * I * H, 2 * I * H), got2 = slice(got.dw2, e * H * I, H * I);
     const auto want13 = slice(want.dw13, e * 2 * I * H, 2 * I * H), want2 = slice(want.dw2, e * H * I, H * I);
     if (std::all_of(want13.begin(), want13.end(), [](double v) { return v == 0; })) {
+      // Nobody chose it, or only with zero weights: both gradients exactly zero.
       EXPECT_TRUE(std::all_of(got13.begin(), got13.end(), [](float v) { return v == 0; })) << "expert " << e;
+      EXPECT_TRUE(std::all_of(got2.begin(), got2.end(), [](float v) { return v == 0; })) << "expert " << e;
       continue;
     }
     EXPECT_LT(testing::relative_l2_error(got13, want13), 2e-2) << "dW13 of expert " << e;

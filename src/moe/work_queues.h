@@ -17,6 +17,7 @@ namespace pounce::moe {
 struct CommItem {
   bool combine;  // C(b) pushes m-block b out; D(b) pulls it in
   int32_t m_block;
+  bool x_rows = false;  // X(b), the backward across ranks: pulls the kept forward's x rows of m-block b
 };
 
 // Item i (< 2M) of a queue with M m-blocks and R ring blocks.
@@ -27,6 +28,17 @@ POUNCE_HOST_DEVICE inline CommItem comm_item(int64_t i, int32_t m_blocks, int32_
   const int64_t pairs = m_blocks - head;  // C(b), D(b + R) for b < M - R
   if (u < 2 * pairs) return {u % 2 == 0, int32_t(u % 2 == 0 ? u / 2 : u / 2 + ring_blocks)};
   return {true, int32_t(pairs + (u - 2 * pairs))};
+}
+
+// Item i (< 3M) of the backward's queue across ranks, where every m-block has its own ring slot
+// (FusedLayer::fused_backward sets ring_blocks to the capacity's m-blocks; with fewer, D(b >= R) would
+// wait for a C item queued behind it) and the weight gradients need each row's x beside its dy: D(0) ... D(M-1), X(0)
+// ... X(M-1), C(0) ... C(M-1). Neither D nor X items wait; the pushes wait for the GEMMs, so the x rows move while the
+// first GEMMs run.
+POUNCE_HOST_DEVICE inline CommItem backward_comm_item(int64_t i, int32_t m_blocks) {
+  if (i < m_blocks) return {false, int32_t(i)};
+  if (i < 2 * int64_t(m_blocks)) return {false, int32_t(i - m_blocks), true};
+  return {true, int32_t(i - 2 * int64_t(m_blocks))};
 }
 
 // M-blocks of the opening: the first minibatch, which every CTA of a rank pulls in pieces right after

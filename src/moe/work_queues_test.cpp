@@ -58,6 +58,35 @@ TEST(CommQueue, InPlaceTakesEveryDispatchInOrder) {
     }
 }
 
+// The backward across ranks (every m-block has a ring slot) also pulls each m-block's x rows: every
+// D, X and C item once, the pulls (D, then X) ahead of every push, which alone waits (for the GEMMs).
+TEST(CommQueue, BackwardPullsEveryDyAndXRowOnceBeforeAnyPush) {
+  for (int32_t m_blocks : {0, 1, 2, 7, 100}) {
+    SCOPED_TRACE("M " + std::to_string(m_blocks));
+    std::vector<int64_t> pulled(m_blocks, -1), pulled_x(m_blocks, -1), pushed(m_blocks, -1);
+    for (int64_t i = 0; i < 3 * int64_t(m_blocks); ++i) {
+      const CommItem item = backward_comm_item(i, m_blocks);
+      ASSERT_GE(item.m_block, 0);
+      ASSERT_LT(item.m_block, m_blocks);
+      ASSERT_FALSE(item.combine && item.x_rows);
+      int64_t& at = item.combine ? pushed[item.m_block] : item.x_rows ? pulled_x[item.m_block] : pulled[item.m_block];
+      ASSERT_EQ(at, -1) << "item " << i << " repeats m-block " << item.m_block;
+      at = i;
+    }
+    for (int32_t b = 0; b < m_blocks; ++b) {
+      EXPECT_EQ(pulled[b], b) << "D items first, in m-block order (the opening is the first of them)";
+      EXPECT_GT(pulled_x[b], *std::max_element(pulled.begin(), pulled.end()));
+      EXPECT_GT(pushed[b], *std::max_element(pulled_x.begin(), pulled_x.end()));
+    }
+    // Without X items the backward's queue (ring of every m-block) is the forward's: D(0..M-1), C(0..M-1).
+    for (int64_t i = 0; i < 2 * int64_t(m_blocks); ++i) {
+      const CommItem item = comm_item(i, m_blocks, m_blocks);
+      EXPECT_EQ(item.combine, i >= m_blocks);
+      EXPECT_EQ(item.m_block, i % std::max(m_blocks, 1));
+    }
+  }
+}
+
 // The opening (the first minibatch, pulled by every CTA before the queues start) is the queue's first
 // items, all dispatches into slots with no earlier tenant: it waits for nothing.
 TEST(CommQueue, OpeningIsTheFirstDispatchesAndWaitsForNothing) {
