@@ -221,10 +221,6 @@ Json bench_fp8_gemms(const MoeModelShape& s, baseline::PounceUnfusedMoe& unfused
       g.a = a.exact.data(), g.b = b.exact.data();
     return g;
   };
-  const auto with_tile_n = [](gemm::GroupedGemmArgs g, int tile_n) {
-    g.tuning.fp8_tile_n = tile_n;
-    return g;
-  };
   DenseFp8Gemm dense_fp8(8192, true);
   const Candidate dense_fp8_reference{"cublasLt dense fp8 8192^3 (fast accumulation)",
                                       Role::kReference,
@@ -256,11 +252,6 @@ Json bench_fp8_gemms(const MoeModelShape& s, baseline::PounceUnfusedMoe& unfused
     const std::vector<Candidate> candidates = {
         {"pounce bf16", Role::kBaseline, [&, which](int) { unfused.run_gemm(which, stream); }, bf16_output},
         {"pounce fp8", Role::kPounce, [&](int) { engine.run(fp8_args, stream); }, output},
-        // Both tile widths, so the engine's choice (gemm::fp8_tile_n_for) stays checked by measurement.
-        {"pounce fp8, 128 x 128 tiles", Role::kPounce, [&](int) { engine.run(with_tile_n(fp8_args, 128), stream); },
-         output},
-        {"pounce fp8, 128 x 192 tiles", Role::kPounce, [&](int) { engine.run(with_tile_n(fp8_args, 192), stream); },
-         output},
         dense_bf16,
         dense_fp8_reference};
     const double flops = (gate_up ? 4.0 : 2.0) * double(plan.routes) * double(H) * double(I);

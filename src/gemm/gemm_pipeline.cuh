@@ -51,12 +51,11 @@ enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1, kIssueTurnBarrierBase =
 // What a kernel's tiles can be, fixed at compile time: each kernel carries only its own mainloop and
 // epilogues (with every variant in one kernel, ptxas spilled ~2 KB of accumulators per thread).
 enum class TileKind {
-  kForward,         // A and B K-major; bf16 out, kStore or kSwiGLU                  (m-grouped)
-  kForwardFp8,      // kForward with E4M3 A and B and their block scales (GemmOperands::a_scale, b_scale)
-  kForwardFp8Wide,  // kForwardFp8 on tiles of 128 x 192
-  kDataGrad,        // A K-major, B MN-major (weights used transposed); bf16 kStore   (m-grouped)
-  kWeightGrad,      // A and B MN-major (row buffers used transposed); 3-D C, kStoreF32, kAddF32 or bf16 kStore
-                    // (k-grouped; a tile may have no K slices)
+  kForward,     // A and B K-major; bf16 out, kStore or kSwiGLU                  (m-grouped)
+  kForwardFp8,  // kForward with E4M3 A and B and their block scales (GemmOperands::a_scale, b_scale)
+  kDataGrad,    // A K-major, B MN-major (weights used transposed); bf16 kStore   (m-grouped)
+  kWeightGrad,  // A and B MN-major (row buffers used transposed); 3-D C, kStoreF32, kAddF32 or bf16 kStore
+                // (k-grouped; a tile may have no K slices)
 };
 
 // A stage holds one K slice of a tile's A rows and B columns; a slice row is one 128-byte swizzle row.
@@ -65,38 +64,17 @@ struct Bf16Stages {
   static constexpr int kTileN = kBlockN, kSliceK = kBlockK, kStages = 4;
   static constexpr int kStoreSlots = 2;  // per consumer: fill one store box while the previous one is stored
   static constexpr bool kScales = false;
-  static constexpr int kBScaleBlocks = 1;
 };
 // One slice is one 128-wide block of the activation (1 x 128) and weight (128 x 128) scales, which the
-// stage holds too: the tile's 128 A-row scales and the scales of the kBScaleBlocks weight blocks its B
-// columns cross.
+// stage holds too.
 struct Fp8Stages {
   using Element = uint8_t;
   static constexpr int kTileN = 128, kSliceK = 128, kStages = 5;
   static constexpr int kStoreSlots = 2;
   static constexpr bool kScales = true;
-  static constexpr int kBScaleBlocks = 1;
 };
-// 128 x 192 tiles: a sixth less operand traffic (L2 and shared memory) per FLOP than 128 x 128, one
-// partial accumulator (96 + 96 registers). A tile's 192 columns start on a weight block boundary (even
-// n-block) or halfway into one (odd), so they cross two weight blocks either way.
-struct Fp8WideStages {
-  using Element = uint8_t;
-  static constexpr int kTileN = 192, kSliceK = 128, kStages = 4;
-  static constexpr int kStoreSlots = 2;
-  static constexpr bool kScales = true;
-  static constexpr int kBScaleBlocks = 2;
-};
-constexpr bool is_fp8(TileKind kind) { return kind == TileKind::kForwardFp8 || kind == TileKind::kForwardFp8Wide; }
 template <TileKind kKind>
-using StagesOf = std::conditional_t<kKind == TileKind::kForwardFp8, Fp8Stages,
-                                    std::conditional_t<kKind == TileKind::kForwardFp8Wide, Fp8WideStages, Bf16Stages>>;
-
-// Columns of a bf16 store box: one 128-byte swizzle row (64 columns), or half of one when a tile's
-// outputs are not a whole number of those (the SwiGLU output of a 192-wide tile: 96 columns).
-constexpr int bf16_store_box_cols(int tile_out_cols) {
-  return tile_out_cols % kStoreBoxCols == 0 ? kStoreBoxCols : kStoreBoxCols / 2;
-}
+using StagesOf = std::conditional_t<kKind == TileKind::kForwardFp8, Fp8Stages, Bf16Stages>;
 
 // Where a tile's operands start. A K-major operand's slice kb is the box at (col + kb * kSliceK, row); an
 // MN-major operand's is the boxes at (col + 64 j, row + kb * kSliceK), one per 64 elements of M or N.
@@ -134,9 +112,9 @@ struct SharedStorage {
   alignas(1024) Element a[kStages][kBlockM * Stages::kSliceK];
   alignas(1024) Element b[kStages][Stages::kTileN * Stages::kSliceK];
   alignas(1024) __nv_bfloat16 c[kConsumerWarpgroups][kStoreSlots][kStoreBoxRows * kStoreBoxCols];
-  // Scales of each stage's slice (E4M3 only): the tile's A rows' and its B blocks'.
+  // Scales of each stage's slice (E4M3 only): the tile's A rows' and its B block's.
   float a_scale[Stages::kScales ? kStages : 1][kBlockM];
-  float b_scale[Stages::kScales ? kStages : 1][Stages::kBScaleBlocks];
+  float b_scale[Stages::kScales ? kStages : 1];
   uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes; with
                             // scales, + one arrival per scale-loader lane once its copies landed)
   uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer thread: free_stage)
@@ -148,8 +126,7 @@ struct SharedStorage {
 template <TileKind kKind>
 constexpr size_t kSharedBytesOf = sizeof(SharedStorage<StagesOf<kKind>>) + 1024;
 constexpr size_t kSharedBytes = kSharedBytesOf<TileKind::kForward>;
-static_assert(kSharedBytes <= 232448 && kSharedBytesOf<TileKind::kForwardFp8> <= 232448 &&
-                  kSharedBytesOf<TileKind::kForwardFp8Wide> <= 232448,
+static_assert(kSharedBytes <= 232448 && kSharedBytesOf<TileKind::kForwardFp8> <= 232448,
               "shared memory exceeds the sm_90 per-block limit");
 
 constexpr uint32_t kConsumerWarps = kConsumerWarpgroups * 4;
@@ -194,11 +171,10 @@ struct GemmOperands {
   // kSwiGLU only, optional: bf16 [rows, n] (store box) that also receives the tile before SwiGLU, at
   // TileInfo::keep_row: the gate/up rows a training forward keeps for the backward.
   const CUtensorMap* keep;
-  // E4M3 kinds only: fp32 power-of-two scales of A, [rows, k / 128] (1 x 128 blocks of each row), and of
-  // B, [b_scale_rows = experts * n / 128, k / 128] (128 x 128 blocks).
+  // kForwardFp8 only: fp32 power-of-two scales of A, [rows, k / 128] (1 x 128 blocks of each row), and of
+  // B, [experts * n / 128, k / 128] (128 x 128 blocks).
   const float* a_scale;
   const float* b_scale;
-  int32_t b_scale_rows;
 };
 
 // Waits inside the CTA must outlast the producer's readiness wait, which they may sit behind.
@@ -302,19 +278,14 @@ __device__ void run_scale_loader(Storage& s, const Tiles& tiles, const WaitSite&
     const GemmOperands& op = tiles.operands(tile.gemm);
     const int32_t columns = tile.k_blocks;
     const float* a_scale = op.a_scale + (int64_t(tile.a.row) + lane) * columns;  // rows lane + 32 i
-    // Lane j < kBScaleBlocks copies the scale of the j-th weight block the tile's columns cross. The
-    // last n-block of the last expert may end before its second block does: that block's columns are
-    // never stored, and its row is clamped into the array.
-    constexpr int kBScaleBlocks = StagesOf<Tiles::kKind>::kBScaleBlocks;
-    const int32_t b_block = min(tile.b.row / 128 + lane % kBScaleBlocks, op.b_scale_rows - 1);
-    const float* b_scale = op.b_scale + int64_t(b_block) * columns;
+    const float* b_scale = op.b_scale + int64_t(tile.b.row / Fp8Stages::kTileN) * columns;
     const int64_t rows_32 = int64_t(32) * columns;
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
       mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
 #pragma unroll
       for (int i = 0; i < kBlockM / 32; ++i)
         ptx::cp_async_4(&s.a_scale[stage][lane + 32 * i], a_scale + i * rows_32 + kb);
-      if (lane < kBScaleBlocks) ptx::cp_async_4(&s.b_scale[stage][lane], b_scale + kb);
+      if (lane == 0) ptx::cp_async_4(&s.b_scale[stage], b_scale + kb);
       ptx::cp_async_mbarrier_arrive(&s.full[stage]);
       if (++stage == Storage::kStages) stage = 0, phase ^= 1;
     }
@@ -350,10 +321,9 @@ struct StoreTarget {
 // that + 8; for 8-column chunk j it holds columns 8j + 2*(lane%4) + {0,1} in acc[4j + {0,1}] (first row) and acc[4j +
 // {2,3}] (second row). With gate/up interleaved in groups of 8, chunk 2i is gate and chunk 2i + 1 the matching up:
 // SwiGLU needs no data exchange between threads. Outputs leave in boxes one swizzle row (128 bytes) wide: 64 bf16 or 32
-// fp32 columns (bf16: half of that where a tile's outputs need it, bf16_store_box_cols). A k-grouped tile (kKGrouped)
-// writes its expert's matrix of a 3-D C; `empty` (no K slices) stores zeros. Boxes take the store slots in turn, from
-// `slot` on (the consumer's running count: a tile may store an odd number of boxes, and the slot its last box used must
-// not be refilled before that store has read it).
+// fp32 columns. A k-grouped tile (kKGrouped) writes its expert's matrix of a 3-D C; `empty` (no K slices) stores zeros.
+// Boxes take the store slots in turn, from `slot` on (the consumer's running count: a tile may store an
+// odd number of boxes, and the slot its last box used must not be refilled before that store has read it).
 template <Epilogue kEpilogue, bool kKGrouped = false, int kAcc, class Storage>
 __device__ void store_tile(const float (&acc)[kAcc], Storage& s, const StoreTarget& to, bool empty, uint32_t& slot,
                            int consumer, int thread) {
@@ -362,9 +332,8 @@ __device__ void store_tile(const float (&acc)[kAcc], Storage& s, const StoreTarg
   constexpr bool kF32 = kEpilogue == Epilogue::kStoreF32 || kEpilogue == Epilogue::kAddF32;
   constexpr int kTileN = 2 * kAcc;
   constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kTileN / 2 : kTileN;
-  constexpr int kBoxCols = kF32 ? 32 : bf16_store_box_cols(kOutCols);
+  constexpr int kBoxCols = kF32 ? 32 : kStoreBoxCols;
   constexpr int kBoxes = kOutCols / kBoxCols;
-  static_assert(kOutCols % kBoxCols == 0, "a tile's outputs fill whole store boxes");
   const int warp = thread / 32, lane = thread % 32;
   const int row = warp * 16 + lane / 4;  // within this consumer's 64 rows; the second row is row + 8
   const int32_t out_row = to.row + consumer * kRowsPerConsumer;
@@ -400,30 +369,24 @@ __device__ void store_tile(const float (&acc)[kAcc], Storage& s, const StoreTarg
         st_shared_f32x2(base + (row + 8) * 128 + offset, pick(2), pick(3));
       }
     } else {
-      // 128-byte swizzle, as the TMA store expects: 16-byte unit u of each 128-byte line L of the box sits
-      // at unit u ^ (L % 8). With 128-byte box rows that is unit ^ (row % 8): a warp's 8 rows x 4 lanes hit
-      // 32 different banks; with 64-byte rows (two per line) its 4 lines x 2 half-lines do.
-      constexpr int kRowBytes = kBoxCols * 2, kUnits = kBoxCols / 8;
-      const auto swizzled = [](int r, int unit) {
-        const uint32_t linear = uint32_t(r * kRowBytes + unit * 16);
-        return linear ^ (((linear >> 7) & 7) << 4);
-      };
 #pragma unroll
-      for (int unit = 0; unit < kUnits; ++unit) {  // 16-byte unit of the box row = 8 output columns
+      for (int unit = 0; unit < 8; ++unit) {  // 16-byte unit of the 128-byte box row = 8 output columns
         float v[4];
         if constexpr (kEpilogue == Epilogue::kSwiGLU) {
-          constexpr int kChunksPerBox = 2 * kUnits;  // as many gate chunks and up chunks as the box has units
+          constexpr int kChunksPerBox = 16;  // 8 gate + 8 up chunks make one box of outputs
           const int gate = box * kChunksPerBox + 2 * unit;
 #pragma unroll
           for (int q = 0; q < 4; ++q) v[q] = silu(value(4 * gate + q)) * value(4 * (gate + 1) + q);
         } else {
-          const int chunk = box * kUnits + unit;
+          const int chunk = box * 8 + unit;
 #pragma unroll
           for (int q = 0; q < 4; ++q) v[q] = value(4 * chunk + q);
         }
-        const uint32_t word = (lane % 4) * 4;
-        st_shared_bf16x2(base + swizzled(row, unit) + word, v[0] * scale_lo, v[1] * scale_lo);
-        st_shared_bf16x2(base + swizzled(row + 8, unit) + word, v[2] * scale_hi, v[3] * scale_hi);
+        // 128-byte swizzle, as the TMA store expects: unit u of row r sits at unit u ^ (r % 8). A warp's
+        // 8 rows x 4 lanes then hit 32 different banks.
+        const uint32_t offset = uint32_t(((unit ^ (row % 8)) * 16) + (lane % 4) * 4);
+        st_shared_bf16x2(base + row * 128 + offset, v[0] * scale_lo, v[1] * scale_lo);
+        st_shared_bf16x2(base + (row + 8) * 128 + offset, v[2] * scale_hi, v[3] * scale_hi);
       }
     }
     ptx::fence_proxy_async_shared();  // st.shared (generic proxy) before the TMA store reads (async proxy)
@@ -534,21 +497,6 @@ struct IssueTurns {
   }
 };
 
-// An E4M3 consumer whose rows are all padding: releases each stage unread, still taking its turns.
-template <class Storage>
-__device__ __forceinline__ void skip_fp8_stages(Storage& s, int k_blocks, uint32_t& stage, uint32_t& phase,
-                                                uint32_t*& pending_done, IssueTurns& turns, const WaitSite& pipe_site,
-                                                int consumer, int thread) {
-  for (int kb = 0; kb < k_blocks; ++kb) {
-    mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-    turns.wait(consumer);
-    turns.pass(consumer);
-    if (thread % 32 == 0) free_stage(&s.empty[stage]);
-    if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
-    if (++stage == Storage::kStages) stage = 0, phase ^= 1;
-  }
-}
-
 // Tiles of at least this many K slices run the two-accumulator mainloop (run_fp8_mainloop); measured on
 // one H200 it was 2-9 % faster from 16 slices up (K >= 2048) and 9 % slower at 6.
 inline constexpr int kFp8PipelinedSlices = 12;
@@ -576,7 +524,17 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
   const uint64_t a_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128);
   const uint64_t b_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
   const uint32_t a_scale = ptx::smem_addr(&s.a_scale[0][row]), b_scale = ptx::smem_addr(&s.b_scale[0]);
-  if (skip) return skip_fp8_stages(s, k_blocks, stage, phase, pending_done, turns, pipe_site, consumer, thread);
+  if (skip) {
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+      turns.wait(consumer);
+      turns.pass(consumer);
+      if (lane == 0) free_stage(&s.empty[stage]);
+      if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
+      if (++stage == Fp8Stages::kStages) stage = 0, phase ^= 1;
+    }
+    return;
+  }
   if (k_blocks < kFp8PipelinedSlices) {
     // Short K: one partial accumulator, each slice's wgmmas waited for before scaling it.
     float part[64];
@@ -592,7 +550,7 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
       ptx::wgmma_commit_group();
       turns.pass(consumer);
       // Powers of two: the products are exact.
-      const float slice_b_scale = ptx::ld_shared_f32(b_scale + stage * sizeof(s.b_scale[0]));
+      const float slice_b_scale = ptx::ld_shared_f32(b_scale + stage * sizeof(float));
       const float scale_lo = ptx::ld_shared_f32(a_scale + stage * sizeof(s.a_scale[0])) * slice_b_scale;
       const float scale_hi =
           ptx::ld_shared_f32(a_scale + stage * sizeof(s.a_scale[0]) + 8 * sizeof(float)) * slice_b_scale;
@@ -627,7 +585,7 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
   const auto finish = [&](float(&part)[64], uint32_t at, int kb) {
     ptx::fence_registers(part);
     // Powers of two: the products are exact.
-    const float slice_b_scale = ptx::ld_shared_f32(b_scale + at * sizeof(s.b_scale[0]));
+    const float slice_b_scale = ptx::ld_shared_f32(b_scale + at * sizeof(float));
     const float scale_lo = ptx::ld_shared_f32(a_scale + at * sizeof(s.a_scale[0])) * slice_b_scale;
     const float scale_hi = ptx::ld_shared_f32(a_scale + at * sizeof(s.a_scale[0]) + 8 * sizeof(float)) * slice_b_scale;
     __syncwarp();  // every lane has read the stage's scales before lane 0 frees it
@@ -656,57 +614,6 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
   } else {
     ptx::wgmma_wait_group<0>();
     finish(even, even_at, kb);
-  }
-}
-
-// One E4M3 tile of 128 x 192 (Fp8WideStages): per K slice, four m64n192k32 wgmmas into one partial
-// accumulator, waited for, then promoted into `acc` as run_fp8_mainloop does. The other consumer's
-// wgmmas (issue turns) keep the tensor cores busy while this one promotes. The tile's columns cross two
-// weight blocks: chunks (8 columns) below `b_split` take the first block's scale, the rest the second's.
-__device__ __forceinline__ void run_fp8_wide_mainloop(SharedStorage<Fp8WideStages>& s, float (&acc)[96], int k_blocks,
-                                                      int b_split, bool skip, uint32_t& stage, uint32_t& phase,
-                                                      uint32_t*& pending_done, IssueTurns& turns,
-                                                      const WaitSite& pipe_site, int consumer, int thread) {
-  const int lane = thread % 32;
-  const int row = consumer * kRowsPerConsumer + (thread / 32) * 16 + lane / 4;  // and row + 8 (store_tile)
-#pragma unroll
-  for (int i = 0; i < 96; ++i) acc[i] = 0.0f;
-  if (skip) return skip_fp8_stages(s, k_blocks, stage, phase, pending_done, turns, pipe_site, consumer, thread);
-  constexpr uint32_t kStageUnitsA = sizeof(s.a[0]) / 16, kStageUnitsB = sizeof(s.b[0]) / 16;
-  const uint64_t a_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128);
-  const uint64_t b_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
-  const uint32_t a_scale = ptx::smem_addr(&s.a_scale[0][row]), b_scale = ptx::smem_addr(&s.b_scale[0][0]);
-  float part[96];
-  for (int kb = 0; kb < k_blocks; ++kb) {
-    mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-    turns.wait(consumer);
-    ptx::fence_registers(part);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Fp8WideStages::kSliceK / 32; ++kk)  // 32 bytes (2 units) of K per wgmma
-      ptx::wgmma_m64n192k32_e4m3(part, a_desc + stage * kStageUnitsA + 2 * kk, b_desc + stage * kStageUnitsB + 2 * kk,
-                                 kk > 0);
-    ptx::wgmma_commit_group();
-    turns.pass(consumer);
-    // Powers of two: the products are exact.
-    const uint32_t b_at = b_scale + stage * sizeof(s.b_scale[0]), a_at = a_scale + stage * sizeof(s.a_scale[0]);
-    const float b_first = ptx::ld_shared_f32(b_at), b_second = ptx::ld_shared_f32(b_at + sizeof(float));
-    const float a_lo = ptx::ld_shared_f32(a_at), a_hi = ptx::ld_shared_f32(a_at + 8 * sizeof(float));
-    const float lo_first = a_lo * b_first, lo_second = a_lo * b_second;
-    const float hi_first = a_hi * b_first, hi_second = a_hi * b_second;
-    ptx::wgmma_wait_group<0>();
-    ptx::fence_registers(part);
-    __syncwarp();  // every lane has read the stage's scales before lane 0 frees it
-    if (lane == 0) free_stage(&s.empty[stage]);
-    if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
-#pragma unroll
-    for (int chunk = 0; chunk < 24; ++chunk) {
-      const bool first = chunk < b_split;
-      const float lo = first ? lo_first : lo_second, hi = first ? hi_first : hi_second;
-#pragma unroll
-      for (int i = 4 * chunk; i < 4 * chunk + 4; ++i) acc[i] = fmaf(part[i], i % 4 < 2 ? lo : hi, acc[i]);
-    }
-    if (++stage == Fp8WideStages::kStages) stage = 0, phase ^= 1;
   }
 }
 
@@ -745,17 +652,11 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
     }
     const GemmOperands& op = tiles.operands(tile.gemm);
 
-    constexpr bool kForward = kKind == TileKind::kForward || is_fp8(kKind);
+    constexpr bool kForward = kKind == TileKind::kForward || kKind == TileKind::kForwardFp8;
     const bool padding = tile.rows <= consumer * kRowsPerConsumer;  // this consumer's 64 rows hold no route
     const timeline::Stamp started = timeline::now();
     if constexpr (kKind == TileKind::kForwardFp8) {
       run_fp8_mainloop(s, acc, tile.k_blocks, padding, stage, phase, pending_done, turns, pipe_site, consumer, thread);
-    } else if constexpr (kKind == TileKind::kForwardFp8Wide) {
-      // B rows start on a 64-row boundary (n is a multiple of 128); the second weight block starts where
-      // the first one ends.
-      const int b_split = (128 - tile.b.row % 128) / 8;
-      run_fp8_wide_mainloop(s, acc, tile.k_blocks, b_split, padding, stage, phase, pending_done, turns, pipe_site,
-                            consumer, thread);
     } else {
       constexpr bool kTransA = kKind == TileKind::kWeightGrad, kTransB = kKind != TileKind::kForward;
       run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, padding, stage, phase, pending_done, pipe_site, consumer,
@@ -796,7 +697,7 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
       if (op.done != nullptr) pending_done = op.done + tile.m_block;
     }
   }
-  if constexpr (is_fp8(kKind)) turns.finish(consumer);
+  if constexpr (kKind == TileKind::kForwardFp8) turns.finish(consumer);
   if (thread == 0) {
     release_done(pending_done);
     ptx::bulk_wait_group<0>();  // stores must finish reading shared memory before exit (without counters

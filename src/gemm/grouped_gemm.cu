@@ -30,7 +30,6 @@ struct KernelParams {
   const float* row_scale;
   const float* a_scale;  // FP8 only
   const float* b_scale;
-  int32_t b_scale_rows;
   Epilogue epilogue;
   const uint32_t* m_block_ready;
   uint32_t ready_target;
@@ -133,8 +132,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                         const __grid_constant__ CUtensorMap c_map, const KernelParams p) {
   extern __shared__ uint8_t smem_raw[];
-  const GemmOperands op{&a_map,  &b_map,  &c_map,    p.epilogue, p.row_scale,
-                        nullptr, nullptr, p.a_scale, p.b_scale,  p.b_scale_rows};
+  const GemmOperands op{&a_map, &b_map, &c_map, p.epilogue, p.row_scale, nullptr, nullptr, p.a_scale, p.b_scale};
   QueueTiles<kKind> tiles(p, op);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, pipeline::pipeline_timeout_ns(p.wait_timeout_ns)};
   pipeline::run_gemm_cta(smem_raw, tiles, pipe_site, [] {});
@@ -166,26 +164,7 @@ void require_multiple_of_64(const char* what, int64_t value) {
                  " is not supported: it must be a positive multiple of 64");
 }
 
-// The E4M3 kernel of tile width tile_n (128 or 192): its operand maps and launch.
-template <TileKind kKind>
-void launch_fp8(const GroupedGemmArgs& args, const KernelParams& params, cudaStream_t stream) {
-  using Stages = pipeline::StagesOf<kKind>;
-  const uint64_t n = args.n, k = args.k, b_rows = uint64_t(args.experts) * n;
-  const bool swiglu = args.epilogue == Epilogue::kSwiGLU;
-  const int64_t out_cols = swiglu ? args.n / 2 : args.n;
-  const int box_cols = pipeline::bf16_store_box_cols(swiglu ? Stages::kTileN / 2 : Stages::kTileN);
-  const CUtensorMap c_map = make_bf16_tensor_map(args.c, out_cols, args.a_rows, box_cols, kStoreBoxRows);
-  const CUtensorMap a_map = make_fp8_tensor_map(args.fp8.a, k, args.a_rows, Stages::kSliceK, kBlockM);
-  const CUtensorMap b_map = make_fp8_tensor_map(args.fp8.b, k, b_rows, Stages::kSliceK, Stages::kTileN);
-  launch<kKind>(a_map, b_map, c_map, params, args.max_ctas, stream);
-}
-
 }  // namespace
-
-int fp8_tile_n_for(int64_t n) {
-  const int64_t wide = (n + 191) / 192 * 192;  // columns computed with 192-wide tiles
-  return 16 * wide <= 17 * n ? 192 : 128;      // at most 1/16 of them unused
-}
 
 GroupedGemm::GroupedGemm() : ticket_(1) {}
 
@@ -200,9 +179,6 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
     POUNCE_REQUIRE(args.n % 128 == 0 && args.k % 128 == 0, "grouped GEMM: FP8 needs n and k in whole 128-blocks of ",
                    "its scales; n = ", args.n, ", k = ", args.k);
     POUNCE_REQUIRE(args.b_major == Major::kK, "grouped GEMM: FP8 weights must be K-major");
-    POUNCE_REQUIRE(args.tuning.fp8_tile_n == 0 || args.tuning.fp8_tile_n == 128 || args.tuning.fp8_tile_n == 192,
-                   "grouped GEMM: fp8_tile_n = ", args.tuning.fp8_tile_n,
-                   " is not 0 (the engine's choice), 128 or 192");
   }
   POUNCE_REQUIRE(args.a_rows >= 0 && args.a_rows % kBlockM == 0 && args.a_rows <= INT32_MAX,
                  "grouped GEMM: a_rows = ", args.a_rows, " must be a multiple of ", kBlockM, " that fits int32");
@@ -228,7 +204,6 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   params.row_scale = args.row_scale;
   params.a_scale = args.fp8.a_scale;
   params.b_scale = args.fp8.b_scale;
-  params.b_scale_rows = int32_t(int64_t(args.experts) * args.n / 128);
   params.epilogue = args.epilogue;
   params.m_block_ready = args.m_block_ready;
   params.ready_target = args.ready_target;
@@ -238,18 +213,17 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   params.wait_timeout_ns = args.wait_timeout_ns;
   params.timeline = args.timeline;
 
-  CUDA_CHECK(cudaMemsetAsync(ticket_.data(), 0, sizeof(uint32_t), stream));
-  if (fp8) {
-    const int tile_n = args.tuning.fp8_tile_n != 0 ? args.tuning.fp8_tile_n : fp8_tile_n_for(args.n);
-    if (tile_n == 192)
-      launch_fp8<TileKind::kForwardFp8Wide>(args, params, stream);
-    else
-      launch_fp8<TileKind::kForwardFp8>(args, params, stream);
-    return;
-  }
   const uint64_t E = args.experts, n = args.n, k = args.k;
   const int64_t out_cols = args.epilogue == Epilogue::kSwiGLU ? args.n / 2 : args.n;
   const CUtensorMap c_map = make_bf16_tensor_map(args.c, out_cols, args.a_rows, kStoreBoxCols, kStoreBoxRows);
+  CUDA_CHECK(cudaMemsetAsync(ticket_.data(), 0, sizeof(uint32_t), stream));
+  if (fp8) {
+    using Stages = pipeline::Fp8Stages;
+    const CUtensorMap a_map = make_fp8_tensor_map(args.fp8.a, k, args.a_rows, Stages::kSliceK, kBlockM);
+    const CUtensorMap b_map = make_fp8_tensor_map(args.fp8.b, k, E * n, Stages::kSliceK, Stages::kTileN);
+    launch<TileKind::kForwardFp8>(a_map, b_map, c_map, params, args.max_ctas, stream);
+    return;
+  }
   const CUtensorMap a_map = make_bf16_tensor_map(args.a, k, args.a_rows, kBlockK, kBlockM);
   const CUtensorMap b_map = args.b_major == Major::kK ? make_bf16_tensor_map(args.b, k, E * n, kBlockK, kBlockN)
                                                       : make_bf16_tensor_map(args.b, n, E * k, 64, kBlockK);

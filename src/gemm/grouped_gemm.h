@@ -13,7 +13,7 @@
 // A with one scale per 1 x 128 block of a row, B with one per 128 x 128 block (formats/blockwise.h). The
 // engine applies them in fp32 every 128 of K and writes the same bf16 epilogues.
 //
-// Persistent CTAs take tiles (expert, m-block, n-block) of 128 x 256 (bf16) or 128 x 128 / 192 (FP8) from a
+// Persistent CTAs take tiles (expert, m-block, n-block) of 128 x 256 (bf16) or 128 x 128 (FP8) from a
 // device queue. Before loading A for a tile, a CTA waits (acquire, bounded) until that m-block's
 // readiness counter reaches `ready_target`: the megakernel's dispatch bumps these counters; stand-alone
 // callers pass none.
@@ -58,14 +58,7 @@ enum class Major { kK, kMN };
 struct GemmTuning {
   // M-blocks of one expert walked together, m-fastest, before moving to the next band (L2 locality).
   int band_m_blocks = 16;
-  // FP8 tile width: 128 or 192 columns, or 0 for the engine's choice (fp8_tile_n_for).
-  int fp8_tile_n = 0;
 };
-
-// The FP8 tile width the engine picks for n output columns (of gate/up for SwiGLU): 192, which moves a
-// sixth less operand data per FLOP, unless n is not close to a multiple of it (the last n-block's unused
-// columns are computed too), then 128.
-int fp8_tile_n_for(int64_t n);
 
 // E4M3 operands of an FP8 GEMM, K-major (as a and b with b_major kK), each with its fp32 power-of-two
 // block scales; the bf16 a and b stay null.

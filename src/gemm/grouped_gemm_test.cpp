@@ -10,7 +10,6 @@
 #include <cmath>
 #include <cstring>
 #include <thread>
-#include <tuple>
 
 #include "common/gpu.h"
 #include "common/testing.h"
@@ -526,20 +525,17 @@ GroupedGemmArgs fp8_args(const Problem& p, const DeviceProblem& d, const DeviceF
   return args;
 }
 
-// Each case on both tile widths (128 x 128 and 128 x 192: a 192-wide tile crosses two weight-scale blocks
-// and, with SwiGLU, stores half-width boxes; n not a multiple of 192 leaves its last n-block part empty).
-class Fp8GroupedGemmTest : public ::testing::TestWithParam<std::tuple<Case, int>> {};
+class Fp8GroupedGemmTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Fp8GroupedGemmTest, MatchesHostOnTheQuantizedOperands) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
-  const auto& [c, tile_n] = GetParam();
+  const Case c = GetParam();
   Problem p = make_problem(rng, c.experts, c.n, c.k, case_counts(rng, c), c.epilogue, c.row_scale);
   const DeviceFp8Operands q = quantize_operands(rng, p);
   DeviceProblem d(p);
   GroupedGemm gemm;
-  GroupedGemmArgs args = fp8_args(p, d, q);
-  args.tuning.fp8_tile_n = tile_n;
+  const GroupedGemmArgs args = fp8_args(p, d, q);
   const auto first = run(gemm, d, args);
   expect_matches(p, first);
   const auto second = run(gemm, d, args);
@@ -554,21 +550,15 @@ TEST_P(Fp8GroupedGemmTest, MatchesHostOnTheQuantizedOperands) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, Fp8GroupedGemmTest,
-    ::testing::Combine(
-        ::testing::Values(
-            Case{"one_row_smallest", 1, 128, 128, {1}, 0, Epilogue::kStore, false},
-            Case{"one_row_swiglu", 1, 128, 128, {1}, 0, Epilogue::kSwiGLU, false},
-            Case{"edges_swiglu_scaled", 7, 256, 384, {0, 1, 127, 128, 129, 0, 300}, 0, Epilogue::kSwiGLU, true},
-            Case{"many_small_experts", 64, 384, 128, {}, 40, Epilogue::kStore, false},
-            Case{"wide_n_scaled", 4, 1024, 512, {700, 300, 900, 129}, 0, Epilogue::kStore, true},
-            Case{"swiglu_n_640", 3, 640, 256, {260, 1, 128}, 0, Epilogue::kSwiGLU, true},
-            Case{"deep_k", 2, 256, 4096, {200, 90}, 0, Epilogue::kSwiGLU, true},
-            Case{"odd_deep_k", 3, 256, 1664, {150, 0, 260}, 0, Epilogue::kStore, true},
-            Case{"deep_k_n_1152", 2, 1152, 2048, {300, 129}, 0, Epilogue::kSwiGLU, false}),
-        ::testing::Values(128, 192)),
-    [](const auto& info) {
-      return std::string(std::get<0>(info.param).name) + "_n" + std::to_string(std::get<1>(info.param));
-    });
+    ::testing::Values(
+        Case{"one_row_smallest", 1, 128, 128, {1}, 0, Epilogue::kStore, false},
+        Case{"one_row_swiglu", 1, 128, 128, {1}, 0, Epilogue::kSwiGLU, false},
+        Case{"edges_swiglu_scaled", 7, 256, 384, {0, 1, 127, 128, 129, 0, 300}, 0, Epilogue::kSwiGLU, true},
+        Case{"many_small_experts", 64, 384, 128, {}, 40, Epilogue::kStore, false},
+        Case{"wide_n_scaled", 4, 1024, 512, {700, 300, 900, 129}, 0, Epilogue::kStore, true},
+        Case{"deep_k", 2, 256, 4096, {200, 90}, 0, Epilogue::kSwiGLU, true},
+        Case{"odd_deep_k", 3, 256, 1664, {150, 0, 260}, 0, Epilogue::kStore, true}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 // An FP8 GEMM behind readiness counters: it waits for a stalled m-block, then reports it by name.
 TEST(Fp8GroupedGemm, StalledMBlockTimesOutWithANamedError) {
@@ -594,13 +584,6 @@ TEST(Fp8GroupedGemm, StalledMBlockTimesOutWithANamedError) {
   expect_matches(p, run(gemm, d, args));
 }
 
-// 192-wide tiles unless the last n-block would leave more than 1/16 of the computed columns unused.
-TEST(Fp8GroupedGemm, PicksTheWideTileWhereItWastesLittle) {
-  for (const auto& [n, want] : std::vector<std::pair<int64_t, int>>{
-           {128, 128}, {256, 128}, {384, 192}, {1024, 128}, {1536, 192}, {2048, 192}, {4096, 192}, {7168, 192}})
-    EXPECT_EQ(fp8_tile_n_for(n), want) << "n = " << n;
-}
-
 TEST(Fp8GroupedGemm, RejectsBadOperandsByName) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
@@ -623,9 +606,6 @@ TEST(Fp8GroupedGemm, RejectsBadOperandsByName) {
   args = fp8_args(p, d, q);
   args.b_major = Major::kMN;
   rejects(args, "FP8 weights must be K-major");
-  args = fp8_args(p, d, q);
-  args.tuning.fp8_tile_n = 256;
-  rejects(args, "fp8_tile_n = 256 is not 0 (the engine's choice), 128 or 192");
 }
 
 TEST(GroupedGemm, RejectsUnsupportedShapesByName) {
