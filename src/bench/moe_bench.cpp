@@ -607,6 +607,22 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                 {w13.data(), w2.data(), dw13.data(), dw2.data(), WeightGradOutput::kF32}, nullptr, stream);
     };
     for (int i = 0; i < kSets; ++i) replay(i, dx_first[i].data());
+    // The replay with its two data gradients in FP8 (weights transposed and quantized once, outside the
+    // timing, as once per weight update), on a chain of its own so that its GEMMs can be timed alone too.
+    const bool fp8_shape = H % 128 == 0 && I % 128 == 0;
+    std::optional<moe::BackwardChain> chain_fp8;
+    std::optional<moe::Fp8TransposedWeights> w_fp8;
+    if (fp8_shape) {
+      chain_fp8.emplace(one_rank);
+      w_fp8.emplace(E, H, I);
+      w_fp8->refresh(w13.data(), w2.data(), stream);
+    }
+    DeviceBuffer<__nv_bfloat16> dx_fp8(fp8_shape ? T * H : 0);
+    const auto replay_fp8 = [&](int set) {
+      chain_fp8->run({x[set].data(), d_ids.data(), d_weights.data(), T, dy[set].data(), dx_fp8.data(), d_topk.data()},
+                     {w13.data(), w2.data(), dw13.data(), dw2.data(), WeightGradOutput::kF32, &*w_fp8}, nullptr,
+                     stream);
+    };
     int kept_replays = 0;  // backwards meant to start from a kept forward that replayed instead
     DeviceBuffer<__nv_bfloat16> dw13_bf16(E * 2 * I * H), dw2_bf16(E * H * I);
     const auto layer_backward = [&](int set, bool from_kept, WeightGradOutput mode = WeightGradOutput::kF32) {
@@ -640,17 +656,29 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       return Output{dx.data(), [&](int rep) { return dx_first[rep % kSets].data(); }, T, H, nullptr, reference};
     };
     const Output dx_set0{dx.data(), [&](int) { return dx_first[0].data(); }, T, H, nullptr, "the replay's first run"};
-    result["backward"] = compare(
-        s.name, "backward", backward_flops,
-        {{"pounce backward, replay (plans, recomputes GEMM1)", Role::kUnfused,
-          [&](int rep) { replay(rep % kSets, dx.data()); }, dx_check("the replay's own first run")},
-         {"pounce backward, from the kept forward", Role::kUnfused, [&](int) { layer_backward(0, true); }, dx_set0},
-         {"pounce backward, from the kept forward, fused kernel", Role::kFused, [&](int) { fused_backward(); },
-          dx_set0},
-         {"pounce backward, from the kept forward, bf16 weight gradients", Role::kFused,
-          [&](int) { layer_backward(0, true, WeightGradOutput::kBf16); }, dx_set0},
-         dense_reference},
-        o, dense_tflops, report, stream);
+    std::vector<Candidate> backward_candidates = {
+        {"pounce backward, replay (plans, recomputes GEMM1)", Role::kUnfused,
+         [&](int rep) { replay(rep % kSets, dx.data()); }, dx_check("the replay's own first run")},
+        {"pounce backward, from the kept forward", Role::kUnfused, [&](int) { layer_backward(0, true); }, dx_set0},
+        {"pounce backward, from the kept forward, fused kernel", Role::kFused, [&](int) { fused_backward(); }, dx_set0},
+        {"pounce backward, from the kept forward, bf16 weight gradients", Role::kFused,
+         [&](int) { layer_backward(0, true, WeightGradOutput::kBf16); }, dx_set0}};
+    if (fp8_shape) {
+      // dx against the bf16 replay's within the FP8 band.
+      Output dx_fp8_check{dx_fp8.data(),
+                          [&](int rep) { return dx_first[rep % kSets].data(); },
+                          T,
+                          H,
+                          nullptr,
+                          "the bf16 replay's first run"};
+      dx_fp8_check.max_relative_l2 = kFp8MaxRelativeL2;
+      dx_fp8_check.max_worst_row = kFp8MaxWorstToken;
+      backward_candidates.push_back({"pounce backward, replay, FP8 data gradients", Role::kPounce,
+                                     [&](int rep) { replay_fp8(rep % kSets); }, dx_fp8_check});
+    }
+    backward_candidates.push_back(dense_reference);
+    result["backward"] =
+        compare(s.name, "backward", backward_flops, backward_candidates, o, dense_tflops, report, stream);
     const double forward_flops = 6.0 * routes * double(H) * double(I);
     // What keeping costs the forward: GEMM1's epilogue stores 2I more columns per row.
     result["training_forward"] =
@@ -708,6 +736,11 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                               {}});
       candidates.push_back(
           {"pounce", Role::kPounce, [&chain, which = which, stream](int) { chain.run_gemm(which, stream); }, {}});
+      if (fp8_shape && (which == moe::BackwardGemm::kDataDown || which == moe::BackwardGemm::kDataGateUp))
+        candidates.push_back({"pounce fp8",
+                              Role::kPounce,
+                              [&chain_fp8, which = which, stream](int) { chain_fp8->run_gemm(which, stream); },
+                              {}});
       candidates.push_back(dense_reference);
       gemms[key] = compare(s.name, name, (gate_up ? 4.0 : 2.0) * routes * double(H) * double(I), candidates, o,
                            dense_tflops, report, stream);
@@ -715,6 +748,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     result["backward_gemms"] = gemms;
     CUDA_CHECK(cudaStreamSynchronize(stream));
     chain.check_device_errors();
+    if (chain_fp8) chain_fp8->check_device_errors();
   }
   if (!o.timeline_dir.empty()) {
     // The in-kernel timeline: what recording costs the forward (a recording layer timed beside `fused`,

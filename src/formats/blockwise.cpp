@@ -122,6 +122,25 @@ std::vector<float> dequantize(const Fp8Blocks128x128& q) {
   return dequantize_tiles(q.data, t, [&](int64_t tile) { return q.scales[tile]; });
 }
 
+Fp8Blocks128x128 transpose_128x128(const Fp8Blocks128x128& q, int64_t matrices) {
+  POUNCE_REQUIRE(matrices >= 1 && q.rows % matrices == 0, "transpose_128x128: ", q.rows, " rows are not ", matrices,
+                 " stacked matrices");
+  const int64_t rows = q.rows / matrices, cols = q.cols;
+  const Tiling t = check_shape("transpose_128x128", rows, cols, kWeightBlock, kWeightBlock);
+  check_size("transpose_128x128", "data", q.data.size(), q.rows * cols);
+  check_size("transpose_128x128", "scales", q.scales.size(), matrices * t.tiles());
+  Fp8Blocks128x128 out{matrices * cols, rows, std::vector<uint8_t>(q.data.size()), std::vector<float>(q.scales.size())};
+  const int64_t block_rows = rows / kWeightBlock, block_cols = cols / kWeightBlock;
+  for (int64_t m = 0; m < matrices; ++m) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) out.data[(m * cols + c) * rows + r] = q.data[(m * rows + r) * cols + c];
+    for (int64_t br = 0; br < block_rows; ++br)
+      for (int64_t bc = 0; bc < block_cols; ++bc)
+        out.scales[(m * block_cols + bc) * block_rows + br] = q.scales[(m * block_rows + br) * block_cols + bc];
+  }
+  return out;
+}
+
 Mxfp8 quantize_mxfp8(std::span<const float> x, int64_t rows, int64_t cols) {
   const Tiling t = check_shape("quantize_mxfp8", rows, cols, 1, kMxBlock);
   check_size("quantize_mxfp8", "x", x.size(), rows * cols);

@@ -55,6 +55,11 @@ struct Fp8Blocks128x128 {
 };
 Fp8Blocks128x128 quantize_128x128(std::span<const float> x, int64_t rows, int64_t cols);
 std::vector<float> dequantize(const Fp8Blocks128x128& q);
+// q holds `matrices` stacked [rows, cols] matrices (q.rows = matrices * rows); returns each one
+// transposed, stacked [cols, rows], with its block scales transposed alike. Blocks are square and their
+// scales depend on the block's amax alone, so this is bit for bit quantize_128x128 of the transposed
+// values: the weights' E4M3 copy in the orientation the backward's data-gradient GEMMs read.
+Fp8Blocks128x128 transpose_128x128(const Fp8Blocks128x128& q, int64_t matrices);
 
 // MXFP8, 1x32 row-wise blocks. cols must be a multiple of 32.
 struct Mxfp8 {

@@ -461,6 +461,27 @@ TEST(Quantize128x128, SeveralBlocks) {
   EXPECT_LT(testing::relative_l2_error(y, x), 0x1p-4);
 }
 
+// Square blocks whose scales depend on their amax alone: quantizing the transposed matrices gives the
+// transposed quantized ones, bit for bit (the backward's weights in their second orientation).
+TEST(Quantize128x128, TransposingCommutesWithQuantizing) {
+  auto rng = testing::fresh_rng();
+  const int64_t matrices = 2, rows = 256, cols = 384;
+  std::vector<float> x = testing::random_bf16_values(rng, size_t(matrices * rows * cols));
+  std::uniform_int_distribution<int> shift(-40, 40);
+  for (float& v : x) v = std::ldexp(v, shift(rng) / 8);  // blocks of mixed magnitudes
+  std::vector<float> xt(x.size());
+  for (int64_t m = 0; m < matrices; ++m)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) xt[(m * cols + c) * rows + r] = x[(m * rows + r) * cols + c];
+  const Fp8Blocks128x128 transposed = transpose_128x128(quantize_128x128(x, matrices * rows, cols), matrices);
+  const Fp8Blocks128x128 direct = quantize_128x128(xt, matrices * cols, rows);
+  EXPECT_EQ(transposed.rows, direct.rows);
+  EXPECT_EQ(transposed.cols, direct.cols);
+  EXPECT_EQ(transposed.data, direct.data);
+  EXPECT_EQ(transposed.scales, direct.scales);
+  EXPECT_THROW(transpose_128x128(direct, 5), Error);
+}
+
 TEST(QuantizeMxfp8, RandomDataScalesAndErrorBounds) {
   auto rng = testing::fresh_rng();
   const int64_t rows = 17, cols = 320;

@@ -232,6 +232,35 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __
   *reinterpret_cast<uint4*>(out + first) = make_uint4(bf16x2[0], bf16x2[1], bf16x2[2], bf16x2[3]);
 }
 
+// One CTA per 128 x 128 block, staged in shared memory: rows loaded as 16-byte vectors, then each thread
+// gathers 16 rows of one column into a 16-byte vector of the transposed row. Consecutive threads take
+// consecutive columns, so a warp's shared-memory reads fall in one row (no bank conflicts).
+__global__ void __launch_bounds__(kThreadsPerCta)
+    transpose_128x128_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scales, int64_t rows,
+                             int64_t cols, uint8_t* __restrict__ out, float* __restrict__ out_scales) {
+  constexpr int kB = kWeightBlock, kVectors = kB / 16, kPitch = kB + 16;  // row pitch: 16-byte aligned
+  __shared__ alignas(16) uint8_t tile[kB * kPitch];
+  const int64_t block_rows = rows / kB, block_cols = cols / kB;
+  const int64_t block = blockIdx.x, bc = block % block_cols, br = (block / block_cols) % block_rows;
+  const int64_t m = block / (block_cols * block_rows);
+  const uint8_t* from = q + (m * rows + br * kB) * cols + bc * kB;
+  for (int i = threadIdx.x; i < kB * kVectors; i += kThreadsPerCta) {
+    const int r = i / kVectors, v = i % kVectors;
+    *reinterpret_cast<uint4*>(&tile[r * kPitch + 16 * v]) = *reinterpret_cast<const uint4*>(from + r * cols + 16 * v);
+  }
+  __syncthreads();
+  uint8_t* to = out + (m * cols + bc * kB) * rows + br * kB;
+  for (int i = threadIdx.x; i < kB * kVectors; i += kThreadsPerCta) {
+    const int c = i % kB, v = i / kB;  // transposed row c, its 16-byte vector v: source rows 16 v ..
+    alignas(16) uint8_t bytes[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) bytes[j] = tile[(16 * v + j) * kPitch + c];
+    *reinterpret_cast<uint4*>(to + int64_t(c) * rows + 16 * v) = *reinterpret_cast<const uint4*>(bytes);
+  }
+  if (threadIdx.x == 0)
+    out_scales[(m * block_cols + bc) * block_rows + br] = scales[(m * block_rows + br) * block_cols + bc];
+}
+
 }  // namespace
 
 void dequantize_blockwise_device(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, int block_rows,
@@ -267,6 +296,24 @@ void quantize_128x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols,
                  "] has too many blocks for one launch");
   const dim3 grid(unsigned(cols / kWeightBlock), unsigned(rows / kWeightBlock));
   quantize_128x128_kernel<<<grid, kThreadsPerCta, 0, stream>>>(x_bf16, cols, out, scales);
+  CUDA_CHECK_LAUNCH();
+}
+
+void transpose_128x128_device(const uint8_t* q, const float* scales, int64_t matrices, int64_t rows, int64_t cols,
+                              uint8_t* out, float* out_scales, cudaStream_t stream) {
+  constexpr const char* name = "transpose_128x128_device";
+  POUNCE_REQUIRE(matrices >= 0 && rows >= 0 && cols >= 0, name, ": ", matrices, " matrices of [", rows, ", ", cols,
+                 "] has a negative extent");
+  POUNCE_REQUIRE(rows % kWeightBlock == 0 && cols % kWeightBlock == 0, name, ": shape [", rows, ", ", cols,
+                 "] is not made of whole ", kWeightBlock, " x ", kWeightBlock, " blocks");
+  if (matrices == 0 || rows == 0 || cols == 0) return;
+  POUNCE_REQUIRE(q != nullptr && scales != nullptr && out != nullptr && out_scales != nullptr, name,
+                 ": q, scales, out and out_scales must be set");
+  POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0, name,
+                 ": q and out must be 16-byte aligned");
+  const int64_t blocks = matrices * (rows / kWeightBlock) * (cols / kWeightBlock);
+  POUNCE_REQUIRE(blocks <= INT_MAX, name, ": ", blocks, " blocks are too many for one launch");
+  transpose_128x128_kernel<<<unsigned(blocks), kThreadsPerCta, 0, stream>>>(q, scales, rows, cols, out, out_scales);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -28,6 +28,11 @@ void quantize_1x128_gather_device(const uint16_t* x_bf16, const int32_t* source_
 void quantize_128x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,
                              cudaStream_t stream);
 
+// transpose_128x128 (formats/blockwise.h) on the device: `matrices` stacked [rows, cols] E4M3 matrices
+// with their [rows / 128, cols / 128] block scales -> each transposed, [cols, rows], scales
+// [cols / 128, rows / 128]. rows and cols multiples of 128; q and out 16-byte aligned.
+void transpose_128x128_device(const uint8_t* q, const float* scales, int64_t matrices, int64_t rows, int64_t cols,
+                              uint8_t* out, float* out_scales, cudaStream_t stream);
 // The inverse of the two blockwise quantizers: bf16 out [rows, cols] = e4m3 q * its block's scale, rounded
 // as the host's float product converted to bf16 (exact unless the product is subnormal). block_rows 1: scales [rows,
 // cols / 128] (1 x 128 blocks); 128: scales [rows / 128, cols / 128] (128 x 128 blocks).

@@ -262,6 +262,34 @@ TEST(QuantizeKernel, GatherMatchesHostOnTheGatheredRows) {
   expect_bytes_equal(d_scales.download(), as_bytes(want.scales), "gathered 1x128 scales", cols / 128 * 4);
 }
 
+// Weights in the data gradients' orientation: three stacked [256, 384] matrices, each block with a scale
+// of its own, transposed on the device; bit for bit the host's transpose (itself checked against
+// quantizing the transposed values, formats_test).
+TEST(QuantizeKernel, TransposedBlocksMatchHost) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const int64_t matrices = 3, rows = 256, cols = 384;
+  const std::vector<uint16_t> x = wide_range_bf16(rng, size_t(matrices * rows * cols), 12);
+  std::vector<float> values(x.size());
+  for (size_t i = 0; i < x.size(); ++i) values[i] = bf16_to_float(x[i]);
+  const Fp8Blocks128x128 q = quantize_128x128(values, matrices * rows, cols);
+  const Fp8Blocks128x128 want = transpose_128x128(q, matrices);
+
+  const DeviceBuffer<uint8_t> d_q(q.data);
+  const DeviceBuffer<float> d_scales(q.scales);
+  GuardedBuffer d_out(want.data.size()), d_out_scales(want.scales.size() * 4);
+  d_out.poison();
+  d_out_scales.poison();
+  transpose_128x128_device(d_q.data(), d_scales.data(), matrices, rows, cols, d_out.as<uint8_t>(),
+                           d_out_scales.as<float>(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  expect_bytes_equal(d_out.download(), want.data, "transposed data", rows);
+  expect_bytes_equal(d_out_scales.download(), as_bytes(want.scales), "transposed scales", rows / 128 * 4);
+  EXPECT_THROW(transpose_128x128_device(d_q.data(), d_scales.data(), 1, 100, 128, d_out.as<uint8_t>(),
+                                        d_out_scales.as<float>(), nullptr),
+               Error);
+}
+
 TEST(QuantizeKernel, RejectsBadArguments) {
   POUNCE_REQUIRE_HOPPER();
   GuardedBuffer d_x(1024 * 2), d_out(1024), d_scales(64);

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "common/device_pointer.h"
+#include "formats/quantize_kernel.h"
 #include "moe/backward/backward_kernels.h"
 
 namespace pounce::moe {
@@ -66,6 +67,13 @@ void BackwardChain::check_experts(int rank, const ExpertGradients& experts) cons
   const int64_t dw_bytes = experts.mode == WeightGradOutput::kBf16 ? 2 : 4;
   require_device_tensor(experts.dw13, E * 2 * I * H * dw_bytes, device, "dw13", rank);
   require_device_tensor(experts.dw2, E * H * I * dw_bytes, device, "dw2", rank);
+  if (const Fp8TransposedWeights* fp8 = experts.fp8) {
+    POUNCE_REQUIRE(fp8->experts() == E && fp8->hidden() == H && fp8->intermediate() == I, "MoE backward: rank ", rank,
+                   "'s FP8 weights are of ", fp8->experts(), " experts, H ", fp8->hidden(), ", I ", fp8->intermediate(),
+                   "; the layer has ", E, ", ", H, ", ", I);
+    POUNCE_REQUIRE(fp8->refreshed(), "MoE backward: rank ", rank,
+                   "'s FP8 weights were never refreshed from the bf16 weights");
+  }
 }
 
 void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts,
@@ -119,10 +127,23 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
   backward::gather_route_rows(from, f.row_source_rank, f.row_token, f.row_k, rows_, H, k, f.x_rows, gather_x,
                               dy_rows_.data(), row_weight_.data(), stream);
 
+  // FP8 data gradients: their A operands quantized from the bf16 rows the weight gradients read.
+  const bool fp8 = experts.fp8 != nullptr;
+  if (fp8) {
+    allocate(dy_fp8_, rows_ * H, "FP8 route rows", stream);
+    allocate(dy_scale_, rows_ * H / 128, "FP8 route rows", stream);
+    allocate(dgu_fp8_, rows_ * 2 * I, "FP8 route rows", stream);
+    allocate(dgu_scale_, rows_ * 2 * I / 128, "FP8 route rows", stream);
+    formats::quantize_1x128_device(reinterpret_cast<const uint16_t*>(dy_rows_.data()), rows_, H, dy_fp8_.data(),
+                                   dy_scale_.data(), stream);
+  }
   if (kept == nullptr) gemm(BackwardGemm::kGateUp, nullptr, gemm::Epilogue::kStore, stream);
   gemm(BackwardGemm::kDataDown, nullptr, gemm::Epilogue::kStore, stream);
   backward::swiglu_backward_rows(f.gate_up_rows, da_.data(), row_weight_.data(), f.row_token, rows_, I, dgu_.data(),
                                  wa_.data(), route_dot_.data(), stream);
+  if (fp8)
+    formats::quantize_1x128_device(reinterpret_cast<const uint16_t*>(dgu_.data()), rows_, 2 * I, dgu_fp8_.data(),
+                                   dgu_scale_.data(), stream);
   gemm(BackwardGemm::kDataGateUp, nullptr, gemm::Epilogue::kStore, stream);
   if (P == 1)
     backward::combine_gradients(dx_rows_.data(), route_dot_.data(), f.route_row, sources[0].tokens, k, H, sources[0].dx,
@@ -138,6 +159,8 @@ void BackwardChain::run_weight_gradients(int rank, std::span<const __nv_bfloat16
                                          const ExpertGradients& experts, const KeptForward& kept, const RouteRows& rows,
                                          cudaStream_t stream) {
   check_experts(rank, experts);
+  POUNCE_REQUIRE(experts.fp8 == nullptr,
+                 "MoE backward: FP8 weights are for run()'s data gradients; the weight gradients alone take none");
   POUNCE_REQUIRE(int(x.size()) == config_.ranks, "MoE backward: got ", x.size(), " source ranks' x, the layer has ",
                  config_.ranks);
   const int64_t H = config_.hidden, k = config_.topk;
@@ -179,7 +202,8 @@ void BackwardChain::finish(std::span<const BackwardSource> sources, cudaStream_t
 int64_t BackwardChain::device_bytes() const {
   int64_t bytes = 0;
   for (size_t b : {x_rows_.bytes(), dy_rows_.bytes(), h13_.bytes(), da_.bytes(), dgu_.bytes(), wa_.bytes(),
-                   dx_rows_.bytes(), row_weight_.bytes(), route_dot_.bytes(), dw_scratch_.bytes()})
+                   dx_rows_.bytes(), row_weight_.bytes(), route_dot_.bytes(), dw_scratch_.bytes(), dy_fp8_.bytes(),
+                   dgu_fp8_.bytes(), dy_scale_.bytes(), dgu_scale_.bytes()})
     bytes += int64_t(b);
   return bytes;
 }
@@ -200,13 +224,18 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
   const int32_t* offsets = rows_in_use_.expert_offsets;
   TimelineSink timeline = timeline_;
   timeline.kernel = uint8_t(timeline.kernel + int(which));
+  // fp8 set: E4M3 operands (K-major weights) in place of a and b.
   const auto m_grouped = [&](const __nv_bfloat16* a, const __nv_bfloat16* b, gemm::Major b_major, int64_t n, int64_t k,
-                             __nv_bfloat16* c) {
+                             __nv_bfloat16* c, const gemm::Fp8Operands* fp8 = nullptr) {
     gemm::GroupedGemmArgs g;
-    g.a = a;
+    if (fp8 != nullptr) {
+      g.fp8 = *fp8;
+    } else {
+      g.a = a;
+      g.b = b;
+      g.b_major = b_major;
+    }
     g.a_rows = rows_;
-    g.b = b;
-    g.b_major = b_major;
     g.experts = int(E);
     g.n = n;
     g.k = k;
@@ -230,13 +259,21 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
     g.timeline = timeline;
     gemm_.run_k_grouped(g, stream);
   };
+  const Fp8TransposedWeights* fp8 = last_experts_.fp8;
   switch (which) {
     case BackwardGemm::kGateUp:
       return m_grouped(rows_in_use_.x_rows, last_experts_.w13, gemm::Major::kK, 2 * I, H, h13_.data());
-    case BackwardGemm::kDataDown:
-      return m_grouped(route_rows_.dy, last_experts_.w2, gemm::Major::kMN, I, H, da_.data());
-    case BackwardGemm::kDataGateUp:
-      return m_grouped(route_rows_.dgu, last_experts_.w13, gemm::Major::kMN, H, 2 * I, dx_rows_.data());
+    case BackwardGemm::kDataDown: {
+      if (fp8 == nullptr) return m_grouped(route_rows_.dy, last_experts_.w2, gemm::Major::kMN, I, H, da_.data());
+      const gemm::Fp8Operands operands = fp8->data_down(dy_fp8_.data(), dy_scale_.data());
+      return m_grouped(nullptr, nullptr, gemm::Major::kK, I, H, da_.data(), &operands);
+    }
+    case BackwardGemm::kDataGateUp: {
+      if (fp8 == nullptr)
+        return m_grouped(route_rows_.dgu, last_experts_.w13, gemm::Major::kMN, H, 2 * I, dx_rows_.data());
+      const gemm::Fp8Operands operands = fp8->data_gate_up(dgu_fp8_.data(), dgu_scale_.data());
+      return m_grouped(nullptr, nullptr, gemm::Major::kK, H, 2 * I, dx_rows_.data(), &operands);
+    }
     case BackwardGemm::kWeightDown:
       return k_grouped(route_rows_.dy, H, route_rows_.wa, I);
     case BackwardGemm::kWeightGateUp:

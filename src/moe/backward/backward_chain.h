@@ -6,6 +6,7 @@
 //   dgu, wa, route dots  = SwiGLU backward (moe/backward/backward_kernels.h)
 //   dx_rows = dgu . W13[e]                         (m-grouped, W13 read N-major)
 //   dW2[e]  = dy_rows[e]^T . wa[e],  dW13[e] = dgu[e]^T . x_rows[e]      (k-grouped, fp32 sums)
+// (the two data gradients optionally in FP8: ExpertGradients::fp8)
 // and the way back to token order: at one rank each token sums its dx rows; with more ranks (virtual
 // ranks on this GPU) each dx row goes to its source rank's [token, k] slot and, once every rank's
 // experts are done, finish() sums each token's slots. No host synchronization: a forward and this
@@ -22,6 +23,7 @@
 
 #include "common/device_buffer.h"
 #include "gemm/grouped_gemm.h"
+#include "moe/backward/fp8_weights.h"
 #include "planner/device_planner.h"
 #include "pounce/config.h"
 #include "pounce/fused_moe.h"
@@ -46,6 +48,10 @@ struct ExpertGradients {
   void* dw13 = nullptr;                // [E/P, 2I, H] bf16 or fp32 (see mode)
   void* dw2 = nullptr;                 // [E/P, H, I]
   WeightGradOutput mode = WeightGradOutput::kF32;
+  // Set (and refreshed since the last weight update): the two data-gradient GEMMs run in E4M3 on these
+  // copies, with dy rows and d(gate, up) quantized 1 x 128 on the way; the weight gradients stay bf16
+  // GEMMs on the bf16 rows. Needs H and I multiples of 128.
+  const Fp8TransposedWeights* fp8 = nullptr;
 };
 
 // What a training forward kept for its backward (moe/fused_layer.h), all in device memory, rows in the
@@ -145,6 +151,8 @@ class BackwardChain {
   DeviceBuffer<__nv_bfloat16> x_rows_, h13_;  // a replay's
   DeviceBuffer<__nv_bfloat16> dy_rows_, da_, dgu_, wa_, dx_rows_;
   DeviceBuffer<float> row_weight_, route_dot_, dw_scratch_;
+  DeviceBuffer<uint8_t> dy_fp8_, dgu_fp8_;  // FP8 data gradients: their A operands, 1 x 128 scales beside
+  DeviceBuffer<float> dy_scale_, dgu_scale_;
   gemm::GroupedGemm gemm_;
   TimelineSink timeline_;
 };

@@ -1,6 +1,7 @@
 // The MoE backward chain against the host reference (reference::moe_backward, double accumulation) on
 // fresh random inputs: dx token by token, the router-weight gradients route by route, the weight
-// gradients expert by expert; outputs poisoned first; bitwise repeats; the three weight-gradient modes.
+// gradients expert by expert; outputs poisoned first; bitwise repeats; the three weight-gradient modes;
+// the data gradients in FP8.
 #include "moe/backward/backward_chain.h"
 
 #include <gtest/gtest.h>
@@ -142,6 +143,90 @@ INSTANTIATE_TEST_SUITE_P(Routings, BackwardChainTest,
                                            Case{0, 256, 128, 8, 2, RoutingPattern::kUniform},
                                            Case{1, 128, 64, 4, 1, RoutingPattern::kUniform},
                                            Case{97, 256, 128, 40, 12, RoutingPattern::kUniform}),
+                         testing::NameFromPrintTo());
+
+// The data gradients in FP8 (E4M3 weights transposed once per update, dy rows and d(gate, up) quantized
+// 1 x 128): within FP8's band of the host reference; dW2, which reads only bf16 rows, is the bf16 chain's
+// bit for bit; every output bitwise again on a second run.
+class BackwardChainFp8Test : public ::testing::TestWithParam<Case> {};
+
+TEST_P(BackwardChainFp8Test, DataGradientsInFp8MatchTheReferenceWithinFp8Error) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const Case c = GetParam();
+  const int64_t T = c.tokens, H = c.hidden, I = c.intermediate, E = c.experts, k = c.topk;
+  const auto x = testing::random_bf16_values(rng, T * H);
+  const auto dy = testing::random_bf16_values(rng, T * H);
+  const auto w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
+  const auto w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
+  const auto ids = reference::synthetic_topk_ids(c.pattern, T, c.experts, c.topk, rng);
+  auto weights = reference::synthetic_topk_weights(T, c.topk, rng);
+  if (c.zero_weights)
+    for (size_t i = 0; i < weights.size(); i += 3) weights[i] = 0.0f;
+  const reference::MoeShape shape{T, H, I, E, k};
+  const auto want = reference::moe_backward(shape, {x, ids, weights, w13, w2}, dy);
+
+  DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x)), d_dy(testing::to_bf16_bits(dy)),
+      d_w13(testing::to_bf16_bits(w13)), d_w2(testing::to_bf16_bits(w2)), d_dx(T * H);
+  DeviceBuffer<int32_t> d_ids(ids);
+  DeviceBuffer<float> d_weights(weights), d_dw(T * k), dw13(E * 2 * I * H), dw2(E * H * I), bf16_dw2(E * H * I);
+  const EpConfig config{
+      .ranks = 1, .experts = c.experts, .topk = c.topk, .hidden = H, .intermediate = I, .max_tokens_per_rank = T + 5};
+  BackwardChain chain(config);
+  const BackwardSource in{bf16(d_x),  d_ids.data(), d_weights.data(),
+                          T,          bf16(d_dy),   reinterpret_cast<__nv_bfloat16*>(d_dx.data()),
+                          d_dw.data()};
+  Fp8TransposedWeights fp8(E, H, I);
+  ExpertGradients out{bf16(d_w13), bf16(d_w2), dw13.data(), dw2.data(), WeightGradOutput::kF32, &fp8};
+  testing::expect_error([&] { chain.run(in, out, nullptr, nullptr); },
+                        "rank 0's FP8 weights were never refreshed from the bf16 weights");
+  Fp8TransposedWeights other(E, H + 128, I);  // never refreshed: its shape is checked first
+  out.fp8 = &other;
+  testing::expect_error([&] { chain.run(in, out, nullptr, nullptr); }, "'s FP8 weights are of ");
+  out.fp8 = &fp8;
+  fp8.refresh(bf16(d_w13), bf16(d_w2), nullptr);
+
+  chain.run(in, {out.w13, out.w2, dw13.data(), bf16_dw2.data(), WeightGradOutput::kF32}, nullptr, nullptr);
+  const auto run = [&] {
+    for (auto* b : {&d_dw, &dw13, &dw2}) b->fill_bytes(0xFF);
+    d_dx.fill_bytes(0xFF);
+    chain.run(in, out, nullptr, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    chain.check_device_errors();
+  };
+  run();
+  const auto dx = bf16_floats(d_dx), d_topk = d_dw.download(), g13 = dw13.download(), g2 = dw2.download();
+  EXPECT_EQ(g2, bf16_dw2.download()) << "dW2 reads bf16 rows only: the bf16 chain's bits";
+  if (T > 0) {
+    const double dx_l2 = testing::relative_l2_error(dx, want.dx), dx_worst = worst_slice_error(dx, want.dx, H);
+    double worst_route = 0;
+    for (int64_t r = 0; r < T * k; ++r)
+      worst_route = std::max(worst_route, std::abs(d_topk[r] - want.d_topk_weights[r]) / want.d_topk_scale[r]);
+    const double dw13_l2 = testing::relative_l2_error(g13, want.dw13);
+    std::printf(
+        "[ measured ] FP8 data gradients: dx %.3g (worst token %.3g), d_topk_weights worst route %.3g, "
+        "dW13 %.3g\n",
+        dx_l2, dx_worst, worst_route, dw13_l2);
+    // E4M3 keeps 3 mantissa bits: each quantized operand carries up to 2^-4 relative error per element,
+    // a few percent in norm; dx goes through two quantized GEMMs (four operands).
+    EXPECT_LT(dx_l2, 0.1);
+    EXPECT_LT(dx_worst, 0.2);
+    EXPECT_LT(worst_route, 0.1);
+    EXPECT_LT(dw13_l2, 0.1);
+  }
+  run();
+  EXPECT_EQ(bf16_floats(d_dx), dx);
+  EXPECT_EQ(d_dw.download(), d_topk);
+  EXPECT_EQ(dw13.download(), g13);
+  EXPECT_EQ(dw2.download(), g2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Routings, BackwardChainFp8Test,
+                         ::testing::Values(Case{300, 256, 128, 8, 2, RoutingPattern::kUniform},
+                                           Case{700, 384, 256, 16, 6, RoutingPattern::kZipf},
+                                           Case{257, 256, 128, 8, 4, RoutingPattern::kHalfEmpty, true},
+                                           Case{1, 128, 128, 4, 1, RoutingPattern::kUniform},
+                                           Case{0, 256, 128, 8, 2, RoutingPattern::kUniform}),
                          testing::NameFromPrintTo());
 
 TEST(BackwardChain, RejectsBadInputByName) {

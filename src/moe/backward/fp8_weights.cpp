@@ -1,0 +1,54 @@
+#include "moe/backward/fp8_weights.h"
+
+#include <algorithm>
+
+#include "common/require.h"
+#include "formats/quantize_kernel.h"
+
+namespace pounce::moe {
+
+Fp8TransposedWeights::Fp8TransposedWeights(int64_t experts, int64_t hidden, int64_t intermediate)
+    : experts_(experts), hidden_(hidden), intermediate_(intermediate) {
+  POUNCE_REQUIRE(experts >= 1 && hidden > 0 && intermediate > 0 && hidden % 128 == 0 && intermediate % 128 == 0,
+                 "FP8 weights: ", experts, " experts of hidden ", hidden, " and intermediate ", intermediate,
+                 " are not supported: both sizes must be positive multiples of 128");
+  const int64_t H = hidden, I = intermediate, w13 = experts * 2 * I * H, w2 = experts * H * I;
+  w13_t_ = DeviceBuffer<uint8_t>(w13);
+  w2_t_ = DeviceBuffer<uint8_t>(w2);
+  staging_ = DeviceBuffer<uint8_t>(std::max(w13, w2));
+  w13_t_scales_ = DeviceBuffer<float>(w13 / (128 * 128));
+  w2_t_scales_ = DeviceBuffer<float>(w2 / (128 * 128));
+  staging_scales_ = DeviceBuffer<float>(std::max(w13, w2) / (128 * 128));
+}
+
+void Fp8TransposedWeights::refresh(const __nv_bfloat16* w13, const __nv_bfloat16* w2, cudaStream_t stream) {
+  POUNCE_REQUIRE(w13 != nullptr && w2 != nullptr, "FP8 weights: refresh needs w13 and w2");
+  const int64_t E = experts_, H = hidden_, I = intermediate_;
+  // Each weight: quantized in its own orientation ([E * N, K]), then every expert's matrix transposed.
+  const auto quantize_transposed = [&](const __nv_bfloat16* w, int64_t n, int64_t k, uint8_t* out, float* scales) {
+    formats::quantize_128x128_device(reinterpret_cast<const uint16_t*>(w), E * n, k, staging_.data(),
+                                     staging_scales_.data(), stream);
+    formats::transpose_128x128_device(staging_.data(), staging_scales_.data(), E, n, k, out, scales, stream);
+  };
+  quantize_transposed(w2, H, I, w2_t_.data(), w2_t_scales_.data());
+  quantize_transposed(w13, 2 * I, H, w13_t_.data(), w13_t_scales_.data());
+  refreshed_ = true;
+}
+
+gemm::Fp8Operands Fp8TransposedWeights::data_down(const uint8_t* dy, const float* dy_scale) const {
+  return {dy, dy_scale, w2_t_.data(), w2_t_scales_.data()};
+}
+
+gemm::Fp8Operands Fp8TransposedWeights::data_gate_up(const uint8_t* dgu, const float* dgu_scale) const {
+  return {dgu, dgu_scale, w13_t_.data(), w13_t_scales_.data()};
+}
+
+int64_t Fp8TransposedWeights::device_bytes() const {
+  int64_t bytes = 0;
+  for (size_t b : {w13_t_.bytes(), w2_t_.bytes(), staging_.bytes(), w13_t_scales_.bytes(), w2_t_scales_.bytes(),
+                   staging_scales_.bytes()})
+    bytes += int64_t(b);
+  return bytes;
+}
+
+}  // namespace pounce::moe
