@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -467,8 +468,15 @@ TEST(Quantize128x128, TransposingCommutesWithQuantizing) {
   auto rng = testing::fresh_rng();
   const int64_t matrices = 2, rows = 256, cols = 384;
   std::vector<float> x = testing::random_bf16_values(rng, size_t(matrices * rows * cols));
-  std::uniform_int_distribution<int> shift(-40, 40);
-  for (float& v : x) v = std::ldexp(v, shift(rng) / 8);  // blocks of mixed magnitudes
+  // Every block its own magnitude, so that its scale differs from its neighbours': a scale array left
+  // untransposed, or transposed wrongly, no longer matches.
+  std::uniform_int_distribution<int> shift(-20, 20);
+  for (int64_t block = 0; block < matrices * rows / 128; ++block)
+    for (int64_t bc = 0; bc < cols / 128; ++bc) {
+      const int s = shift(rng);
+      for (int64_t r = block * 128; r < (block + 1) * 128; ++r)
+        for (int64_t c = bc * 128; c < (bc + 1) * 128; ++c) x[r * cols + c] = std::ldexp(x[r * cols + c], s);
+    }
   std::vector<float> xt(x.size());
   for (int64_t m = 0; m < matrices; ++m)
     for (int64_t r = 0; r < rows; ++r)
@@ -479,6 +487,8 @@ TEST(Quantize128x128, TransposingCommutesWithQuantizing) {
   EXPECT_EQ(transposed.cols, direct.cols);
   EXPECT_EQ(transposed.data, direct.data);
   EXPECT_EQ(transposed.scales, direct.scales);
+  EXPECT_GT(std::set<float>(direct.scales.begin(), direct.scales.end()).size(), direct.scales.size() / 2)
+      << "the blocks' scales must differ for the comparison to mean anything";
   EXPECT_THROW(transpose_128x128(direct, 5), Error);
 }
 
