@@ -7,6 +7,7 @@
 #include "common/cuda_check.h"
 #include "common/require.h"
 #include "common/tiles.h"
+#include "moe/backward/backward_chain.h"
 #include "moe/backward/backward_kernels.h"
 
 namespace pounce::baseline {
@@ -188,9 +189,7 @@ void UnfusedEpMoe::run_experts_backward(void* dw13, void* dw2, WeightGradOutput 
   permute_rows(out_.data(), pool_row_.data(), received, H, back_send_.data(), stream);
   gather_values(dot_pool_.data(), pool_row_.data(), received, dot_back_send_.data(), stream);
 
-  const gemm::Epilogue epilogue = output == WeightGradOutput::kAccumulateF32 ? gemm::Epilogue::kAddF32
-                                  : output == WeightGradOutput::kBf16        ? gemm::Epilogue::kStore
-                                                                             : gemm::Epilogue::kStoreF32;
+  const gemm::Epilogue epilogue = moe::weight_grad_epilogue(output);
   const auto k_grouped = [&](const __nv_bfloat16* a, int64_t m, const __nv_bfloat16* b, int64_t n, void* c) {
     gemm::KGroupedGemmArgs g;
     g.a = a;

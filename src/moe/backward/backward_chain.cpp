@@ -183,9 +183,7 @@ void BackwardChain::run_weight_gradients(int rank, std::span<const __nv_bfloat16
 // Reductions over each expert's rows in fp32. A tile sums all of an element's rows (no split K), so bf16
 // output is that fp32 sum rounded once, in the epilogue.
 void BackwardChain::weight_gradients(const ExpertGradients& experts, cudaStream_t stream) {
-  const gemm::Epilogue epilogue = experts.mode == WeightGradOutput::kAccumulateF32 ? gemm::Epilogue::kAddF32
-                                  : experts.mode == WeightGradOutput::kBf16        ? gemm::Epilogue::kStore
-                                                                                   : gemm::Epilogue::kStoreF32;
+  const gemm::Epilogue epilogue = weight_grad_epilogue(experts.mode);
   gemm(BackwardGemm::kWeightDown, experts.dw2, epilogue, stream);
   gemm(BackwardGemm::kWeightGateUp, experts.dw13, epilogue, stream);
 }

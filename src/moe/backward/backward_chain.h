@@ -86,6 +86,13 @@ enum class BackwardGemm {
 };
 inline constexpr int kBackwardGemms = 5;
 
+// The weight-gradient GEMMs' epilogue for an output mode.
+constexpr gemm::Epilogue weight_grad_epilogue(WeightGradOutput mode) {
+  return mode == WeightGradOutput::kAccumulateF32 ? gemm::Epilogue::kAddF32
+         : mode == WeightGradOutput::kBf16        ? gemm::Epilogue::kStore
+                                                  : gemm::Epilogue::kStoreF32;
+}
+
 class BackwardChain {
  public:
   // Buffers are sized for one rank's worst case of config once. More ranks: slots[s] is source rank s's
