@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
 
 #include "common/device_buffer.h"
 #include "common/gpu.h"
@@ -47,58 +48,94 @@ double worst_slice_error(const std::vector<float>& got, const std::vector<double
   return testing::worst_token_error(got, want, size_t(slice));
 }
 
+// A case's fresh random inputs, on the host (with the reference's gradients) and on the device, and a
+// chain for them.
+struct Problem {
+  int64_t T, H, I, E, k;
+  reference::MoeGradients want;
+  DeviceBuffer<uint16_t> d_x, d_dy, d_w13, d_w2, d_dx;
+  DeviceBuffer<int32_t> d_ids;
+  DeviceBuffer<float> d_weights, d_dw, dw13, dw2;
+  BackwardChain chain;
+  BackwardSource in;
+  ExpertGradients out;
+
+  Problem(const Case& c, std::mt19937_64& rng)
+      : T(c.tokens), H(c.hidden), I(c.intermediate), E(c.experts), k(c.topk), chain(config(c)) {
+    const auto x = testing::random_bf16_values(rng, T * H);
+    const auto dy = testing::random_bf16_values(rng, T * H);
+    const auto w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
+    const auto w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
+    const auto ids = reference::synthetic_topk_ids(c.pattern, T, c.experts, c.topk, rng);
+    auto weights = reference::synthetic_topk_weights(T, c.topk, rng);
+    if (c.zero_weights)
+      for (size_t i = 0; i < weights.size(); i += 3) weights[i] = 0.0f;
+    want = reference::moe_backward({T, H, I, E, k}, {x, ids, weights, w13, w2}, dy);
+    d_x = DeviceBuffer<uint16_t>(testing::to_bf16_bits(x));
+    d_dy = DeviceBuffer<uint16_t>(testing::to_bf16_bits(dy));
+    d_w13 = DeviceBuffer<uint16_t>(testing::to_bf16_bits(w13));
+    d_w2 = DeviceBuffer<uint16_t>(testing::to_bf16_bits(w2));
+    d_dx = DeviceBuffer<uint16_t>(T * H);
+    d_ids = DeviceBuffer<int32_t>(ids);
+    d_weights = DeviceBuffer<float>(weights);
+    d_dw = DeviceBuffer<float>(T * k);
+    dw13 = DeviceBuffer<float>(E * 2 * I * H);
+    dw2 = DeviceBuffer<float>(E * H * I);
+    in = {bf16(d_x),  d_ids.data(), d_weights.data(), T, bf16(d_dy), reinterpret_cast<__nv_bfloat16*>(d_dx.data()),
+          d_dw.data()};
+    out = {bf16(d_w13), bf16(d_w2), dw13.data(), dw2.data(), WeightGradOutput::kF32};
+  }
+  static EpConfig config(const Case& c) {
+    return {.ranks = 1,
+            .experts = c.experts,
+            .topk = c.topk,
+            .hidden = c.hidden,
+            .intermediate = c.intermediate,
+            .max_tokens_per_rank = c.tokens + 5};
+  }
+  // Outputs poisoned, the backward run and waited for.
+  void run(const ExpertGradients& experts) {
+    for (auto* b : {&d_dw, &dw13, &dw2}) b->fill_bytes(0xFF);
+    d_dx.fill_bytes(0xFF);
+    chain.run(in, experts, nullptr, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    chain.check_device_errors();
+  }
+  // dx over the whole tensor and its worst token; each route's router-weight gradient against its
+  // terms' magnitude.
+  struct Errors {
+    double dx, dx_worst_token, worst_route;
+  };
+  Errors errors(const std::vector<float>& dx, const std::vector<float>& d_topk) const {
+    double worst_route = 0;
+    for (int64_t r = 0; r < T * k; ++r)
+      worst_route = std::max(worst_route, std::abs(d_topk[r] - want.d_topk_weights[r]) / want.d_topk_scale[r]);
+    return {testing::relative_l2_error(dx, want.dx), worst_slice_error(dx, want.dx, H), worst_route};
+  }
+};
+
 class BackwardChainTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(BackwardChainTest, MatchesHostReference) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
-  const Case c = GetParam();
-  const int64_t T = c.tokens, H = c.hidden, I = c.intermediate, E = c.experts, k = c.topk;
-  const auto x = testing::random_bf16_values(rng, T * H);
-  const auto dy = testing::random_bf16_values(rng, T * H);
-  const auto w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
-  const auto w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
-  const auto ids = reference::synthetic_topk_ids(c.pattern, T, c.experts, c.topk, rng);
-  auto weights = reference::synthetic_topk_weights(T, c.topk, rng);
-  if (c.zero_weights)
-    for (size_t i = 0; i < weights.size(); i += 3) weights[i] = 0.0f;
-  const reference::MoeShape shape{T, H, I, E, k};
-  const reference::MoeInputs host_in{x, ids, weights, w13, w2};
-  const auto want = reference::moe_backward(shape, host_in, dy);
-
-  DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x)), d_dy(testing::to_bf16_bits(dy)),
-      d_w13(testing::to_bf16_bits(w13)), d_w2(testing::to_bf16_bits(w2)), d_dx(T * H);
-  DeviceBuffer<int32_t> d_ids(ids);
-  DeviceBuffer<float> d_weights(weights), d_dw(T * k), dw13(E * 2 * I * H), dw2(E * H * I);
-  const EpConfig config{
-      .ranks = 1, .experts = c.experts, .topk = c.topk, .hidden = H, .intermediate = I, .max_tokens_per_rank = T + 5};
-  BackwardChain chain(config);
-  const BackwardSource in{bf16(d_x),  d_ids.data(), d_weights.data(),
-                          T,          bf16(d_dy),   reinterpret_cast<__nv_bfloat16*>(d_dx.data()),
-                          d_dw.data()};
-  const ExpertGradients out{bf16(d_w13), bf16(d_w2), dw13.data(), dw2.data(), WeightGradOutput::kF32};
-  const auto run = [&] {
-    for (auto* b : {&d_dw, &dw13, &dw2}) b->fill_bytes(0xFF);
-    d_dx.fill_bytes(0xFF);
-    chain.run(in, out, nullptr, nullptr);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    chain.check_device_errors();
-  };
-  run();
-  const auto dx = bf16_floats(d_dx), d_topk = d_dw.download(), g13 = dw13.download(), g2 = dw2.download();
+  Problem p(GetParam(), rng);
+  const int64_t T = p.T, H = p.H, I = p.I, E = p.E;
+  const auto& want = p.want;
+  const ExpertGradients& out = p.out;
+  auto &dw13 = p.dw13, &dw2 = p.dw2;
+  p.run(out);
+  const auto dx = bf16_floats(p.d_dx), d_topk = p.d_dw.download(), g13 = dw13.download(), g2 = dw2.download();
   if (T > 0) {
-    const double dx_l2 = testing::relative_l2_error(dx, want.dx), dx_worst = worst_slice_error(dx, want.dx, H);
-    double worst_route = 0;
-    for (int64_t r = 0; r < T * k; ++r)
-      worst_route = std::max(worst_route, std::abs(d_topk[r] - want.d_topk_weights[r]) / want.d_topk_scale[r]);
-    std::printf("[ measured ] dx %.3g (worst token %.3g), d_topk_weights worst route %.3g, dW13 %.3g, dW2 %.3g\n",
-                dx_l2, dx_worst, worst_route, testing::relative_l2_error(g13, want.dw13),
+    const Problem::Errors e = p.errors(dx, d_topk);
+    std::printf("[ measured ] dx %.3g (worst token %.3g), d_topk_weights worst route %.3g, dW13 %.3g, dW2 %.3g\n", e.dx,
+                e.dx_worst_token, e.worst_route, testing::relative_l2_error(g13, want.dw13),
                 testing::relative_l2_error(g2, want.dw2));
     // bf16 rounding of the recomputed gate/up rows, da, dgu and dx rows, and of dx: a few 1e-3.
-    EXPECT_LT(dx_l2, 2e-2);
-    EXPECT_LT(dx_worst, 5e-2);
+    EXPECT_LT(e.dx, 2e-2);
+    EXPECT_LT(e.dx_worst_token, 5e-2);
     // Each route's dot: bf16 rounding of da and of a bounds its error by ~4 * 2^-9 of its terms' sum.
-    EXPECT_LT(worst_route, 1e-2);
+    EXPECT_LT(e.worst_route, 1e-2);
   }
   // Weight gradients expert by expert; an expert nobody chose gets exactly zero.
   for (int64_t e = 0; e < E; ++e) {
@@ -110,25 +147,25 @@ TEST_P(BackwardChainTest, MatchesHostReference) {
   }
 
   // Bit for bit again; then the weight gradients accumulated into what is there, and in bf16.
-  run();
-  EXPECT_EQ(bf16_floats(d_dx), dx);
-  EXPECT_EQ(d_dw.download(), d_topk);
+  p.run(out);
+  EXPECT_EQ(bf16_floats(p.d_dx), dx);
+  EXPECT_EQ(p.d_dw.download(), d_topk);
   EXPECT_EQ(dw13.download(), g13);
   EXPECT_EQ(dw2.download(), g2);
   dw13.upload(g13);
   dw2.upload(g2);
-  chain.run(in, {out.w13, out.w2, dw13.data(), dw2.data(), WeightGradOutput::kAccumulateF32}, nullptr, nullptr);
+  p.chain.run(p.in, {out.w13, out.w2, dw13.data(), dw2.data(), WeightGradOutput::kAccumulateF32}, nullptr, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
-  chain.check_device_errors();
+  p.chain.check_device_errors();
   std::vector<float> twice13 = g13, twice2 = g2;
   for (float& v : twice13) v *= 2;
   for (float& v : twice2) v *= 2;
   EXPECT_EQ(dw13.download(), twice13) << "accumulating adds exactly the same gradient once more";
   EXPECT_EQ(dw2.download(), twice2);
   DeviceBuffer<uint16_t> b13(E * 2 * I * H), b2(E * H * I);
-  chain.run(in, {out.w13, out.w2, b13.data(), b2.data(), WeightGradOutput::kBf16}, nullptr, nullptr);
+  p.chain.run(p.in, {out.w13, out.w2, b13.data(), b2.data(), WeightGradOutput::kBf16}, nullptr, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
-  chain.check_device_errors();
+  p.chain.check_device_errors();
   // bf16 output is the fp32 gradient rounded once (to nearest even), bit for bit.
   EXPECT_EQ(b13.download(), testing::to_bf16_bits(g13));
   EXPECT_EQ(b2.download(), testing::to_bf16_bits(g2));
@@ -153,72 +190,42 @@ class BackwardChainFp8Test : public ::testing::TestWithParam<Case> {};
 TEST_P(BackwardChainFp8Test, DataGradientsInFp8MatchTheReferenceWithinFp8Error) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
-  const Case c = GetParam();
-  const int64_t T = c.tokens, H = c.hidden, I = c.intermediate, E = c.experts, k = c.topk;
-  const auto x = testing::random_bf16_values(rng, T * H);
-  const auto dy = testing::random_bf16_values(rng, T * H);
-  const auto w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
-  const auto w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
-  const auto ids = reference::synthetic_topk_ids(c.pattern, T, c.experts, c.topk, rng);
-  auto weights = reference::synthetic_topk_weights(T, c.topk, rng);
-  if (c.zero_weights)
-    for (size_t i = 0; i < weights.size(); i += 3) weights[i] = 0.0f;
-  const reference::MoeShape shape{T, H, I, E, k};
-  const auto want = reference::moe_backward(shape, {x, ids, weights, w13, w2}, dy);
-
-  DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x)), d_dy(testing::to_bf16_bits(dy)),
-      d_w13(testing::to_bf16_bits(w13)), d_w2(testing::to_bf16_bits(w2)), d_dx(T * H);
-  DeviceBuffer<int32_t> d_ids(ids);
-  DeviceBuffer<float> d_weights(weights), d_dw(T * k), dw13(E * 2 * I * H), dw2(E * H * I), bf16_dw2(E * H * I);
-  const EpConfig config{
-      .ranks = 1, .experts = c.experts, .topk = c.topk, .hidden = H, .intermediate = I, .max_tokens_per_rank = T + 5};
-  BackwardChain chain(config);
-  const BackwardSource in{bf16(d_x),  d_ids.data(), d_weights.data(),
-                          T,          bf16(d_dy),   reinterpret_cast<__nv_bfloat16*>(d_dx.data()),
-                          d_dw.data()};
-  Fp8TransposedWeights fp8(E, H, I);
-  ExpertGradients out{bf16(d_w13), bf16(d_w2), dw13.data(), dw2.data(), WeightGradOutput::kF32, &fp8};
-  testing::expect_error([&] { chain.run(in, out, nullptr, nullptr); },
-                        "rank 0's FP8 weights were never refreshed from the bf16 weights");
-  Fp8TransposedWeights other(E, H + 128, I);  // never refreshed: its shape is checked first
-  out.fp8 = &other;
-  testing::expect_error([&] { chain.run(in, out, nullptr, nullptr); }, "'s FP8 weights are of ");
+  Problem p(GetParam(), rng);
+  Fp8TransposedWeights fp8(p.E, p.H, p.I);
+  ExpertGradients out = p.out;
   out.fp8 = &fp8;
-  fp8.refresh(bf16(d_w13), bf16(d_w2), nullptr);
+  testing::expect_error([&] { p.chain.run(p.in, out, nullptr, nullptr); },
+                        "rank 0's FP8 weights were never refreshed from the bf16 weights");
+  Fp8TransposedWeights other(p.E, p.H + 128, p.I);  // never refreshed: its shape is checked first
+  out.fp8 = &other;
+  testing::expect_error([&] { p.chain.run(p.in, out, nullptr, nullptr); }, "'s FP8 weights are of ");
+  out.fp8 = &fp8;
+  fp8.refresh(p.out.w13, p.out.w2, nullptr);
 
-  chain.run(in, {out.w13, out.w2, dw13.data(), bf16_dw2.data(), WeightGradOutput::kF32}, nullptr, nullptr);
-  const auto run = [&] {
-    for (auto* b : {&d_dw, &dw13, &dw2}) b->fill_bytes(0xFF);
-    d_dx.fill_bytes(0xFF);
-    chain.run(in, out, nullptr, nullptr);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    chain.check_device_errors();
-  };
-  run();
-  const auto dx = bf16_floats(d_dx), d_topk = d_dw.download(), g13 = dw13.download(), g2 = dw2.download();
-  EXPECT_EQ(g2, bf16_dw2.download()) << "dW2 reads bf16 rows only: the bf16 chain's bits";
-  if (T > 0) {
-    const double dx_l2 = testing::relative_l2_error(dx, want.dx), dx_worst = worst_slice_error(dx, want.dx, H);
-    double worst_route = 0;
-    for (int64_t r = 0; r < T * k; ++r)
-      worst_route = std::max(worst_route, std::abs(d_topk[r] - want.d_topk_weights[r]) / want.d_topk_scale[r]);
-    const double dw13_l2 = testing::relative_l2_error(g13, want.dw13);
+  p.run(p.out);
+  const std::vector<float> bf16_dw2 = p.dw2.download();
+  p.run(out);
+  const auto dx = bf16_floats(p.d_dx), d_topk = p.d_dw.download(), g13 = p.dw13.download(), g2 = p.dw2.download();
+  EXPECT_EQ(g2, bf16_dw2) << "dW2 reads bf16 rows only: the bf16 chain's bits";
+  if (p.T > 0) {
+    const Problem::Errors e = p.errors(dx, d_topk);
+    const double dw13 = testing::relative_l2_error(g13, p.want.dw13);
     std::printf(
         "[ measured ] FP8 data gradients: dx %.3g (worst token %.3g), d_topk_weights worst route %.3g, "
         "dW13 %.3g\n",
-        dx_l2, dx_worst, worst_route, dw13_l2);
+        e.dx, e.dx_worst_token, e.worst_route, dw13);
     // E4M3 keeps 3 mantissa bits: each quantized operand carries up to 2^-4 relative error per element,
     // a few percent in norm; dx goes through two quantized GEMMs (four operands).
-    EXPECT_LT(dx_l2, 0.1);
-    EXPECT_LT(dx_worst, 0.2);
-    EXPECT_LT(worst_route, 0.1);
-    EXPECT_LT(dw13_l2, 0.1);
+    EXPECT_LT(e.dx, 0.1);
+    EXPECT_LT(e.dx_worst_token, 0.2);
+    EXPECT_LT(e.worst_route, 0.1);
+    EXPECT_LT(dw13, 0.1);
   }
-  run();
-  EXPECT_EQ(bf16_floats(d_dx), dx);
-  EXPECT_EQ(d_dw.download(), d_topk);
-  EXPECT_EQ(dw13.download(), g13);
-  EXPECT_EQ(dw2.download(), g2);
+  p.run(out);
+  EXPECT_EQ(bf16_floats(p.d_dx), dx);
+  EXPECT_EQ(p.d_dw.download(), d_topk);
+  EXPECT_EQ(p.dw13.download(), g13);
+  EXPECT_EQ(p.dw2.download(), g2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Routings, BackwardChainFp8Test,
