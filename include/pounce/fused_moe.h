@@ -57,6 +57,10 @@ struct FusedMoeOptions {
   // level on large experts and the chain is up to 8 % faster on small ones (docs/backward.md). A layer
   // across GPUs always runs the persistent kernel.
   bool fused_backward = false;
+  // The backward chain's two data-gradient GEMMs in E4M3 (docs/backward.md#fp8-data-gradients), on copies
+  // of the weights that refresh_fp8_weights() quantizes and transposes. Needs H and I multiples of 128 and
+  // the chain: not with fused_backward, nor across GPUs (where only the persistent kernel runs).
+  bool fp8_data_gradients = false;
 };
 
 // This rank's experts, bf16, in device memory on the layer's GPU, 16-byte aligned.
@@ -134,6 +138,12 @@ class FusedMoe {
   void backward(const RankIO& forward_input, const RankGrads& grads, WeightGradOutput mode, cudaStream_t stream) {
     backward(std::span(&forward_input, 1), std::span(&grads, 1), mode, stream);
   }
+
+  // With FusedMoeOptions::fp8_data_gradients: quantizes the weights of set_weights into the E4M3 copies
+  // the backward's data gradients read, on `stream`. Call it after set_weights and after every update of
+  // the weights' values (the layer cannot see updates in place); a backward refuses to run before the
+  // first call after set_weights. The first call allocates the copies: make it before capturing a graph.
+  void refresh_fp8_weights(cudaStream_t stream);
 
   // After the stream has synchronized: throws pounce::Error describing a failure inside the kernel (bad
   // routing; or a wait that gave up, with its likely cause and the counter it watched). On one GPU the

@@ -15,7 +15,7 @@ extern "C" {
 #endif
 
 /* Raised whenever a struct below changes layout; bindings compare it with pounce_abi_version(). */
-#define POUNCE_C_ABI_VERSION 4
+#define POUNCE_C_ABI_VERSION 5
 #define POUNCE_NCCL_UNIQUE_ID_BYTES 128
 
 enum {
@@ -43,8 +43,9 @@ typedef struct pounce_options {
   int64_t ring_blocks;
   int64_t ring_bytes;
   uint64_t wait_timeout_ns;
-  int32_t backward_replays; /* 1: a backward without its kept forward replays it; 0: it fails instead */
-  int32_t fused_backward;   /* 1: on one GPU a backward from kept rows runs the persistent kernel */
+  int32_t backward_replays;   /* 1: a backward without its kept forward replays it; 0: it fails instead */
+  int32_t fused_backward;     /* 1: on one GPU a backward from kept rows runs the persistent kernel */
+  int32_t fp8_data_gradients; /* 1: the backward chain's data gradients in E4M3 (see refresh_fp8_weights) */
 } pounce_options;
 
 /* pounce::RankIO: one rank's tensors for one forward, device pointers, 16-byte aligned. */
@@ -111,6 +112,10 @@ int pounce_moe_create_nccl(const pounce_config* config, const pounce_options* op
 /* The weights of the ranks on this GPU, in rank order (n = ranks_on_this_gpu): w13[r] [E/P, 2I, H] with
  * gate and up rows interleaved in groups of 8, w2[r] [E/P, H, I]. The layer keeps the pointers, no copy. */
 int pounce_moe_set_weights(pounce_moe* layer, int n, const void* const* w13, const void* const* w2);
+
+/* With the fp8_data_gradients option: quantizes the weights into the E4M3 copies the backward reads, on
+ * `stream` (pounce::FusedMoe::refresh_fp8_weights). After set_weights and after every weight update. */
+int pounce_moe_refresh_fp8_weights(pounce_moe* layer, void* stream);
 
 /* Enqueues one forward of the n = ranks_on_this_gpu ranks on this GPU on `stream` (a cudaStream_t; NULL
  * is the default stream). No host synchronization. keep_for_backward = 1: a training forward, which keeps

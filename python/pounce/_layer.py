@@ -67,6 +67,7 @@ class Layer:
         self._sized_for = 0  # what the C++ layer was sized for
         self._weights = None  # (w13, w2) pointers last handed to it
         self._kept = None  # what the latest forward ran on, when it kept its rows for the backward
+        self._fp8_of = None  # fp8_data_gradients: the weights (pointers, versions) its E4M3 copies hold
 
     @staticmethod
     def get(key: int) -> "Layer":
@@ -127,6 +128,7 @@ class Layer:
                 )
             )
         self._handle, self._device, self._sized_for, self._weights = handle, device, tokens_per_rank, None
+        self._fp8_of = None
 
     def _group_max(self, tokens: int, device: torch.device) -> int:
         count = torch.tensor([tokens], dtype=torch.int64, device=device)
@@ -173,6 +175,20 @@ class Layer:
             )
         )
         self._weights = pointers
+        self._fp8_of = None
+
+    def _refresh_fp8_weights(self, w13: torch.Tensor, w2: torch.Tensor, stream: int) -> None:
+        """fp8_data_gradients: quantizes the weights into the C++ layer's E4M3 copies when their values may
+        have changed since (new tensors, or an in-place update: the optimizer bumps a tensor's version).
+        Inside a CUDA graph capture it always refreshes, so that every replay quantizes the weights of
+        that moment."""
+        if not self.options.get("fp8_data_gradients"):
+            return
+        of = (w13.data_ptr(), w2.data_ptr(), w13._version, w2._version)
+        if self._fp8_of == of and not torch.cuda.is_current_stream_capturing():
+            return
+        _lib.check(_lib.library().pounce_moe_refresh_fp8_weights(self._handle, stream))
+        self._fp8_of = of
 
     # ---- used by the ops -----------------------------------------------------------------------------
 
@@ -234,6 +250,7 @@ class Layer:
                     dw2_ranks[r].data_ptr(),
                 )
             stream = torch.cuda.current_stream(x.device).cuda_stream
+            self._refresh_fp8_weights(w13, w2, stream)
             _lib.check(
                 _lib.library().pounce_moe_backward(self._handle, n, ios, grads, _lib.WEIGHT_GRAD_BF16, stream)
             )
@@ -271,7 +288,7 @@ class Layer:
         the group calls it, in the same order as for its other layers."""
         if self._handle is None:
             return
-        handle, self._handle, self._weights = self._handle, None, None
+        handle, self._handle, self._weights, self._fp8_of = self._handle, None, None, None
         with torch.cuda.device(self._device):
             _lib.check(_lib.library().pounce_moe_destroy(handle))
 

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 NCCL_UNIQUE_ID_BYTES = 128
 
 
@@ -41,6 +41,7 @@ class Options(ctypes.Structure):
         ("wait_timeout_ns", ctypes.c_uint64),
         ("backward_replays", ctypes.c_int32),
         ("fused_backward", ctypes.c_int32),
+        ("fp8_data_gradients", ctypes.c_int32),
     ]
 
 
@@ -97,6 +98,7 @@ _SIGNATURES = {
         ctypes.POINTER(_P),
     ],
     "pounce_moe_set_weights": [_P, ctypes.c_int, ctypes.POINTER(_P), ctypes.POINTER(_P)],
+    "pounce_moe_refresh_fp8_weights": [_P, _P],
     "pounce_moe_forward": [_P, ctypes.c_int, ctypes.POINTER(RankIO), ctypes.c_int, _P],
     "pounce_moe_backward": [_P, ctypes.c_int, ctypes.POINTER(RankIO), ctypes.POINTER(RankGrads), ctypes.c_int, _P],
     "pounce_moe_check_device_errors": [_P],

@@ -96,7 +96,9 @@ class MoE(nn.Module):
 
     Device errors (routing ids out of range or repeated within a token; a wait that gave up) end the
     kernel and are raised as pounce.Error by the next forward, or by check_device_errors(). options: a dict
-    of pounce::FusedMoeOptions fields (ring_bytes, wait_timeout_ns, ...)."""
+    of pounce::FusedMoeOptions fields (ring_bytes, wait_timeout_ns, ...); {"fp8_data_gradients": 1} runs the
+    backward's data-gradient GEMMs in FP8 on E4M3 copies of the weights, refreshed whenever the weights
+    changed (a new tensor, or an in-place update such as the optimizer's) and at every CUDA-graph replay."""
 
     def __init__(
         self,

@@ -506,13 +506,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-reps", type=int, default=30, help="timed repetitions of the MoE layers alone")
     p.add_argument("--fused-backward", action="store_true",
                    help="pounce's backward as one persistent kernel (FusedMoeOptions::fused_backward)")
+    p.add_argument("--fp8-data-gradients", action="store_true",
+                   help="the backward's data-gradient GEMMs in FP8 (FusedMoeOptions::fp8_data_gradients)")
     p.add_argument("--out", default="results/train", help="folder for train.json and loss.png")
     return p
 
 
 def pounce_options(args) -> dict:
-    """pounce.MoE's options for this run: the fused backward kernel when asked for."""
-    return {"fused_backward": 1} if args.fused_backward else {}
+    """pounce.MoE's options for this run: the fused backward kernel, FP8 data gradients, when asked for."""
+    options = {}
+    if args.fused_backward:
+        options["fused_backward"] = 1
+    if args.fp8_data_gradients:
+        options["fp8_data_gradients"] = 1
+    return options
 
 
 def parse_args(argv=None):

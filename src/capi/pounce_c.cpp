@@ -71,7 +71,8 @@ pounce::FusedMoeOptions to_options(const pounce_options* o) {
           .ring_bytes = o->ring_bytes,
           .wait_timeout_ns = o->wait_timeout_ns,
           .backward_replays = o->backward_replays != 0,
-          .fused_backward = o->fused_backward != 0};
+          .fused_backward = o->fused_backward != 0,
+          .fp8_data_gradients = o->fp8_data_gradients != 0};
 }
 
 // Finalizes and destroys a communicator, reporting the first failure after trying both.
@@ -102,7 +103,8 @@ int pounce_default_options(pounce_options* out) {
             .ring_bytes = d.ring_bytes,
             .wait_timeout_ns = d.wait_timeout_ns,
             .backward_replays = d.backward_replays ? 1 : 0,
-            .fused_backward = d.fused_backward ? 1 : 0};
+            .fused_backward = d.fused_backward ? 1 : 0,
+            .fp8_data_gradients = d.fp8_data_gradients ? 1 : 0};
   });
 }
 
@@ -165,6 +167,10 @@ int pounce_moe_set_weights(pounce_moe* layer, int n, const void* const* w13, con
     }
     moe.set_weights(weights);
   });
+}
+
+int pounce_moe_refresh_fp8_weights(pounce_moe* layer, void* stream) {
+  return guarded([&] { layer_of(layer).refresh_fp8_weights(static_cast<cudaStream_t>(stream)); });
 }
 
 int pounce_moe_forward(pounce_moe* layer, int n, const pounce_rank_io* ios, int keep_for_backward, void* stream) {

@@ -78,6 +78,8 @@ FusedLayer::FusedLayer(const EpConfig& config, ncclComm_t comm, const FusedMoeOp
   NCCL_CHECK(ncclCommCount(comm, &ranks));
   POUNCE_REQUIRE(ranks == config.ranks, "fused MoE: the communicator has ", ranks, " ranks, the config ", config.ranks);
   check_same_config_on_every_rank(config, options, comm);
+  POUNCE_REQUIRE(!options.fp8_data_gradients || config.ranks == 1,
+                 "fused MoE: fp8_data_gradients runs in the backward chain, which a layer across GPUs does not use");
   setup(config, options, /*launch_ranks=*/1, /*first_rank=*/rank);
 
   // One symmetric window per rank: what the other ranks read (x, topk_ids, token counts) and write
@@ -124,11 +126,16 @@ FusedLayer::~FusedLayer() = default;
 
 // Every rank must run the same layer: a mismatch would size buffers differently and read past them.
 void FusedLayer::check_same_config_on_every_rank(const EpConfig& c, const FusedMoeOptions& o, ncclComm_t comm) {
-  const std::vector<int64_t> mine = {c.ranks,          c.experts,      c.topk,
-                                     c.hidden,         c.intermediate, c.max_tokens_per_rank,
-                                     o.minibatch_rows, o.ring_blocks,  o.ring_bytes};
-  const char* names[] = {"ranks",          "experts",     "topk",      "hidden", "intermediate", "max_tokens_per_rank",
-                         "minibatch_rows", "ring_blocks", "ring_bytes"};
+  const std::vector<int64_t> mine = {c.ranks,          c.experts,
+                                     c.topk,           c.hidden,
+                                     c.intermediate,   c.max_tokens_per_rank,
+                                     o.minibatch_rows, o.ring_blocks,
+                                     o.ring_bytes,     o.fp8_data_gradients};
+  const char* names[] = {"ranks",          "experts",
+                         "topk",           "hidden",
+                         "intermediate",   "max_tokens_per_rank",
+                         "minibatch_rows", "ring_blocks",
+                         "ring_bytes",     "fp8_data_gradients"};
   const size_t n = mine.size();
   DeviceBuffer<int64_t> send(mine), all(n * c.ranks);
   NCCL_CHECK(ncclAllGather(send.data(), all.data(), n, ncclInt64, comm, nullptr));
@@ -223,6 +230,12 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   p.wait_timeout_ns = options.wait_timeout_ns;
   backward_replays_ = options.backward_replays;
   fused_backward_enabled_ = options.fused_backward;
+  fp8_data_gradients_ = options.fp8_data_gradients;
+  POUNCE_REQUIRE(!options.fp8_data_gradients || (config.hidden % 128 == 0 && config.intermediate % 128 == 0),
+                 "fused MoE: fp8_data_gradients needs H and I multiples of 128 (E4M3 blocks); H = ", config.hidden,
+                 ", I = ", config.intermediate);
+  POUNCE_REQUIRE(!(options.fp8_data_gradients && options.fused_backward),
+                 "fused MoE: fp8_data_gradients runs in the backward chain; fused_backward has no FP8 path yet");
   p.steps = counter_steps(config);
   p.stall_rank = -1;
   p.in_place = in_place;
@@ -329,8 +342,21 @@ void FusedLayer::set_weights(std::span<const ExpertWeights> ranks) {
     maps.w2[lr] = gemm::make_bf16_tensor_map(ranks[lr].w2, I, E * H, kBlockK, kBlockN);
   }
   maps_ = maps;
+  fp8_fresh_ = false;  // the copies are of the weights before
   std::copy(ranks.begin(), ranks.end(), weights_.begin());
   has_weights_ = true;
+}
+
+void FusedLayer::refresh_fp8_weights(cudaStream_t stream) {
+  POUNCE_REQUIRE(fp8_data_gradients_, "FusedMoe::refresh_fp8_weights: the layer was made without fp8_data_gradients");
+  POUNCE_REQUIRE(has_weights_, "FusedMoe::refresh_fp8_weights: call set_weights first");
+  const int L = params_.launch_ranks;
+  if (fp8_weights_.empty())
+    for (int lr = 0; lr < L; ++lr)
+      fp8_weights_.push_back(
+          std::make_unique<Fp8TransposedWeights>(config_.local_experts(), config_.hidden, config_.intermediate));
+  for (int lr = 0; lr < L; ++lr) fp8_weights_[lr]->refresh(weights_[lr].w13, weights_[lr].w2, stream);
+  fp8_fresh_ = true;
 }
 
 // Host-visible checks of one rank's tensors, before anything of the forward is enqueued.
@@ -496,9 +522,17 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
     const RankGrads& g = grads[lr];
     sources[lr] = {in.x, in.topk_ids, in.topk_weights, in.tokens, g.dy, g.dx, g.d_topk_weights};
   }
+  POUNCE_REQUIRE(!fp8_data_gradients_ || fp8_fresh_,
+                 "FusedMoe::backward: fp8_data_gradients needs refresh_fp8_weights() after set_weights (and after "
+                 "every update of the weights)");
   std::vector<ExpertGradients> experts(L);
   for (int lr = 0; lr < L; ++lr) {
-    experts[lr] = {weights_[lr].w13, weights_[lr].w2, grads[lr].dw13, grads[lr].dw2, mode};
+    experts[lr] = {weights_[lr].w13,
+                   weights_[lr].w2,
+                   grads[lr].dw13,
+                   grads[lr].dw2,
+                   mode,
+                   fp8_data_gradients_ ? fp8_weights_[lr].get() : nullptr};
     if (L == config_.ranks) {
       backward_->check(params_.first_rank + lr, sources, experts[lr]);  // every rank before any is enqueued
     } else {                                                            // a rank across GPUs sees only its own tensors
@@ -724,6 +758,7 @@ int64_t FusedLayer::device_bytes() const {
                    route_row_.bytes(), counters_.bytes(), x_ring_.bytes(), h_ring_.bytes(), out_ring_.bytes(),
                    gate_up_kept_.bytes(), peer_words_.bytes(), token_counts_.bytes(), slots_.bytes()})
     bytes += int64_t(b);
+  for (const auto& w : fp8_weights_) bytes += w->device_bytes();
   return bytes;
 }
 

@@ -49,6 +49,7 @@ class FusedLayer {
   void forward(std::span<const RankIO> ranks, cudaStream_t stream, bool keep_for_backward);
   void backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
                 cudaStream_t stream);
+  void refresh_fp8_weights(cudaStream_t stream);
   void check_device_errors();
 
   const EpConfig& config() const { return config_; }
@@ -118,6 +119,11 @@ class FusedLayer {
   bool last_backward_replayed_ = false;
   bool backward_replays_ = true;        // FusedMoeOptions::backward_replays
   bool fused_backward_enabled_ = true;  // FusedMoeOptions::fused_backward
+  // FusedMoeOptions::fp8_data_gradients: each launch rank's E4M3 weight copies (made by the first
+  // refresh), and whether they were refreshed since the last set_weights.
+  bool fp8_data_gradients_ = false;
+  std::vector<std::unique_ptr<Fp8TransposedWeights>> fp8_weights_;
+  bool fp8_fresh_ = false;
   // The fused backward's own counters, number and peer words (virtual ranks), and its rows: a ring
   // holding every m-block of every launch rank, kept for the weight gradients. Made by the first fused
   // backward.

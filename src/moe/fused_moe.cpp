@@ -23,6 +23,7 @@ void FusedMoe::backward(std::span<const RankIO> forward_inputs, std::span<const 
                         cudaStream_t stream) {
   layer_->backward(forward_inputs, grads, mode, stream);
 }
+void FusedMoe::refresh_fp8_weights(cudaStream_t stream) { layer_->refresh_fp8_weights(stream); }
 void FusedMoe::check_device_errors() { layer_->check_device_errors(); }
 
 const EpConfig& FusedMoe::config() const { return layer_->config(); }

@@ -915,6 +915,60 @@ TEST(FusedMoe, BackwardOnVirtualRanksHasTheBitsOfOneRank) {
   }
 }
 
+// FP8 data gradients through the public layer (FusedMoeOptions::fp8_data_gradients) at one and three
+// virtual ranks, from kept forwards and replayed: dW2 (which reads bf16 rows only) has the bf16 layer's
+// bits, every other gradient lies within FP8's band of the host reference. A backward before
+// refresh_fp8_weights, or after set_weights without it, is refused; so are options it cannot run with.
+TEST(FusedMoe, Fp8DataGradientsThroughTheLayer) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  for (int ranks : {1, 3}) {
+    SCOPED_TRACE(::testing::Message() << ranks << " virtual ranks");
+    Problem p = make_problem(rng, Case{ranks, 200, 256, 128, 12, 4, RoutingPattern::kZipf});
+    std::vector<std::vector<float>> dy;
+    std::vector<DeviceBuffer<uint16_t>> d_dy;
+    for (int r = 0; r < ranks; ++r) {
+      dy.push_back(testing::random_bf16_values(rng, p.tokens[r] * p.config.hidden));
+      d_dy.emplace_back(testing::to_bf16_bits(dy.back()));
+    }
+    const reference::MoeGradients want = reference_backward(p, dy);
+    FusedMoe fp8_layer(p.config, {.fp8_data_gradients = true}), bf16_layer(p.config, {});
+    p.load_weights(fp8_layer);
+    p.load_weights(bf16_layer);
+    fp8_layer.forward(p.io(), nullptr, /*keep_for_backward=*/true);
+    testing::expect_error([&] { run_backward(fp8_layer, p, d_dy); },
+                          "fp8_data_gradients needs refresh_fp8_weights() after set_weights");
+    fp8_layer.refresh_fp8_weights(nullptr);
+    for (bool keep : {true, false}) {
+      SCOPED_TRACE(keep ? "from kept forwards" : "replayed");
+      fp8_layer.forward(p.io(), nullptr, keep);
+      bf16_layer.forward(p.io(), nullptr, keep);
+      const Gradients fp8 = run_backward(fp8_layer, p, d_dy), bf16 = run_backward(bf16_layer, p, d_dy);
+      EXPECT_EQ(fp8_layer.last_backward_replayed(), !keep);
+      EXPECT_EQ(fp8.dw2, bf16.dw2);
+      std::vector<float> dx;
+      for (uint16_t b : fp8.dx) dx.push_back(formats::bf16_to_float(b));
+      const double dx_l2 = testing::relative_l2_error(dx, want.dx),
+                   dw13 = testing::relative_l2_error(fp8.dw13, want.dw13);
+      std::printf("[ measured ] FP8 data gradients, layer: dx %.3g, dW13 %.3g\n", dx_l2, dw13);
+      EXPECT_LT(dx_l2, 0.1);
+      EXPECT_LT(testing::worst_token_error(dx, want.dx, p.config.hidden), 0.2);
+      EXPECT_LT(dw13, 0.1);
+    }
+    p.load_weights(fp8_layer);  // new weights: the copies are stale until refreshed
+    testing::expect_error([&] { run_backward(fp8_layer, p, d_dy); },
+                          "fp8_data_gradients needs refresh_fp8_weights() after set_weights");
+  }
+  EpConfig config{.ranks = 1, .experts = 4, .topk = 2, .hidden = 256, .intermediate = 128, .max_tokens_per_rank = 8};
+  testing::expect_error([&] { FusedMoe bad(config, {.fused_backward = true, .fp8_data_gradients = true}); },
+                        "fused_backward has no FP8 path yet");
+  FusedMoe plain(config, {});
+  testing::expect_error([&] { plain.refresh_fp8_weights(nullptr); }, "made without fp8_data_gradients");
+  config.intermediate = 192;
+  testing::expect_error([&] { FusedMoe bad(config, {.fp8_data_gradients = true}); },
+                        "fp8_data_gradients needs H and I multiples of 128");
+}
+
 // The fused backward over the NCCL window at one rank (dy, the router weights and their gradients
 // through the window, the backward's own arrivals and start flags there) gives the virtual-rank layer's
 // gradients bit for bit, backward after backward.
