@@ -83,6 +83,36 @@ def test_backward_uses_the_kept_forward_and_replays_an_earlier_one():
         expect_close("dx", t.grad, leaf.grad)
 
 
+@pytest.mark.parametrize("virtual_ranks", [None, 3])
+def test_fp8_data_gradients_follow_the_weights_within_fp8_error(virtual_ranks):
+    """options={"fp8_data_gradients": 1}: the backward's data gradients in FP8, within FP8's band of the
+    eager reference, after the weights change in place (the copies follow the tensors' versions);
+    dw2 reads no FP8 operand and matches as tightly as the bf16 layer's."""
+    T, H, I, E, k = 200, 256, 128, 12, 4
+    g = torch.Generator().manual_seed(3)
+    moe = pounce.MoE(H, I, E, k, virtual_ranks=virtual_ranks, device="cuda", options={"fp8_data_gradients": 1})
+    with torch.no_grad():
+        moe.w13.copy_(torch.randn(moe.w13.shape, generator=g) * 0.1)
+        moe.w2.copy_(torch.randn(moe.w2.shape, generator=g) * 0.1)
+    ids, weights = random_routing(T, E, k, pattern="uniform", generator=g, device="cuda")
+    for step in range(2):
+        if step == 1:
+            with torch.no_grad():  # an optimizer-like update in place: stale copies would be 4x off
+                moe.w13.mul_(2.0)
+                moe.w2.mul_(2.0)
+        moe.w13.grad = moe.w2.grad = None
+        x = torch.randn(T, H, generator=g).bfloat16().cuda().requires_grad_()
+        y = moe(x, ids, weights)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        leaves = [t.detach().float().requires_grad_() for t in (x, moe.w13, moe.w2)]
+        reference_moe(leaves[0], ids, weights, leaves[1], leaves[2]).backward(dy.float())
+        expect_close("dx", x.grad, leaves[0].grad, tolerance=0.1)
+        expect_close("dw13", moe.w13.grad, leaves[1].grad, tolerance=0.1)
+        expect_close("dw2", moe.w2.grad, leaves[2].grad)
+    moe.check_device_errors()
+
+
 def test_function_form_and_int64_ids_match_the_module():
     moe, x, ids, weights = make(CASES[0])
     y = moe(x, ids, weights)

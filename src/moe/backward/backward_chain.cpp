@@ -71,8 +71,8 @@ void BackwardChain::check_experts(int rank, const ExpertGradients& experts) cons
     POUNCE_REQUIRE(fp8->experts() == E && fp8->hidden() == H && fp8->intermediate() == I, "MoE backward: rank ", rank,
                    "'s FP8 weights are of ", fp8->experts(), " experts, H ", fp8->hidden(), ", I ", fp8->intermediate(),
                    "; the layer has ", E, ", ", H, ", ", I);
-    POUNCE_REQUIRE(fp8->refreshed(), "MoE backward: rank ", rank,
-                   "'s FP8 weights were never refreshed from the bf16 weights");
+    POUNCE_REQUIRE(fp8->refreshed_from(experts.w13, experts.w2), "MoE backward: rank ", rank,
+                   "'s FP8 weights were not refreshed from its w13 and w2 (Fp8TransposedWeights::refresh)");
   }
 }
 
@@ -107,6 +107,13 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
   const bool gather_x = kept == nullptr || kept->x_rows == nullptr;
   if (gather_x) allocate(x_rows_, rows_ * H, "x rows", stream);
   if (kept == nullptr) allocate(h13_, rows_ * 2 * I, "gate/up rows", stream);
+  const bool fp8 = experts.fp8 != nullptr;
+  if (fp8) {
+    allocate(dy_fp8_, rows_ * H, "FP8 route rows", stream);
+    allocate(dy_scale_, rows_ * H / 128, "FP8 route rows", stream);
+    allocate(dgu_fp8_, rows_ * 2 * I, "FP8 route rows", stream);
+    allocate(dgu_scale_, rows_ * 2 * I / 128, "FP8 route rows", stream);
+  }
   if (kept != nullptr) {
     rows_in_use_ = *kept;
   } else {
@@ -128,12 +135,7 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
                               dy_rows_.data(), row_weight_.data(), stream);
 
   // FP8 data gradients: their A operands quantized from the bf16 rows the weight gradients read.
-  const bool fp8 = experts.fp8 != nullptr;
   if (fp8) {
-    allocate(dy_fp8_, rows_ * H, "FP8 route rows", stream);
-    allocate(dy_scale_, rows_ * H / 128, "FP8 route rows", stream);
-    allocate(dgu_fp8_, rows_ * 2 * I, "FP8 route rows", stream);
-    allocate(dgu_scale_, rows_ * 2 * I / 128, "FP8 route rows", stream);
     formats::quantize_1x128_device(reinterpret_cast<const uint16_t*>(dy_rows_.data()), rows_, H, dy_fp8_.data(),
                                    dy_scale_.data(), stream);
   }
@@ -158,9 +160,9 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
 void BackwardChain::run_weight_gradients(int rank, std::span<const __nv_bfloat16* const> x,
                                          const ExpertGradients& experts, const KeptForward& kept, const RouteRows& rows,
                                          cudaStream_t stream) {
-  check_experts(rank, experts);
   POUNCE_REQUIRE(experts.fp8 == nullptr,
                  "MoE backward: FP8 weights are for run()'s data gradients; the weight gradients alone take none");
+  check_experts(rank, experts);
   POUNCE_REQUIRE(int(x.size()) == config_.ranks, "MoE backward: got ", x.size(), " source ranks' x, the layer has ",
                  config_.ranks);
   const int64_t H = config_.hidden, k = config_.topk;

@@ -60,12 +60,20 @@ struct Problem {
   BackwardSource in;
   ExpertGradients out;
 
-  Problem(const Case& c, std::mt19937_64& rng)
+  // spread_blocks: every 128-wide block of dy's rows and every 128 x 128 block of the weights scaled by
+  // its own power of two (H and I multiples of 128), so that FP8 block scales differ from their
+  // neighbours' and a misplaced scale shows as a large error.
+  Problem(const Case& c, std::mt19937_64& rng, bool spread_blocks = false)
       : T(c.tokens), H(c.hidden), I(c.intermediate), E(c.experts), k(c.topk), chain(config(c)) {
     const auto x = testing::random_bf16_values(rng, T * H);
-    const auto dy = testing::random_bf16_values(rng, T * H);
-    const auto w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
-    const auto w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
+    auto dy = testing::random_bf16_values(rng, T * H);
+    auto w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
+    auto w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
+    if (spread_blocks) {
+      spread(rng, dy, T, H, 1);
+      spread(rng, w13, E * 2 * I, H, 128);
+      spread(rng, w2, E * H, I, 128);
+    }
     const auto ids = reference::synthetic_topk_ids(c.pattern, T, c.experts, c.topk, rng);
     auto weights = reference::synthetic_topk_weights(T, c.topk, rng);
     if (c.zero_weights)
@@ -84,6 +92,16 @@ struct Problem {
     in = {bf16(d_x),  d_ids.data(), d_weights.data(), T, bf16(d_dy), reinterpret_cast<__nv_bfloat16*>(d_dx.data()),
           d_dw.data()};
     out = {bf16(d_w13), bf16(d_w2), dw13.data(), dw2.data(), WeightGradOutput::kF32};
+  }
+  // Scales each block_rows x 128 block of v [rows, cols] by 2^e, e uniform in [-3, 3] (exact in bf16).
+  static void spread(std::mt19937_64& rng, std::vector<float>& v, int64_t rows, int64_t cols, int64_t block_rows) {
+    std::uniform_int_distribution<int> e(-3, 3);
+    for (int64_t br = 0; br < rows / block_rows; ++br)
+      for (int64_t bc = 0; bc < cols / 128; ++bc) {
+        const int s = e(rng);
+        for (int64_t r = br * block_rows; r < (br + 1) * block_rows; ++r)
+          for (int64_t c = bc * 128; c < (bc + 1) * 128; ++c) v[r * cols + c] = std::ldexp(v[r * cols + c], s);
+      }
   }
   static EpConfig config(const Case& c) {
     return {.ranks = 1,
@@ -190,12 +208,12 @@ class BackwardChainFp8Test : public ::testing::TestWithParam<Case> {};
 TEST_P(BackwardChainFp8Test, DataGradientsInFp8MatchTheReferenceWithinFp8Error) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
-  Problem p(GetParam(), rng);
+  Problem p(GetParam(), rng, /*spread_blocks=*/true);
   Fp8TransposedWeights fp8(p.E, p.H, p.I);
   ExpertGradients out = p.out;
   out.fp8 = &fp8;
   testing::expect_error([&] { p.chain.run(p.in, out, nullptr, nullptr); },
-                        "rank 0's FP8 weights were never refreshed from the bf16 weights");
+                        "rank 0's FP8 weights were not refreshed from its w13 and w2");
   Fp8TransposedWeights other(p.E, p.H + 128, p.I);  // never refreshed: its shape is checked first
   out.fp8 = &other;
   testing::expect_error([&] { p.chain.run(p.in, out, nullptr, nullptr); }, "'s FP8 weights are of ");
@@ -204,9 +222,11 @@ TEST_P(BackwardChainFp8Test, DataGradientsInFp8MatchTheReferenceWithinFp8Error) 
 
   p.run(p.out);
   const std::vector<float> bf16_dw2 = p.dw2.download();
+  const std::vector<float> bf16_dx = bf16_floats(p.d_dx);
   p.run(out);
   const auto dx = bf16_floats(p.d_dx), d_topk = p.d_dw.download(), g13 = p.dw13.download(), g2 = p.dw2.download();
   EXPECT_EQ(g2, bf16_dw2) << "dW2 reads bf16 rows only: the bf16 chain's bits";
+  if (p.T > 0) EXPECT_NE(dx, bf16_dx) << "the data gradients did not run in FP8";
   if (p.T > 0) {
     const Problem::Errors e = p.errors(dx, d_topk);
     const double dw13 = testing::relative_l2_error(g13, p.want.dw13);

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "common/cuda_check.h"
+#include "common/device_pointer.h"
 #include "common/require.h"
 #include "formats/quantize_kernel.h"
 
@@ -13,6 +15,8 @@ Fp8TransposedWeights::Fp8TransposedWeights(int64_t experts, int64_t hidden, int6
                  "FP8 weights: ", experts, " experts of hidden ", hidden, " and intermediate ", intermediate,
                  " are not supported: both sizes must be positive multiples of 128");
   const int64_t H = hidden, I = intermediate, w13 = experts * 2 * I * H, w2 = experts * H * I;
+  POUNCE_REQUIRE(experts * std::max(2 * I, H) / 128 <= 65535, "FP8 weights: ", experts, " experts of [", 2 * I, ", ", H,
+                 "] are more 128-row blocks than one quantizer launch takes (65535)");
   w13_t_ = DeviceBuffer<uint8_t>(w13);
   w2_t_ = DeviceBuffer<uint8_t>(w2);
   staging_ = DeviceBuffer<uint8_t>(std::max(w13, w2));
@@ -22,8 +26,11 @@ Fp8TransposedWeights::Fp8TransposedWeights(int64_t experts, int64_t hidden, int6
 }
 
 void Fp8TransposedWeights::refresh(const __nv_bfloat16* w13, const __nv_bfloat16* w2, cudaStream_t stream) {
-  POUNCE_REQUIRE(w13 != nullptr && w2 != nullptr, "FP8 weights: refresh needs w13 and w2");
   const int64_t E = experts_, H = hidden_, I = intermediate_;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  require_device_tensor(w13, E * 2 * I * H * 2, device, "w13 (FP8 refresh)", 0);
+  require_device_tensor(w2, E * H * I * 2, device, "w2 (FP8 refresh)", 0);
   // Each weight: quantized in its own orientation ([E * N, K]), then every expert's matrix transposed.
   const auto quantize_transposed = [&](const __nv_bfloat16* w, int64_t n, int64_t k, uint8_t* out, float* scales) {
     formats::quantize_128x128_device(reinterpret_cast<const uint16_t*>(w), E * n, k, staging_.data(),
@@ -32,7 +39,8 @@ void Fp8TransposedWeights::refresh(const __nv_bfloat16* w13, const __nv_bfloat16
   };
   quantize_transposed(w2, H, I, w2_t_.data(), w2_t_scales_.data());
   quantize_transposed(w13, 2 * I, H, w13_t_.data(), w13_t_scales_.data());
-  refreshed_ = true;
+  w13_ = w13;
+  w2_ = w2;
 }
 
 gemm::Fp8Operands Fp8TransposedWeights::data_down(const uint8_t* dy, const float* dy_scale) const {

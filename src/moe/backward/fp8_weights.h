@@ -22,7 +22,10 @@ class Fp8TransposedWeights {
   // Quantizes w13 [E, 2I, H] and w2 [E, H, I] (bf16, device) into the transposed copies. Call it after
   // every weight update: the backward reads the copies, not the weights.
   void refresh(const __nv_bfloat16* w13, const __nv_bfloat16* w2, cudaStream_t stream);
-  bool refreshed() const { return refreshed_; }
+  // Whether the copies were last refreshed from these weights (updates in place are not seen).
+  bool refreshed_from(const __nv_bfloat16* w13, const __nv_bfloat16* w2) const {
+    return w13 != nullptr && w13 == w13_ && w2 == w2_;
+  }
 
   // The FP8 GEMM operands of the two data gradients, with A (rows quantized 1 x 128) given.
   gemm::Fp8Operands data_down(const uint8_t* dy, const float* dy_scale) const;       // B = W2^T  [E, I, H]
@@ -37,7 +40,8 @@ class Fp8TransposedWeights {
   int64_t experts_, hidden_, intermediate_;
   DeviceBuffer<uint8_t> w13_t_, w2_t_, staging_;  // staging: a weight quantized in its own orientation
   DeviceBuffer<float> w13_t_scales_, w2_t_scales_, staging_scales_;
-  bool refreshed_ = false;
+  const __nv_bfloat16* w13_ = nullptr;  // what the last refresh read
+  const __nv_bfloat16* w2_ = nullptr;
 };
 
 }  // namespace pounce::moe
