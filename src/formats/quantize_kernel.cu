@@ -27,11 +27,14 @@
 #include "common/require.h"
 #include "formats/blockwise.h"
 #include "formats/numerics.h"
+#include "formats/quantize_device.cuh"
 #include "formats/quantize_kernel.h"
 #include "ptx/ptx.cuh"
 
 namespace pounce::formats {
 namespace {
+
+using namespace quantize_device;
 
 constexpr int kElemsPerThread = 8;  // one 16-byte load of bf16
 constexpr int kThreadsPerCta = 256;
@@ -39,70 +42,6 @@ constexpr int kChunksPerThread = 4;  // loads in flight per thread: 4 gave ~15% 
 
 template <bool kMx>
 using ScaleT = std::conditional_t<kMx, uint8_t, float>;
-
-// 2^k for k in [-127, 127], from its bits; 2^-127 is the one float subnormal in that range.
-__device__ float exp2_int(int k) { return __uint_as_float(k >= -126 ? uint32_t(k + 127) << 23 : 0x00400000u); }
-
-// a = f * 2^floor_log2 with f in [1, 2), for the bits a of a finite nonzero |bf16|. above_1_75 says
-// f > 1.75: 448 = 1.75 * 2^8, the threshold of the "ceil" rule.
-struct Binade {
-  int floor_log2;
-  bool above_1_75;
-};
-__device__ Binade binade_of(uint32_t a) {
-  const uint32_t exponent = a >> 7, fraction = a & 0x7F;
-  if (exponent != 0) return {int(exponent) - 127, fraction > 0x60};
-  // Subnormal: a = fraction * 2^-133. Shift the leading one up to bit 7 (the implicit bit, dropped).
-  const int lead = 31 - __clz(fraction);
-  return {lead - 133, ((fraction << (7 - lead)) & 0x7F) > 0x60};
-}
-
-// The block's scale exponent from the bits of its finite amax (0: no finite nonzero element).
-template <bool kMx>
-__device__ int scale_exponent(uint32_t amax) {
-  if (amax == 0) return 0;
-  const Binade b = binade_of(amax);
-  // MX: floor(log2 amax) - 8. Blockwise: the smallest e with amax <= 1.75 * 2^(8 + e).
-  const int e = b.floor_log2 - 8 + (kMx ? 0 : int(b.above_1_75));
-  return min(max(e, kE8M0MinExponent), kE8M0MaxExponent);
-}
-
-// NOTES: the scaling multiply is ptx::mul_rn so that -ftz / --use_fast_math cannot flush subnormal bf16
-// inputs: a block of subnormals has scale 2^-127 and its elements must survive the multiplication.
-using ptx::mul_rn;
-
-// Two E4M3 codes (lo in bits 0-7), with any NaN made the canonical 0x7F.
-__device__ uint32_t e4m3x2(float lo, float hi) {
-  const uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t c0 = pair & 0xFF, c1 = pair >> 8;
-  return ((c0 & 0x7F) == 0x7F ? kE4M3NaN : c0) | ((c1 & 0x7F) == 0x7F ? kE4M3NaN : c1) << 8;
-}
-
-// The largest finite magnitude among a chunk's 8 bf16 (as bits; see the NOTES above).
-__device__ uint32_t finite_amax_bits(uint4 raw) {
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};  // element 2i in the low half of words[i]
-  uint32_t amax = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint32_t a = (words[i / 2] >> (16 * (i % 2))) & 0x7FFF;
-    if (a < 0x7F80) amax = max(amax, a);
-  }
-  return amax;
-}
-
-// A chunk's 8 bf16 times inv_scale, as 8 E4M3 codes in element order.
-__device__ uint2 e4m3x8(uint4 raw, float inv_scale) {
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-  uint32_t codes[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float x0 = __uint_as_float(words[2 * i] << 16), x1 = __uint_as_float(words[2 * i] & 0xFFFF0000u);
-    const float x2 = __uint_as_float(words[2 * i + 1] << 16), x3 = __uint_as_float(words[2 * i + 1] & 0xFFFF0000u);
-    codes[i] = e4m3x2(mul_rn(x0, inv_scale), mul_rn(x1, inv_scale)) |
-               e4m3x2(mul_rn(x2, inv_scale), mul_rn(x3, inv_scale)) << 16;
-  }
-  return make_uint2(codes[0], codes[1]);
-}
 
 // Quantizes one chunk (8 elements from element `first`); an inactive chunk lies past the end.
 template <bool kMx>

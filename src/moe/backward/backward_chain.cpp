@@ -4,7 +4,6 @@
 #include <string>
 
 #include "common/device_pointer.h"
-#include "formats/quantize_kernel.h"
 #include "moe/backward/backward_kernels.h"
 
 namespace pounce::moe {
@@ -131,21 +130,16 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
   if (gather_x) rows_in_use_.x_rows = x_rows_.data();
   const KeptForward& f = rows_in_use_;
   // Every route's dy rows and router weights, and its x rows unless kept.
+  // FP8 data gradients: their A operands quantized as the kernels write the bf16 rows (which the weight
+  // gradients read).
+  const backward::Fp8Rows dy_fp8 = fp8 ? backward::Fp8Rows{dy_fp8_.data(), dy_scale_.data()} : backward::Fp8Rows{};
+  const backward::Fp8Rows dgu_fp8 = fp8 ? backward::Fp8Rows{dgu_fp8_.data(), dgu_scale_.data()} : backward::Fp8Rows{};
   backward::gather_route_rows(from, f.row_source_rank, f.row_token, f.row_k, rows_, H, k, f.x_rows, gather_x,
-                              dy_rows_.data(), row_weight_.data(), stream);
-
-  // FP8 data gradients: their A operands quantized from the bf16 rows the weight gradients read.
-  if (fp8) {
-    formats::quantize_1x128_device(reinterpret_cast<const uint16_t*>(dy_rows_.data()), rows_, H, dy_fp8_.data(),
-                                   dy_scale_.data(), stream);
-  }
+                              dy_rows_.data(), row_weight_.data(), stream, dy_fp8);
   if (kept == nullptr) gemm(BackwardGemm::kGateUp, nullptr, gemm::Epilogue::kStore, stream);
   gemm(BackwardGemm::kDataDown, nullptr, gemm::Epilogue::kStore, stream);
   backward::swiglu_backward_rows(f.gate_up_rows, da_.data(), row_weight_.data(), f.row_token, rows_, I, dgu_.data(),
-                                 wa_.data(), route_dot_.data(), stream);
-  if (fp8)
-    formats::quantize_1x128_device(reinterpret_cast<const uint16_t*>(dgu_.data()), rows_, 2 * I, dgu_fp8_.data(),
-                                   dgu_scale_.data(), stream);
+                                 wa_.data(), route_dot_.data(), stream, dgu_fp8);
   gemm(BackwardGemm::kDataGateUp, nullptr, gemm::Epilogue::kStore, stream);
   if (P == 1)
     backward::combine_gradients(dx_rows_.data(), route_dot_.data(), f.route_row, sources[0].tokens, k, H, sources[0].dx,

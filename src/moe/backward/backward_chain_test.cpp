@@ -8,10 +8,13 @@
 
 #include <cmath>
 #include <random>
+#include <set>
 
 #include "common/device_buffer.h"
 #include "common/gpu.h"
 #include "common/testing.h"
+#include "formats/quantize_kernel.h"
+#include "moe/backward/backward_kernels.h"
 #include "reference/moe_layer.h"
 #include "reference/synthetic_routing.h"
 
@@ -255,6 +258,70 @@ INSTANTIATE_TEST_SUITE_P(Routings, BackwardChainFp8Test,
                                            Case{1, 128, 128, 4, 1, RoutingPattern::kUniform},
                                            Case{0, 256, 128, 8, 2, RoutingPattern::kUniform}),
                          testing::NameFromPrintTo());
+
+// The gather and SwiGLU-backward kernels quantizing the rows they write (the FP8 data gradients'
+// operands, with padding rows among them): bit for bit the stand-alone quantizer on their bf16 rows.
+TEST(BackwardKernels, QuantizedRowsAreTheQuantizersBits) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const int64_t T = 37, H = 384, I = 256, k = 2, rows = 64;
+  auto x = testing::random_bf16_values(rng, T * H), dy = testing::random_bf16_values(rng, T * H);
+  auto h13 = testing::random_bf16_values(rng, rows * 2 * I), da = testing::random_bf16_values(rng, rows * I);
+  Problem::spread(rng, dy, T, H, 1);
+  Problem::spread(rng, h13, rows, 2 * I, 1);
+  Problem::spread(rng, da, rows, I, 1);
+  const auto weights = reference::synthetic_topk_weights(T, k, rng);
+  std::vector<int32_t> source(rows, 0), token(rows), slot(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    token[r] = r % 5 == 4 ? -1 : int32_t((r * 7) % T);  // every fifth row padding
+    slot[r] = int32_t(r % k);
+  }
+  const DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x)), d_dy(testing::to_bf16_bits(dy)),
+      d_h13(testing::to_bf16_bits(h13)), d_da(testing::to_bf16_bits(da));
+  const DeviceBuffer<float> d_weights(weights);
+  const DeviceBuffer<int32_t> d_source(source), d_token(token), d_slot(slot);
+  DeviceBuffer<uint16_t> x_rows(rows * H), dy_rows(rows * H), dgu(rows * 2 * I), wa(rows * I);
+  DeviceBuffer<float> row_weight(rows), route_dot(rows);
+  // Each quantized output twice: by the kernel that writes the rows, and by the quantizer after it.
+  struct Quantized {
+    DeviceBuffer<uint8_t> data;
+    DeviceBuffer<float> scales;
+    explicit Quantized(int64_t elements) : data(elements), scales(elements / 128) {
+      data.fill_bytes(0xAB);
+      scales.fill_bytes(0xAB);
+    }
+    backward::Fp8Rows rows() { return {data.data(), scales.data()}; }
+  };
+  Quantized dy_fused(rows * H), dy_after(rows * H), dgu_fused(rows * 2 * I), dgu_after(rows * 2 * I);
+  backward::RouteSources from{};
+  from.tokens[0] = int32_t(T);
+  from.x[0] = bf16(d_x);
+  from.dy[0] = bf16(d_dy);
+  from.topk_weights[0] = d_weights.data();
+  backward::gather_route_rows(
+      from, d_source.data(), d_token.data(), d_slot.data(), rows, H, k, reinterpret_cast<__nv_bfloat16*>(x_rows.data()),
+      true, reinterpret_cast<__nv_bfloat16*>(dy_rows.data()), row_weight.data(), nullptr, dy_fused.rows());
+  backward::swiglu_backward_rows(
+      bf16(d_h13), bf16(d_da), row_weight.data(), d_token.data(), rows, I, reinterpret_cast<__nv_bfloat16*>(dgu.data()),
+      reinterpret_cast<__nv_bfloat16*>(wa.data()), route_dot.data(), nullptr, dgu_fused.rows());
+  formats::quantize_1x128_device(dy_rows.data(), rows, H, dy_after.data.data(), dy_after.scales.data(), nullptr);
+  formats::quantize_1x128_device(dgu.data(), rows, 2 * I, dgu_after.data.data(), dgu_after.scales.data(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(dy_fused.data.download(), dy_after.data.download());
+  EXPECT_EQ(dy_fused.scales.download(), dy_after.scales.download());
+  EXPECT_EQ(dgu_fused.data.download(), dgu_after.data.download());
+  EXPECT_EQ(dgu_fused.scales.download(), dgu_after.scales.download());
+  const std::vector<float> scales = dy_after.scales.download();
+  EXPECT_GT(std::set<float>(scales.begin(), scales.end()).size(), 3u) << "blocks of several magnitudes";
+  testing::expect_error(
+      [&] {
+        backward::gather_route_rows(from, d_source.data(), d_token.data(), d_slot.data(), rows, H + 64, k,
+                                    reinterpret_cast<__nv_bfloat16*>(x_rows.data()), true,
+                                    reinterpret_cast<__nv_bfloat16*>(dy_rows.data()), row_weight.data(), nullptr,
+                                    dy_fused.rows());
+      },
+      "a multiple of 128");
+}
 
 TEST(BackwardChain, RejectsBadInputByName) {
   POUNCE_REQUIRE_HOPPER();

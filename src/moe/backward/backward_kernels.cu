@@ -1,6 +1,8 @@
 #include <algorithm>
 
 #include "common/cuda_check.h"
+#include "common/require.h"
+#include "formats/quantize_device.cuh"
 #include "moe/backward/backward_kernels.h"
 #include "moe/backward/swiglu_backward.cuh"
 
@@ -21,9 +23,23 @@ __global__ void set_plan_inputs_kernel(const int32_t** ids_table, int32_t* token
   }
 }
 
+// One 16-byte chunk (8 bf16, row-major index `chunk`) of a row quantized within its 1 x 128 block, whose
+// 16 chunks are 16 consecutive lanes (an aligned half-warp): bit for bit quantize_1x128_device. Every
+// lane of the warp calls it (the block's amax is a shuffle); inactive lanes only skip the stores.
+__device__ __forceinline__ void quantize_chunk_1x128(uint4 raw, int64_t chunk, bool active, Fp8Rows out) {
+  using namespace formats::quantize_device;
+  const int e = block_scale_exponent_1x128<16>(finite_amax_bits(raw));
+  const uint2 codes = e4m3x8(raw, exp2_int(-e));
+  if (!active) return;
+  reinterpret_cast<uint2*>(out.data)[chunk] = codes;
+  if (chunk % 16 == 0) out.scales[chunk / 16] = exp2_int(e);
+}
+
+// The vector loop runs the same trip count on every thread (chunks past the row only skip their
+// stores), so that the FP8 quantizer's shuffles see whole warps: vecs is a multiple of 16 then.
 __global__ void gather_kernel(const RouteSources sources, const int32_t* row_source_rank, const int32_t* row_token,
                               const int32_t* row_k, int64_t rows, int64_t vecs, int64_t topk, uint4* x_rows,
-                              bool gather_x, uint4* dy_rows, float* row_weight) {
+                              bool gather_x, uint4* dy_rows, float* row_weight, Fp8Rows dy_fp8) {
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int32_t t = row_token[r], s = t >= 0 ? row_source_rank[r] : 0;
@@ -31,9 +47,18 @@ __global__ void gather_kernel(const RouteSources sources, const int32_t* row_sou
     const uint4* dy = reinterpret_cast<const uint4*>(sources.dy[s]);
     if (row_weight != nullptr && threadIdx.x == 0)
       row_weight[r] = t >= 0 ? sources.topk_weights[s][t * topk + row_k[r]] : 0.0f;
-    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
-      if (gather_x || t < 0) x_rows[r * vecs + v] = t >= 0 ? x[t * vecs + v] : zero;
-      if (dy_rows != nullptr) dy_rows[r * vecs + v] = t >= 0 ? dy[t * vecs + v] : zero;
+    for (int64_t base = 0; base < vecs; base += blockDim.x) {
+      const int64_t v = base + threadIdx.x;
+      const bool active = v < vecs;
+      uint4 dy_value = zero;
+      if (active) {
+        if (gather_x || t < 0) x_rows[r * vecs + v] = t >= 0 ? x[t * vecs + v] : zero;
+        if (dy_rows != nullptr) {
+          if (t >= 0) dy_value = dy[t * vecs + v];
+          dy_rows[r * vecs + v] = dy_value;
+        }
+      }
+      if (dy_fp8.data != nullptr) quantize_chunk_1x128(dy_value, r * vecs + v, active, dy_fp8);
     }
   }
 }
@@ -52,23 +77,34 @@ __global__ void scatter_kernel(const uint4* dx_rows, const float* route_dot, con
   }
 }
 
+// A row of `vecs` chunks (a multiple of 32) that this warp has just written, quantized by the same warp
+// (read back from L2). NOTES: __syncwarp orders the lanes' stores of the row before the other lanes'
+// loads of it.
+__device__ __forceinline__ void quantize_row(const uint4* row, int64_t first_chunk, int64_t vecs, Fp8Rows out,
+                                             int lane) {
+  __syncwarp();
+  for (int64_t v = lane; v < vecs; v += 32) quantize_chunk_1x128(row[v], first_chunk + v, true, out);
+}
+
 // One warp per row (moe/backward/swiglu_backward.cuh), each lane owning groups of 8 intermediate columns:
 // a CTA per row left most of its threads idle at small I (Qwen3-30B's 768 is 96 groups a row).
 __global__ void swiglu_backward_kernel(const uint4* __restrict__ h13, const uint4* __restrict__ da,
                                        const float* __restrict__ row_weight, const int32_t* __restrict__ row_token,
                                        int64_t rows, int64_t groups, uint4* __restrict__ dgu, uint4* __restrict__ wa,
-                                       float* __restrict__ route_dot) {
+                                       float* __restrict__ route_dot, Fp8Rows dgu_fp8) {
   constexpr int kWarps = kThreads / 32;
   const int lane = threadIdx.x % 32;
   for (int64_t r = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; r < rows; r += int64_t(gridDim.x) * kWarps) {
     if (row_token[r] < 0) {  // padding: zeros, whatever h13 holds there
       swiglu_backward_padding_row(groups, dgu + r * groups * 2, wa + r * groups, lane);
       if (lane == 0) route_dot[r] = 0.0f;
+      if (dgu_fp8.data != nullptr) quantize_row(dgu + r * groups * 2, r * groups * 2, groups * 2, dgu_fp8, lane);
       continue;
     }
     const float dot = swiglu_backward_row(h13 + r * groups * 2, da + r * groups, row_weight[r], groups,
                                           dgu + r * groups * 2, wa + r * groups, lane);
     if (lane == 0) route_dot[r] = dot;
+    if (dgu_fp8.data != nullptr) quantize_row(dgu + r * groups * 2, r * groups * 2, groups * 2, dgu_fp8, lane);
   }
 }
 
@@ -110,11 +146,14 @@ void set_plan_inputs(const int32_t** ids_table, int32_t* token_counts, const Rou
 
 void gather_route_rows(const RouteSources& sources, const int32_t* row_source_rank, const int32_t* row_token,
                        const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk, __nv_bfloat16* x_rows,
-                       bool gather_x, __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream) {
+                       bool gather_x, __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream, Fp8Rows dy_fp8) {
+  POUNCE_REQUIRE(dy_fp8.data == nullptr || (dy_fp8.scales != nullptr && dy_rows != nullptr && hidden % 128 == 0),
+                 "gather_route_rows: quantized dy rows need their scales, the bf16 dy rows and H = ", hidden,
+                 " a multiple of 128");
   if (rows == 0) return;
-  gather_kernel<<<grid_for(rows), kThreads, 0, stream>>>(sources, row_source_rank, row_token, row_k, rows,
-                                                         hidden / kVec, topk, reinterpret_cast<uint4*>(x_rows),
-                                                         gather_x, reinterpret_cast<uint4*>(dy_rows), row_weight);
+  gather_kernel<<<grid_for(rows), kThreads, 0, stream>>>(
+      sources, row_source_rank, row_token, row_k, rows, hidden / kVec, topk, reinterpret_cast<uint4*>(x_rows), gather_x,
+      reinterpret_cast<uint4*>(dy_rows), row_weight, dy_fp8);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -130,11 +169,14 @@ void scatter_route_rows(const __nv_bfloat16* dx_rows, const float* route_dot, co
 
 void swiglu_backward_rows(const __nv_bfloat16* h13, const __nv_bfloat16* da, const float* row_weight,
                           const int32_t* row_token, int64_t rows, int64_t intermediate, __nv_bfloat16* dgu,
-                          __nv_bfloat16* wa, float* route_dot, cudaStream_t stream) {
+                          __nv_bfloat16* wa, float* route_dot, cudaStream_t stream, Fp8Rows dgu_fp8) {
+  POUNCE_REQUIRE(dgu_fp8.data == nullptr || (dgu_fp8.scales != nullptr && intermediate % 128 == 0),
+                 "swiglu_backward_rows: quantized dgu rows need their scales and I = ", intermediate,
+                 " a multiple of 128");
   if (rows == 0) return;
   swiglu_backward_kernel<<<grid_for((rows + kThreads / 32 - 1) / (kThreads / 32)), kThreads, 0, stream>>>(
       reinterpret_cast<const uint4*>(h13), reinterpret_cast<const uint4*>(da), row_weight, row_token, rows,
-      intermediate / kVec, reinterpret_cast<uint4*>(dgu), reinterpret_cast<uint4*>(wa), route_dot);
+      intermediate / kVec, reinterpret_cast<uint4*>(dgu), reinterpret_cast<uint4*>(wa), route_dot, dgu_fp8);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -34,6 +34,14 @@ struct RouteTargets {
   float* d_topk_weights[kMaxRanks];  // [tokens, k]
 };
 
+// Rows quantized to E4M3 as they are written (the FP8 data gradients' A operands): data [rows, cols] and
+// 1 x 128 power-of-two scales [rows, cols / 128], bit for bit quantize_1x128_device of the bf16 rows
+// (formats/quantize_kernel.h). cols must be a multiple of 128. Null: none.
+struct Fp8Rows {
+  uint8_t* data = nullptr;
+  float* scales = nullptr;
+};
+
 // Writes the planner's inputs for `ranks` source ranks (their topk_ids pointers and token counts) in
 // stream order.
 void set_plan_inputs(const int32_t** ids_table, int32_t* token_counts, const RouteSources& sources, int ranks,
@@ -44,9 +52,11 @@ void set_plan_inputs(const int32_t** ids_table, int32_t* token_counts, const Rou
 // (token -1) and rows past the schedule get zeros. gather_x false: x_rows holds its rows already (a kept
 // forward's ring), and only its padding rows are zeroed: they may hold any earlier row, and the weight
 // gradients sum them. dy_rows and row_weight may be null (the fused backward gathered dy itself).
+// dy_fp8: the dy rows quantized as well (with dy_rows).
 void gather_route_rows(const RouteSources& sources, const int32_t* row_source_rank, const int32_t* row_token,
                        const int32_t* row_k, int64_t rows, int64_t hidden, int64_t topk, __nv_bfloat16* x_rows,
-                       bool gather_x, __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream);
+                       bool gather_x, __nv_bfloat16* dy_rows, float* row_weight, cudaStream_t stream,
+                       Fp8Rows dy_fp8 = {});
 
 // SwiGLU backward of every row, from the gate/up rows h13 [rows, 2I] (interleaved in groups of 8), the
 // unscaled da = dy . W2 [rows, I] and the route's weight w:
@@ -54,9 +64,10 @@ void gather_route_rows(const RouteSources& sources, const int32_t* row_source_ra
 //   dgu = [w da u silu'(g), w da silu(g)] interleaved like h13;   wa = w a (for dW2)
 // Each row's dot is summed in a fixed order (bitwise deterministic). Rows with w = 0 give zero dgu and
 // wa; padding rows (row_token -1) give zeros without reading h13, which may be anything there.
+// dgu_fp8: dgu quantized as well, each row right after its warp wrote it (its bf16 still in L2).
 void swiglu_backward_rows(const __nv_bfloat16* h13, const __nv_bfloat16* da, const float* row_weight,
                           const int32_t* row_token, int64_t rows, int64_t intermediate, __nv_bfloat16* dgu,
-                          __nv_bfloat16* wa, float* route_dot, cudaStream_t stream);
+                          __nv_bfloat16* wa, float* route_dot, cudaStream_t stream, Fp8Rows dgu_fp8 = {});
 
 // dx[t] = sum_k dx_rows[route_row[t, k]] (k in order, fp32) and d_topk_weights[t, k] =
 // route_dot[route_row[t, k]]. Without route_row, dx_rows are the token's k slots [tokens, k, H] in
