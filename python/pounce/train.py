@@ -51,6 +51,11 @@ LOSS_BAND = 0.02
 # element, ~2e-3 relative L2, and the package's GPU tests hold pounce to 1e-2 against fp32. 2e-2 covers two
 # such errors with room, and is still far below what a wrong route or gradient gives (order 1).
 MOE_TOLERANCE = 2e-2
+# With --fp8-data-gradients, the gradients that pass through an FP8 GEMM (dx, the router weights' and
+# dW13): E4M3 keeps 3 mantissa bits, so each quantized operand carries up to 2^-4 relative error per
+# element, a few percent in norm (the package's tests measure ~5% on dx); y and dW2 keep MOE_TOLERANCE.
+FP8_MOE_TOLERANCE = 0.1
+FP8_GRADIENTS = ("dx", "d_topk_weights", "dw13")
 
 
 # ---- data ------------------------------------------------------------------------------------------------
@@ -389,9 +394,11 @@ def time_moe_alone(args, device: torch.device) -> dict:
                 forward_backward(moe)
     fused.check_device_errors()
     ms = {name: statistics.median(timer.milliseconds()) for name, timer in timers.items()}
+    tolerance = {name: FP8_MOE_TOLERANCE if args.fp8_data_gradients and name in FP8_GRADIENTS else MOE_TOLERANCE
+                 for name in names}
     return {"tokens": T, "pounce_ms": ms["pounce"], "eager_ms": ms["eager"], "speedup": ms["eager"] / ms["pounce"],
-            "relative_l2_pounce_vs_eager": errors, "tolerance": MOE_TOLERANCE,
-            "ok": all(e <= MOE_TOLERANCE for e in errors.values())}
+            "relative_l2_pounce_vs_eager": errors, "tolerance": tolerance,
+            "ok": all(errors[name] <= tolerance[name] for name in names)}
 
 
 # ---- the comparison and the report -----------------------------------------------------------------------
@@ -466,10 +473,12 @@ def print_table(report: dict) -> None:
         print(f"\nwhole training step: pounce {report['step_speedup']:.2f}x the eager MoE's speed")
     alone = report.get("moe_alone")
     if alone:
-        worst = max(alone["relative_l2_pounce_vs_eager"].values())
+        errors, tolerance = alone["relative_l2_pounce_vs_eager"], alone["tolerance"]
+        worst = max(errors, key=lambda name: errors[name] / tolerance[name])
         print(f"MoE layer alone, forward + backward on {alone['tokens']} tokens: pounce {alone['pounce_ms']:.3f} ms, "
-              f"eager {alone['eager_ms']:.3f} ms ({alone['speedup']:.2f}x); outputs and gradients within "
-              f"{worst:.1e} relative L2 ({'within' if alone['ok'] else 'ABOVE'} the {alone['tolerance']:.0e} tolerance)")
+              f"eager {alone['eager_ms']:.3f} ms ({alone['speedup']:.2f}x); outputs and gradients "
+              f"{'within' if alone['ok'] else 'ABOVE'} their tolerances (closest: {worst} "
+              f"{errors[worst]:.1e} relative L2 against {tolerance[worst]:.0e})")
     agreement = report.get("loss_agreement")
     if agreement:
         print(f"loss curves: largest difference of the smoothed curves {agreement['max_smoothed_difference']:.4f}; "
