@@ -185,10 +185,24 @@ class Layer:
         if not self.options.get("fp8_data_gradients"):
             return
         of = (w13.data_ptr(), w2.data_ptr(), w13._version, w2._version)
-        if self._fp8_of == of and not torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_current_stream_capturing()
+        if self._fp8_of == of and not capturing:
             return
         _lib.check(_lib.library().pounce_moe_refresh_fp8_weights(self._handle, stream))
-        self._fp8_of = of
+        # A captured refresh runs only when the graph replays (with the weights of that moment): the next
+        # eager backward refreshes again.
+        self._fp8_of = None if capturing else of
+
+    def refresh_fp8_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """fp8_data_gradients: quantizes the weights into the E4M3 copies now, on the current stream: after
+        updates that the tensors' versions do not show (writes through .data, fused optimizer kernels).
+        Nothing to do before the layer's first forward."""
+        if self._handle is None or not self.options.get("fp8_data_gradients"):
+            return
+        with torch.cuda.device(self._device):
+            self._set_weights(w13, w2)
+            self._fp8_of = None
+            self._refresh_fp8_weights(w13, w2, torch.cuda.current_stream(self._device).cuda_stream)
 
     # ---- used by the ops -----------------------------------------------------------------------------
 

@@ -95,11 +95,16 @@ def test_fp8_data_gradients_follow_the_weights_within_fp8_error(virtual_ranks):
         moe.w13.copy_(torch.randn(moe.w13.shape, generator=g) * 0.1)
         moe.w2.copy_(torch.randn(moe.w2.shape, generator=g) * 0.1)
     ids, weights = random_routing(T, E, k, pattern="uniform", generator=g, device="cuda")
-    for step in range(2):
+    bf16 = pounce.MoE(H, I, E, k, virtual_ranks=virtual_ranks, device="cuda")
+    for step in range(3):
         if step == 1:
             with torch.no_grad():  # an optimizer-like update in place: stale copies would be 4x off
                 moe.w13.mul_(2.0)
                 moe.w2.mul_(2.0)
+        if step == 2:  # a write the versions do not show, then the explicit refresh
+            moe.w13.data.mul_(0.5)
+            moe.w2.data.mul_(0.5)
+            moe.refresh_fp8_weights()
         moe.w13.grad = moe.w2.grad = None
         x = torch.randn(T, H, generator=g).bfloat16().cuda().requires_grad_()
         y = moe(x, ids, weights)
@@ -108,6 +113,10 @@ def test_fp8_data_gradients_follow_the_weights_within_fp8_error(virtual_ranks):
         leaves = [t.detach().float().requires_grad_() for t in (x, moe.w13, moe.w2)]
         reference_moe(leaves[0], ids, weights, leaves[1], leaves[2]).backward(dy.float())
         expect_close("dx", x.grad, leaves[0].grad, tolerance=0.1)
+        bf16.load_state_dict(moe.state_dict())
+        x_bf16 = x.detach().clone().requires_grad_()
+        bf16(x_bf16, ids, weights).backward(dy)
+        assert not torch.equal(x.grad, x_bf16.grad), "the data gradients did not run in FP8"
         expect_close("dw13", moe.w13.grad, leaves[1].grad, tolerance=0.1)
         expect_close("dw2", moe.w2.grad, leaves[2].grad)
     moe.check_device_errors()

@@ -15,7 +15,9 @@
 namespace pounce::formats::quantize_device {
 
 // 2^k for k in [-127, 127], from its bits; 2^-127 is the one float subnormal in that range.
-__device__ __forceinline__ float exp2_int(int k) { return __uint_as_float(k >= -126 ? uint32_t(k + 127) << 23 : 0x00400000u); }
+__device__ __forceinline__ float exp2_int(int k) {
+  return __uint_as_float(k >= -126 ? uint32_t(k + 127) << 23 : 0x00400000u);
+}
 
 // a = f * 2^floor_log2 with f in [1, 2), for the bits a of a finite nonzero |bf16|. above_1_75 says
 // f > 1.75: 448 = 1.75 * 2^8, the threshold of the "ceil" rule.

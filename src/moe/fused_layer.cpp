@@ -350,12 +350,26 @@ void FusedLayer::set_weights(std::span<const ExpertWeights> ranks) {
 void FusedLayer::refresh_fp8_weights(cudaStream_t stream) {
   POUNCE_REQUIRE(fp8_data_gradients_, "FusedMoe::refresh_fp8_weights: the layer was made without fp8_data_gradients");
   POUNCE_REQUIRE(has_weights_, "FusedMoe::refresh_fp8_weights: call set_weights first");
+  int device = -1;
+  CUDA_CHECK(cudaGetDevice(&device));
+  POUNCE_REQUIRE(device == device_, "FusedMoe::refresh_fp8_weights: the layer lives on GPU ", device_,
+                 ", the current device is ", device, " (cudaSetDevice first)");
   const int L = params_.launch_ranks;
-  if (fp8_weights_.empty())
+  fp8_fresh_ = false;  // until every rank's copies are refreshed
+  if (fp8_weights_.empty()) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone,
+                   "FusedMoe::refresh_fp8_weights: the first refresh allocates the FP8 copies, which a CUDA graph "
+                   "capture cannot: refresh once before capturing");
+    std::vector<std::unique_ptr<Fp8TransposedWeights>> made;  // all ranks' or none
     for (int lr = 0; lr < L; ++lr)
-      fp8_weights_.push_back(
+      made.push_back(
           std::make_unique<Fp8TransposedWeights>(config_.local_experts(), config_.hidden, config_.intermediate));
-  for (int lr = 0; lr < L; ++lr) fp8_weights_[lr]->refresh(weights_[lr].w13, weights_[lr].w2, stream);
+    fp8_weights_ = std::move(made);
+  }
+  for (int lr = 0; lr < L; ++lr)
+    fp8_weights_[lr]->refresh(weights_[lr].w13, weights_[lr].w2, stream, params_.first_rank + lr);
   fp8_fresh_ = true;
 }
 

@@ -946,6 +946,9 @@ TEST(FusedMoe, Fp8DataGradientsThroughTheLayer) {
       const Gradients fp8 = run_backward(fp8_layer, p, d_dy), bf16 = run_backward(bf16_layer, p, d_dy);
       EXPECT_EQ(fp8_layer.last_backward_replayed(), !keep);
       EXPECT_EQ(fp8.dw2, bf16.dw2);
+      if (!fp8.dx.empty()) {
+        EXPECT_NE(fp8.dx, bf16.dx) << "the data gradients did not run in FP8";
+      }
       std::vector<float> dx;
       for (uint16_t b : fp8.dx) dx.push_back(formats::bf16_to_float(b));
       const double dx_l2 = testing::relative_l2_error(dx, want.dx),

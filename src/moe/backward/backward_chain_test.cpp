@@ -229,7 +229,9 @@ TEST_P(BackwardChainFp8Test, DataGradientsInFp8MatchTheReferenceWithinFp8Error) 
   p.run(out);
   const auto dx = bf16_floats(p.d_dx), d_topk = p.d_dw.download(), g13 = p.dw13.download(), g2 = p.dw2.download();
   EXPECT_EQ(g2, bf16_dw2) << "dW2 reads bf16 rows only: the bf16 chain's bits";
-  if (p.T > 0) EXPECT_NE(dx, bf16_dx) << "the data gradients did not run in FP8";
+  if (p.T > 0) {
+    EXPECT_NE(dx, bf16_dx) << "the data gradients did not run in FP8";
+  }
   if (p.T > 0) {
     const Problem::Errors e = p.errors(dx, d_topk);
     const double dw13 = testing::relative_l2_error(g13, p.want.dw13);

@@ -25,12 +25,12 @@ Fp8TransposedWeights::Fp8TransposedWeights(int64_t experts, int64_t hidden, int6
   staging_scales_ = DeviceBuffer<float>(std::max(w13, w2) / (128 * 128));
 }
 
-void Fp8TransposedWeights::refresh(const __nv_bfloat16* w13, const __nv_bfloat16* w2, cudaStream_t stream) {
+void Fp8TransposedWeights::refresh(const __nv_bfloat16* w13, const __nv_bfloat16* w2, cudaStream_t stream, int rank) {
   const int64_t E = experts_, H = hidden_, I = intermediate_;
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  require_device_tensor(w13, E * 2 * I * H * 2, device, "w13 (FP8 refresh)", 0);
-  require_device_tensor(w2, E * H * I * 2, device, "w2 (FP8 refresh)", 0);
+  require_device_tensor(w13, E * 2 * I * H * 2, device, "w13 (FP8 refresh)", rank);
+  require_device_tensor(w2, E * H * I * 2, device, "w2 (FP8 refresh)", rank);
   // Each weight: quantized in its own orientation ([E * N, K]), then every expert's matrix transposed.
   const auto quantize_transposed = [&](const __nv_bfloat16* w, int64_t n, int64_t k, uint8_t* out, float* scales) {
     formats::quantize_128x128_device(reinterpret_cast<const uint16_t*>(w), E * n, k, staging_.data(),

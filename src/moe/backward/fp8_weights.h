@@ -21,7 +21,8 @@ class Fp8TransposedWeights {
 
   // Quantizes w13 [E, 2I, H] and w2 [E, H, I] (bf16, device) into the transposed copies. Call it after
   // every weight update: the backward reads the copies, not the weights.
-  void refresh(const __nv_bfloat16* w13, const __nv_bfloat16* w2, cudaStream_t stream);
+  // `rank` only names the weights in errors.
+  void refresh(const __nv_bfloat16* w13, const __nv_bfloat16* w2, cudaStream_t stream, int rank = 0);
   // Whether the copies were last refreshed from these weights (updates in place are not seen).
   bool refreshed_from(const __nv_bfloat16* w13, const __nv_bfloat16* w2) const {
     return w13 != nullptr && w13 == w13_ && w2 == w2_;
