@@ -200,6 +200,49 @@ __global__ void __launch_bounds__(kThreadsPerCta)
     out_scales[(m * block_cols + bc) * block_rows + br] = scales[(m * block_rows + br) * block_cols + bc];
 }
 
+// One CTA per 128 x 128 tile of x, staged row-major in shared memory; thread c then owns column c of the
+// tile, one row of the output: it reads the column down the rows (a warp reads 32 neighbouring columns of
+// one row at a time: no bank conflicts), takes the block's amax itself and writes its 128 codes as eight
+// 16-byte vectors.
+constexpr int kTransposeThreads = 128;
+__global__ void __launch_bounds__(kTransposeThreads)
+    quantize_1x128_transposed_kernel(const uint16_t* __restrict__ x, int64_t rows, int64_t cols,
+                                     uint8_t* __restrict__ out, float* __restrict__ scales) {
+  constexpr int kB = kActivationBlock, kVectors = kB / kElemsPerThread;
+  __shared__ alignas(16) uint16_t tile[kB * kB];
+  const int64_t block_cols = cols / kB, rb = blockIdx.x / block_cols, cb = blockIdx.x % block_cols;
+  const uint16_t* from = x + rb * kB * cols + cb * kB;
+  for (int i = threadIdx.x; i < kB * kVectors; i += kTransposeThreads) {
+    const int r = i / kVectors, v = i % kVectors;
+    *reinterpret_cast<uint4*>(&tile[r * kB + v * kElemsPerThread]) =
+        *reinterpret_cast<const uint4*>(from + r * cols + v * kElemsPerThread);
+  }
+  __syncthreads();
+  const int c = threadIdx.x;
+  // The column in chunks of 8 (uint4 of bf16 pairs, element 2i in the low half of word i), as the
+  // row-wise quantizer holds them.
+  uint4 chunks[kVectors];
+  uint32_t amax = 0;
+#pragma unroll
+  for (int v = 0; v < kVectors; ++v) {
+    uint32_t words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      words[i] = uint32_t(tile[(v * 8 + 2 * i) * kB + c]) | uint32_t(tile[(v * 8 + 2 * i + 1) * kB + c]) << 16;
+    chunks[v] = make_uint4(words[0], words[1], words[2], words[3]);
+    amax = max(amax, finite_amax_bits(chunks[v]));
+  }
+  const int e = scale_exponent<false>(amax);
+  const float inv_scale = exp2_int(-e);
+  uint8_t* to = out + (cb * kB + c) * rows + rb * kB;
+#pragma unroll
+  for (int v = 0; v < kVectors; v += 2) {
+    const uint2 lo = e4m3x8(chunks[v], inv_scale), hi = e4m3x8(chunks[v + 1], inv_scale);
+    *reinterpret_cast<uint4*>(to + v * kElemsPerThread) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+  }
+  scales[(cb * kB + c) * (rows / kB) + rb] = exp2_int(e);
+}
+
 }  // namespace
 
 void dequantize_blockwise_device(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, int block_rows,
@@ -253,6 +296,23 @@ void transpose_128x128_device(const uint8_t* q, const float* scales, int64_t mat
   const int64_t blocks = matrices * (rows / kWeightBlock) * (cols / kWeightBlock);
   POUNCE_REQUIRE(blocks <= INT_MAX, name, ": ", blocks, " blocks are too many for one launch");
   transpose_128x128_kernel<<<unsigned(blocks), kThreadsPerCta, 0, stream>>>(q, scales, rows, cols, out, out_scales);
+  CUDA_CHECK_LAUNCH();
+}
+
+void quantize_1x128_transposed_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,
+                                      cudaStream_t stream) {
+  constexpr const char* name = "quantize_1x128_transposed_device";
+  POUNCE_REQUIRE(rows >= 0 && cols >= 0, name, ": shape [", rows, ", ", cols, "] has a negative extent");
+  POUNCE_REQUIRE(rows % kActivationBlock == 0 && cols % kActivationBlock == 0, name, ": shape [", rows, ", ", cols,
+                 "] is not made of whole 128 x 128 tiles");
+  if (rows == 0 || cols == 0) return;
+  POUNCE_REQUIRE(x_bf16 != nullptr && out != nullptr && scales != nullptr, name, ": x, out and scales must be set");
+  POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(x_bf16) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(scales) % 4 == 0,
+                 name, ": x and out must be 16-byte and scales 4-byte aligned");
+  const int64_t tiles = (rows / kActivationBlock) * (cols / kActivationBlock);
+  POUNCE_REQUIRE(tiles <= INT_MAX, name, ": [", rows, ", ", cols, "] has too many tiles for one launch");
+  quantize_1x128_transposed_kernel<<<unsigned(tiles), kTransposeThreads, 0, stream>>>(x_bf16, rows, cols, out, scales);
   CUDA_CHECK_LAUNCH();
 }
 

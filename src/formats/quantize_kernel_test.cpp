@@ -290,6 +290,35 @@ TEST(QuantizeKernel, TransposedBlocksMatchHost) {
                Error);
 }
 
+// The weight gradients' operands: x [rows, cols] quantized along its rows into its transpose, bit for
+// bit the host's 1 x 128 quantizer of the transposed matrix; wide magnitudes, a NaN, an Inf, a zero
+// column block, several tiles both ways.
+TEST(QuantizeKernel, TransposedQuantizerIsTheHostsQuantizerOfTheTranspose) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const int64_t rows = 384, cols = 256;
+  std::vector<uint16_t> x = wide_range_bf16(rng, size_t(rows * cols), 12);
+  x[5 * cols + 7] = 0x7FC0;                                 // NaN
+  x[200 * cols + 130] = 0xFF80;                             // -Inf
+  for (int64_t r = 128; r < 256; ++r) x[r * cols + 3] = 0;  // column 3's second block all zeros
+  std::vector<float> transposed(size_t(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) transposed[c * rows + r] = bf16_to_float(x[r * cols + c]);
+  const Fp8Rows1x128 want = quantize_1x128(transposed, cols, rows);
+
+  GuardedBuffer d_x(x.size() * sizeof(uint16_t)), d_out(size_t(rows * cols)), d_scales(want.scales.size() * 4);
+  CUDA_CHECK(cudaMemcpy(d_x.as<void>(), x.data(), x.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  d_out.poison();
+  d_scales.poison();
+  quantize_1x128_transposed_device(d_x.as<uint16_t>(), rows, cols, d_out.as<uint8_t>(), d_scales.as<float>(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  expect_bytes_equal(d_out.download(), want.data, "transposed 1x128 data", rows);
+  expect_bytes_equal(d_scales.download(), as_bytes(want.scales), "transposed 1x128 scales", rows / 128 * 4);
+  EXPECT_THROW(quantize_1x128_transposed_device(d_x.as<uint16_t>(), 100, cols, d_out.as<uint8_t>(),
+                                                d_scales.as<float>(), nullptr),
+               Error);
+}
+
 TEST(QuantizeKernel, RejectsBadArguments) {
   POUNCE_REQUIRE_HOPPER();
   GuardedBuffer d_x(1024 * 2), d_out(1024), d_scales(64);
