@@ -15,14 +15,14 @@ Fp8TransposedWeights::Fp8TransposedWeights(int64_t experts, int64_t hidden, int6
                  "FP8 weights: ", experts, " experts of hidden ", hidden, " and intermediate ", intermediate,
                  " are not supported: both sizes must be positive multiples of 128");
   const int64_t H = hidden, I = intermediate, w13 = experts * 2 * I * H, w2 = experts * H * I;
-  POUNCE_REQUIRE(experts * std::max(2 * I, H) / 128 <= 65535, "FP8 weights: ", experts, " experts of [", 2 * I, ", ", H,
-                 "] are more 128-row blocks than one quantizer launch takes (65535)");
+  POUNCE_REQUIRE(std::max(2 * I, H) / 128 <= 65535, "FP8 weights: an expert's [", 2 * I, ", ", H,
+                 "] has more 128-row blocks than one quantizer launch takes (65535)");
   w13_t_ = DeviceBuffer<uint8_t>(w13);
   w2_t_ = DeviceBuffer<uint8_t>(w2);
-  staging_ = DeviceBuffer<uint8_t>(std::max(w13, w2));
+  staging_ = DeviceBuffer<uint8_t>(2 * I * H);  // one expert's largest matrix
   w13_t_scales_ = DeviceBuffer<float>(w13 / (128 * 128));
   w2_t_scales_ = DeviceBuffer<float>(w2 / (128 * 128));
-  staging_scales_ = DeviceBuffer<float>(std::max(w13, w2) / (128 * 128));
+  staging_scales_ = DeviceBuffer<float>(2 * I * H / (128 * 128));
 }
 
 void Fp8TransposedWeights::refresh(const __nv_bfloat16* w13, const __nv_bfloat16* w2, cudaStream_t stream, int rank) {
@@ -31,11 +31,16 @@ void Fp8TransposedWeights::refresh(const __nv_bfloat16* w13, const __nv_bfloat16
   CUDA_CHECK(cudaGetDevice(&device));
   require_device_tensor(w13, E * 2 * I * H * 2, device, "w13 (FP8 refresh)", rank);
   require_device_tensor(w2, E * H * I * 2, device, "w2 (FP8 refresh)", rank);
-  // Each weight: quantized in its own orientation ([E * N, K]), then every expert's matrix transposed.
+  // Expert by expert ([N, K] each): quantized in its own orientation into the staging buffer, then
+  // transposed into its place. Stream order keeps the staging buffer's uses apart.
   const auto quantize_transposed = [&](const __nv_bfloat16* w, int64_t n, int64_t k, uint8_t* out, float* scales) {
-    formats::quantize_128x128_device(reinterpret_cast<const uint16_t*>(w), E * n, k, staging_.data(),
-                                     staging_scales_.data(), stream);
-    formats::transpose_128x128_device(staging_.data(), staging_scales_.data(), E, n, k, out, scales, stream);
+    const int64_t blocks = (n / 128) * (k / 128);
+    for (int64_t e = 0; e < E; ++e) {
+      formats::quantize_128x128_device(reinterpret_cast<const uint16_t*>(w + e * n * k), n, k, staging_.data(),
+                                       staging_scales_.data(), stream);
+      formats::transpose_128x128_device(staging_.data(), staging_scales_.data(), 1, n, k, out + e * n * k,
+                                        scales + e * blocks, stream);
+    }
   };
   quantize_transposed(w2, H, I, w2_t_.data(), w2_t_scales_.data());
   quantize_transposed(w13, 2 * I, H, w13_t_.data(), w13_t_scales_.data());

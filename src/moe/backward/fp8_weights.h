@@ -39,7 +39,7 @@ class Fp8TransposedWeights {
 
  private:
   int64_t experts_, hidden_, intermediate_;
-  DeviceBuffer<uint8_t> w13_t_, w2_t_, staging_;  // staging: a weight quantized in its own orientation
+  DeviceBuffer<uint8_t> w13_t_, w2_t_, staging_;  // staging: one expert's weight in its own orientation
   DeviceBuffer<float> w13_t_scales_, w2_t_scales_, staging_scales_;
   const __nv_bfloat16* w13_ = nullptr;  // what the last refresh read
   const __nv_bfloat16* w2_ = nullptr;
