@@ -51,12 +51,15 @@ enum NamedBarrier : uint32_t { kEpilogueBarrierBase = 1, kIssueTurnBarrierBase =
 // What a kernel's tiles can be, fixed at compile time: each kernel carries only its own mainloop and
 // epilogues (with every variant in one kernel, ptxas spilled ~2 KB of accumulators per thread).
 enum class TileKind {
-  kForward,     // A and B K-major; bf16 out, kStore or kSwiGLU                  (m-grouped)
-  kForwardFp8,  // kForward with E4M3 A and B and their block scales (GemmOperands::a_scale, b_scale)
-  kDataGrad,    // A K-major, B MN-major (weights used transposed); bf16 kStore   (m-grouped)
-  kWeightGrad,  // A and B MN-major (row buffers used transposed); 3-D C, kStoreF32, kAddF32 or bf16 kStore
-                // (k-grouped; a tile may have no K slices)
+  kForward,        // A and B K-major; bf16 out, kStore or kSwiGLU                  (m-grouped)
+  kForwardFp8,     // kForward with E4M3 A and B and their block scales (GemmOperands::a_scale, b_scale)
+  kDataGrad,       // A K-major, B MN-major (weights used transposed); bf16 kStore   (m-grouped)
+  kWeightGrad,     // A and B MN-major (row buffers used transposed); 3-D C, kStoreF32, kAddF32 or bf16 kStore
+                   // (k-grouped; a tile may have no K slices)
+  kWeightGradFp8,  // kWeightGrad with E4M3 A and B quantized along the rows and stored transposed (K-major),
+                   // each row of both with its own scale per 128 of K: B's scales vary along the tile's columns
 };
+constexpr bool is_fp8(TileKind kind) { return kind == TileKind::kForwardFp8 || kind == TileKind::kWeightGradFp8; }
 
 // A stage holds one K slice of a tile's A rows and B columns; a slice row is one 128-byte swizzle row.
 struct Bf16Stages {
@@ -64,6 +67,7 @@ struct Bf16Stages {
   static constexpr int kTileN = kBlockN, kSliceK = kBlockK, kStages = 4;
   static constexpr int kStoreSlots = 2;  // per consumer: fill one store box while the previous one is stored
   static constexpr bool kScales = false;
+  static constexpr bool kColumnScales = false;
 };
 // One slice is one 128-wide block of the activation (1 x 128) and weight (128 x 128) scales, which the
 // stage holds too.
@@ -72,9 +76,17 @@ struct Fp8Stages {
   static constexpr int kTileN = 128, kSliceK = 128, kStages = 5;
   static constexpr int kStoreSlots = 2;
   static constexpr bool kScales = true;
+  static constexpr bool kColumnScales = false;
+};
+// The weight gradients in E4M3: both operands are row buffers quantized along their rows (the GEMM's K),
+// so every B row (an output column) has its own scale per slice, which the stage holds beside A's.
+struct Fp8ColumnScaleStages : Fp8Stages {
+  static constexpr bool kColumnScales = true;
 };
 template <TileKind kKind>
-using StagesOf = std::conditional_t<kKind == TileKind::kForwardFp8, Fp8Stages, Bf16Stages>;
+using StagesOf =
+    std::conditional_t<kKind == TileKind::kForwardFp8, Fp8Stages,
+                       std::conditional_t<kKind == TileKind::kWeightGradFp8, Fp8ColumnScaleStages, Bf16Stages>>;
 
 // Where a tile's operands start. A K-major operand's slice kb is the box at (col + kb * kSliceK, row); an
 // MN-major operand's is the boxes at (col + 64 j, row + kb * kSliceK), one per 64 elements of M or N.
@@ -106,6 +118,8 @@ template <class Stages>
 struct SharedStorage {
   using Element = typename Stages::Element;
   static constexpr int kStages = Stages::kStages, kStoreSlots = Stages::kStoreSlots;
+  static constexpr bool kColumnScales = Stages::kColumnScales;
+  static constexpr int kTileN = Stages::kTileN;
   static constexpr uint32_t kStageBytes = (kBlockM + Stages::kTileN) * Stages::kSliceK * sizeof(Element);
   static_assert(Stages::kSliceK * sizeof(Element) == 128, "one K slice row must be one 128-byte swizzle row");
 
@@ -114,7 +128,7 @@ struct SharedStorage {
   alignas(1024) __nv_bfloat16 c[kConsumerWarpgroups][kStoreSlots][kStoreBoxRows * kStoreBoxCols];
   // Scales of each stage's slice (E4M3 only): the tile's A rows' and its B block's.
   float a_scale[Stages::kScales ? kStages : 1][kBlockM];
-  float b_scale[Stages::kScales ? kStages : 1];
+  float b_scale[Stages::kScales ? kStages : 1][Stages::kColumnScales ? Stages::kTileN : 1];
   uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes; with
                             // scales, + one arrival per scale-loader lane once its copies landed)
   uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer thread: free_stage)
@@ -126,7 +140,8 @@ struct SharedStorage {
 template <TileKind kKind>
 constexpr size_t kSharedBytesOf = sizeof(SharedStorage<StagesOf<kKind>>) + 1024;
 constexpr size_t kSharedBytes = kSharedBytesOf<TileKind::kForward>;
-static_assert(kSharedBytes <= 232448 && kSharedBytesOf<TileKind::kForwardFp8> <= 232448,
+static_assert(kSharedBytes <= 232448 && kSharedBytesOf<TileKind::kForwardFp8> <= 232448 &&
+                  kSharedBytesOf<TileKind::kWeightGradFp8> <= 232448,
               "shared memory exceeds the sm_90 per-block limit");
 
 constexpr uint32_t kConsumerWarps = kConsumerWarpgroups * 4;
@@ -175,6 +190,9 @@ struct GemmOperands {
   // B, [experts * n / 128, k / 128] (128 x 128 blocks).
   const float* a_scale;
   const float* b_scale;
+  // kWeightGradFp8: both scale arrays are [m or n, scale_k_blocks] (rows of the row buffers / 128), and a
+  // tile's slices start at its expert's first row.
+  int32_t scale_k_blocks;
 };
 
 // Waits inside the CTA must outlast the producer's readiness wait, which they may sit behind.
@@ -275,17 +293,28 @@ __device__ void run_scale_loader(Storage& s, const Tiles& tiles, const WaitSite&
     const TileInfo tile = take_tile(s, slot, slot_phase, pipe_site);
     if (!tile.valid) return;
     // Scale arrays: A [rows, k / 128], B [experts * n / 128, k / 128]; a slice is one column of both.
+    // Column scales (k-grouped): A [m, k blocks] and B [n, k blocks], the tile's K from its expert's
+    // first row (the operands' column) on.
     const GemmOperands& op = tiles.operands(tile.gemm);
-    const int32_t columns = tile.k_blocks;
-    const float* a_scale = op.a_scale + (int64_t(tile.a.row) + lane) * columns;  // rows lane + 32 i
-    const float* b_scale = op.b_scale + int64_t(tile.b.row / Fp8Stages::kTileN) * columns;
+    constexpr bool kColumnScales = Storage::kColumnScales;
+    const int32_t columns = kColumnScales ? op.scale_k_blocks : tile.k_blocks;
+    const int32_t first_k_block = kColumnScales ? tile.a.col / 128 : 0;
+    const float* a_scale = op.a_scale + (int64_t(tile.a.row) + lane) * columns + first_k_block;  // rows lane + 32 i
+    const float* b_scale = kColumnScales ? op.b_scale + (int64_t(tile.b.row) + lane) * columns + first_k_block
+                                         : op.b_scale + int64_t(tile.b.row / Fp8Stages::kTileN) * columns;
     const int64_t rows_32 = int64_t(32) * columns;
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
       mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
 #pragma unroll
       for (int i = 0; i < kBlockM / 32; ++i)
         ptx::cp_async_4(&s.a_scale[stage][lane + 32 * i], a_scale + i * rows_32 + kb);
-      if (lane == 0) ptx::cp_async_4(&s.b_scale[stage], b_scale + kb);
+      if constexpr (kColumnScales) {
+#pragma unroll
+        for (int i = 0; i < Storage::kTileN / 32; ++i)
+          ptx::cp_async_4(&s.b_scale[stage][lane + 32 * i], b_scale + i * rows_32 + kb);
+      } else if (lane == 0) {
+        ptx::cp_async_4(&s.b_scale[stage], b_scale + kb);
+      }
       ptx::cp_async_mbarrier_arrive(&s.full[stage]);
       if (++stage == Storage::kStages) stage = 0, phase ^= 1;
     }
@@ -497,6 +526,21 @@ struct IssueTurns {
   }
 };
 
+// An E4M3 consumer whose rows are all padding: releases each stage unread, still taking its turns.
+template <class Storage>
+__device__ __forceinline__ void skip_fp8_stages(Storage& s, int k_blocks, uint32_t& stage, uint32_t& phase,
+                                                uint32_t*& pending_done, IssueTurns& turns, const WaitSite& pipe_site,
+                                                int consumer, int thread) {
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+    turns.wait(consumer);
+    turns.pass(consumer);
+    if (thread % 32 == 0) free_stage(&s.empty[stage]);
+    if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
+    if (++stage == Storage::kStages) stage = 0, phase ^= 1;
+  }
+}
+
 // Tiles of at least this many K slices run the two-accumulator mainloop (run_fp8_mainloop); measured on
 // one H200 it was 2-9 % faster from 16 slices up (K >= 2048) and 9 % slower at 6.
 inline constexpr int kFp8PipelinedSlices = 12;
@@ -524,17 +568,7 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
   const uint64_t a_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128);
   const uint64_t b_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
   const uint32_t a_scale = ptx::smem_addr(&s.a_scale[0][row]), b_scale = ptx::smem_addr(&s.b_scale[0]);
-  if (skip) {
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-      turns.wait(consumer);
-      turns.pass(consumer);
-      if (lane == 0) free_stage(&s.empty[stage]);
-      if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
-      if (++stage == Fp8Stages::kStages) stage = 0, phase ^= 1;
-    }
-    return;
-  }
+  if (skip) return skip_fp8_stages(s, k_blocks, stage, phase, pending_done, turns, pipe_site, consumer, thread);
   if (k_blocks < kFp8PipelinedSlices) {
     // Short K: one partial accumulator, each slice's wgmmas waited for before scaling it.
     float part[64];
@@ -617,6 +651,58 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
   }
 }
 
+// One k-grouped E4M3 tile (kWeightGradFp8): per K slice, four m64n128k32 wgmmas into one partial
+// accumulator, waited for, then promoted into `acc` with the A row's and each B column's scale (powers of
+// two: exact products). The thread's 32 columns' scales are read from the stage before the wait, so the
+// stage is freed before the promotion. `skip`: this consumer's rows are all padding.
+__device__ __forceinline__ void run_fp8_column_scale_mainloop(SharedStorage<Fp8ColumnScaleStages>& s, float (&acc)[64],
+                                                              int k_blocks, bool skip, uint32_t& stage, uint32_t& phase,
+                                                              uint32_t*& pending_done, IssueTurns& turns,
+                                                              const WaitSite& pipe_site, int consumer, int thread) {
+  const int lane = thread % 32;
+  const int row = consumer * kRowsPerConsumer + (thread / 32) * 16 + lane / 4;  // and row + 8 (store_tile)
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+  if (skip) return skip_fp8_stages(s, k_blocks, stage, phase, pending_done, turns, pipe_site, consumer, thread);
+  constexpr uint32_t kStageUnits = sizeof(s.a[0]) / 16;
+  static_assert(sizeof(s.a[0]) == sizeof(s.b[0]), "A and B stages advance together");
+  const uint64_t a_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128);
+  const uint64_t b_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
+  // Chunk j of the fragment holds columns 8 j + 2 (lane % 4) + {0, 1} (store_tile).
+  const uint32_t a_scale = ptx::smem_addr(&s.a_scale[0][row]), b_scale = ptx::smem_addr(&s.b_scale[0][2 * (lane % 4)]);
+  float part[64];
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+    turns.wait(consumer);
+    const uint32_t stage_units = stage * kStageUnits;
+    ptx::fence_registers(part);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Fp8ColumnScaleStages::kSliceK / 32; ++kk)  // 32 bytes (2 units) of K per wgmma
+      ptx::wgmma_m64n128k32_e4m3(part, a_desc + stage_units + 2 * kk, b_desc + stage_units + 2 * kk, kk > 0);
+    ptx::wgmma_commit_group();
+    turns.pass(consumer);
+    const uint32_t a_at = a_scale + stage * sizeof(s.a_scale[0]), b_at = b_scale + stage * sizeof(s.b_scale[0]);
+    const float a_lo = ptx::ld_shared_f32(a_at), a_hi = ptx::ld_shared_f32(a_at + 8 * sizeof(float));
+    float2 b[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) b[j] = ptx::ld_shared_v2_f32(b_at + j * 8 * sizeof(float));
+    ptx::wgmma_wait_group<0>();
+    ptx::fence_registers(part);
+    __syncwarp();  // every lane has read the stage's scales before lane 0 frees it
+    if (lane == 0) free_stage(&s.empty[stage]);
+    if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      acc[4 * j + 0] = fmaf(part[4 * j + 0], a_lo * b[j].x, acc[4 * j + 0]);
+      acc[4 * j + 1] = fmaf(part[4 * j + 1], a_lo * b[j].y, acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(part[4 * j + 2], a_hi * b[j].x, acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(part[4 * j + 3], a_hi * b[j].y, acc[4 * j + 3]);
+    }
+    if (++stage == Fp8ColumnScaleStages::kStages) stage = 0, phase ^= 1;
+  }
+}
+
 template <TileKind kKind, class Tiles, class Storage>
 __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pipe_site, int consumer) {
   constexpr int kTileN = StagesOf<kKind>::kTileN;
@@ -657,6 +743,9 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
     const timeline::Stamp started = timeline::now();
     if constexpr (kKind == TileKind::kForwardFp8) {
       run_fp8_mainloop(s, acc, tile.k_blocks, padding, stage, phase, pending_done, turns, pipe_site, consumer, thread);
+    } else if constexpr (kKind == TileKind::kWeightGradFp8) {
+      run_fp8_column_scale_mainloop(s, acc, tile.k_blocks, padding, stage, phase, pending_done, turns, pipe_site,
+                                    consumer, thread);
     } else {
       constexpr bool kTransA = kKind == TileKind::kWeightGrad, kTransB = kKind != TileKind::kForward;
       run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, padding, stage, phase, pending_done, pipe_site, consumer,
@@ -697,7 +786,7 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
       if (op.done != nullptr) pending_done = op.done + tile.m_block;
     }
   }
-  if constexpr (kKind == TileKind::kForwardFp8) turns.finish(consumer);
+  if constexpr (is_fp8(kKind)) turns.finish(consumer);
   if (thread == 0) {
     release_done(pending_done);
     ptx::bulk_wait_group<0>();  // stores must finish reading shared memory before exit (without counters

@@ -30,6 +30,7 @@ struct KernelParams {
   const float* row_scale;
   const float* a_scale;  // FP8 only
   const float* b_scale;
+  int32_t scale_k_blocks;  // FP8 k-grouped: rows / 128
   Epilogue epilogue;
   const uint32_t* m_block_ready;
   uint32_t ready_target;
@@ -46,7 +47,7 @@ template <TileKind kTileKind>
 class QueueTiles {
  public:
   static constexpr TileKind kKind = kTileKind;
-  static constexpr bool kKGrouped = kKind == TileKind::kWeightGrad;
+  static constexpr bool kKGrouped = kKind == TileKind::kWeightGrad || kKind == TileKind::kWeightGradFp8;
   static constexpr int kTileN = pipeline::StagesOf<kKind>::kTileN;
   static constexpr int kSliceK = pipeline::StagesOf<kKind>::kSliceK;
 
@@ -73,17 +74,14 @@ class QueueTiles {
       const int32_t m_block = in_expert / n_blocks(), n_block = in_expert % n_blocks();
       const int32_t first_row = p_.expert_offsets[expert];
       const int32_t k_blocks = (p_.expert_offsets[expert + 1] - first_row) / kSliceK;
-      info = {0,
-              {first_row, m_block * kBlockM},
-              {first_row, n_block * kTileN},
-              m_block * kBlockM,
-              expert,
-              n_block,
-              m_block,
-              k_blocks,
-              1,
-              0,
-              kBlockM};
+      // Row buffers read transposed (bf16: K rows, M or N columns) or stored transposed (E4M3: M or N rows,
+      // K columns).
+      constexpr bool kStoredTransposed = kKind == TileKind::kWeightGradFp8;
+      const pipeline::OperandOrigin a = kStoredTransposed ? pipeline::OperandOrigin{m_block * kBlockM, first_row}
+                                                          : pipeline::OperandOrigin{first_row, m_block * kBlockM};
+      const pipeline::OperandOrigin b = kStoredTransposed ? pipeline::OperandOrigin{n_block * kTileN, first_row}
+                                                          : pipeline::OperandOrigin{first_row, n_block * kTileN};
+      info = {0, a, b, m_block * kBlockM, expert, n_block, m_block, k_blocks, 1, 0, kBlockM};
       return true;
     } else {
       return next_m_grouped(tile, info);
@@ -132,7 +130,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                         const __grid_constant__ CUtensorMap c_map, const KernelParams p) {
   extern __shared__ uint8_t smem_raw[];
-  const GemmOperands op{&a_map, &b_map, &c_map, p.epilogue, p.row_scale, nullptr, nullptr, p.a_scale, p.b_scale};
+  const GemmOperands op{&a_map,  &b_map,  &c_map,    p.epilogue, p.row_scale,
+                        nullptr, nullptr, p.a_scale, p.b_scale,  p.scale_k_blocks};
   QueueTiles<kKind> tiles(p, op);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, pipeline::pipeline_timeout_ns(p.wait_timeout_ns)};
   pipeline::run_gemm_cta(smem_raw, tiles, pipe_site, [] {});
@@ -239,7 +238,14 @@ void GroupedGemm::run_k_grouped(const KGroupedGemmArgs& args, cudaStream_t strea
   require_multiple_of_64("n", args.n);
   POUNCE_REQUIRE(args.rows >= 0 && args.rows % kBlockM == 0 && args.rows <= INT32_MAX,
                  "k-grouped GEMM: rows = ", args.rows, " must be a multiple of ", kBlockM, " that fits int32");
-  POUNCE_REQUIRE(args.a && args.b && args.c && args.expert_offsets,
+  const bool fp8 = args.fp8.a != nullptr || args.fp8.b != nullptr;
+  if (fp8) {
+    POUNCE_REQUIRE(args.fp8.a && args.fp8.a_scale && args.fp8.b && args.fp8.b_scale && !args.a && !args.b,
+                   "k-grouped GEMM: an FP8 GEMM needs fp8.a, fp8.a_scale, fp8.b and fp8.b_scale, and no bf16 a or b");
+    POUNCE_REQUIRE(args.m % 128 == 0 && args.n % 128 == 0,
+                   "k-grouped GEMM: FP8 needs m and n in whole 128-blocks; m = ", args.m, ", n = ", args.n);
+  }
+  POUNCE_REQUIRE((fp8 || (args.a && args.b)) && args.c && args.expert_offsets,
                  "k-grouped GEMM: a, b, c and expert_offsets must be set");
   POUNCE_REQUIRE(args.epilogue != Epilogue::kSwiGLU, "k-grouped GEMM: the SwiGLU epilogue is m-grouped only");
   require_hopper();
@@ -257,14 +263,24 @@ void GroupedGemm::run_k_grouped(const KGroupedGemmArgs& args, cudaStream_t strea
   params.wait_timeout_ns = args.wait_timeout_ns;
   params.timeline = args.timeline;
 
-  // Both operands are row buffers read transposed: boxes of 64 columns by kBlockK rows.
   const bool fp32 = args.epilogue != Epilogue::kStore;
   const uint64_t rows = std::max<int64_t>(args.rows, kBlockM);  // a descriptor needs a nonzero extent
-  const CUtensorMap a_map = make_bf16_tensor_map(args.a, args.m, rows, 64, kBlockK);
-  const CUtensorMap b_map = make_bf16_tensor_map(args.b, args.n, rows, 64, kBlockK);
   const CUtensorMap c_map =
       make_3d_tensor_map(args.c, fp32, args.n, args.m, args.experts, fp32 ? 32 : kStoreBoxCols, kStoreBoxRows);
   CUDA_CHECK(cudaMemsetAsync(ticket_.data(), 0, sizeof(uint32_t), stream));
+  if (fp8) {
+    // Stored transposed: K-major boxes of 128 rows of M or N by one 128-wide K slice.
+    params.a_scale = args.fp8.a_scale;
+    params.b_scale = args.fp8.b_scale;
+    params.scale_k_blocks = int32_t(args.rows / kBlockM);
+    const CUtensorMap a_map = make_fp8_tensor_map(args.fp8.a, rows, args.m, 128, kBlockM);
+    const CUtensorMap b_map = make_fp8_tensor_map(args.fp8.b, rows, args.n, 128, 128);
+    launch<TileKind::kWeightGradFp8>(a_map, b_map, c_map, params, args.max_ctas, stream);
+    return;
+  }
+  // Both operands are row buffers read transposed: boxes of 64 columns by kBlockK rows.
+  const CUtensorMap a_map = make_bf16_tensor_map(args.a, args.m, rows, 64, kBlockK);
+  const CUtensorMap b_map = make_bf16_tensor_map(args.b, args.n, rows, 64, kBlockK);
   launch<TileKind::kWeightGrad>(a_map, b_map, c_map, params, args.max_ctas, stream);
 }
 

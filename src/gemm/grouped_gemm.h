@@ -96,12 +96,23 @@ struct GroupedGemmArgs {
   TimelineSink timeline;  // where the launch records its spans (a build with POUNCE_TIMELINE); {}: nowhere
 };
 
+// E4M3 operands of an FP8 k-grouped GEMM: the row buffers quantized along their rows (the GEMM's K) and
+// stored transposed (formats::quantize_1x128_transposed_device), with fp32 power-of-two scales, one per
+// row of the transposed buffer and 128 of K.
+struct KGroupedFp8Operands {
+  const uint8_t* a = nullptr;      // [m, rows]: A's row buffer transposed
+  const float* a_scale = nullptr;  // [m, rows / 128]
+  const uint8_t* b = nullptr;      // [n, rows]
+  const float* b_scale = nullptr;  // [n, rows / 128]
+};
+
 // C[e] (+)= A[rows of e]^T . B[rows of e] for every expert e: weight gradients.
 struct KGroupedGemmArgs {
   const __nv_bfloat16* a = nullptr;  // [rows, m]
   const __nv_bfloat16* b = nullptr;  // [rows, n]
   int64_t rows = 0;                  // rows of both buffers (capacity), a multiple of 128
   int64_t m = 0, n = 0;              // multiples of 64
+  KGroupedFp8Operands fp8;           // set (with a and b null) for an FP8 GEMM: m and n then multiples of 128
   int experts = 0;
   // Device [experts + 1]: first row of each expert, multiples of 128; rows past [experts] are not read.
   // Every row in use must be finite; padding rows must be zero in A or B (they are summed like any row).

@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -338,6 +339,125 @@ INSTANTIATE_TEST_SUITE_P(
                       KCase{"ragged_m_and_n", 3, 192, 320, {500, 1, 260}, Epilogue::kStoreF32},
                       KCase{"bf16_out", 4, 256, 512, {700, 128, 0, 90}, Epilogue::kStore},
                       KCase{"deep_reduction", 2, 256, 256, {3000, 2200}, Epilogue::kAddF32}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// FP8 k-grouped: the row buffers quantized along their rows and stored transposed, as the backward's
+// weight gradients would read them, against a double-precision host sum of the dequantized operands.
+// Every 128-row block of every column of A and B has its own magnitude, so each of B's per-column scales
+// differs from its neighbours' (a scale applied to the wrong column fails).
+class Fp8KGroupedGemmTest : public ::testing::TestWithParam<KCase> {};
+
+// The row buffer [rows, cols] transposed and quantized 1 x 128 along its rows (the host's
+// quantize_1x128_transposed_device), and its dequantized values in row-buffer order.
+struct TransposedFp8 {
+  DeviceBuffer<uint8_t> q;
+  DeviceBuffer<float> scales;
+  std::vector<float> exact;  // [rows, cols]
+};
+TransposedFp8 quantize_transposed(const std::vector<float>& x, int64_t rows, int64_t cols) {
+  std::vector<float> t(x.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = x[r * cols + c];
+  const formats::Fp8Rows1x128 q = formats::quantize_1x128(t, cols, rows);
+  const std::vector<float> d = formats::dequantize(q);
+  std::vector<float> exact(x.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) exact[r * cols + c] = d[c * rows + r];
+  return {DeviceBuffer<uint8_t>(q.data), DeviceBuffer<float>(q.scales), exact};
+}
+
+TEST_P(Fp8KGroupedGemmTest, MatchesHostOnTheQuantizedOperands) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const KCase c = GetParam();
+  const int E = c.experts;
+  std::vector<int32_t> offsets(E + 1, 0);
+  for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + (c.counts[e] + kBlockM - 1) / kBlockM * kBlockM;
+  const int64_t rows = offsets.back() + kBlockM;  // one unused m-block at the end
+  std::uniform_int_distribution<int> binade(-6, 6);
+  const auto spread_values = [&](int64_t cols) {
+    std::vector<float> v = testing::random_bf16_values(rng, rows * cols);
+    for (int64_t rb = 0; rb < rows / kBlockM; ++rb)
+      for (int64_t col = 0; col < cols; ++col) {
+        const float f = std::ldexp(1.0f, binade(rng));
+        for (int64_t r = rb * kBlockM; r < (rb + 1) * kBlockM; ++r) v[r * cols + col] *= f;
+      }
+    return v;
+  };
+  std::vector<float> a = spread_values(c.m), b = spread_values(c.n);
+  for (int e = 0; e < E; ++e)  // padding rows zero in A, as the contract asks
+    for (int64_t r = offsets[e] + c.counts[e]; r < offsets[e + 1]; ++r)
+      for (int64_t i = 0; i < c.m; ++i) a[r * c.m + i] = 0.0f;
+  const TransposedFp8 qa = quantize_transposed(a, rows, c.m), qb = quantize_transposed(b, rows, c.n);
+  const bool fp32 = c.epilogue != Epilogue::kStore;
+  const int64_t c_elems = int64_t(E) * c.m * c.n;
+  std::vector<float> before = testing::random_bf16_values(rng, c_elems);  // kAddF32 adds to these
+  std::vector<double> want(c_elems);
+  for (int e = 0; e < E; ++e)
+    for (int64_t i = 0; i < c.m; ++i)
+      for (int64_t j = 0; j < c.n; ++j) {
+        double sum = c.epilogue == Epilogue::kAddF32 ? before[(e * c.m + i) * c.n + j] : 0.0;
+        for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
+          sum += double(qa.exact[r * c.m + i]) * qb.exact[r * c.n + j];
+        want[(e * c.m + i) * c.n + j] = sum;
+      }
+
+  DeviceBuffer<int32_t> d_offsets(offsets);
+  DeviceBuffer<float> c32(fp32 ? c_elems : 0);
+  DeviceBuffer<uint16_t> c16(fp32 ? 0 : c_elems);
+  KGroupedGemmArgs args;
+  args.fp8 = {qa.q.data(), qa.scales.data(), qb.q.data(), qb.scales.data()};
+  args.rows = rows;
+  args.m = c.m;
+  args.n = c.n;
+  args.experts = E;
+  args.expert_offsets = d_offsets.data();
+  args.c = fp32 ? static_cast<void*>(c32.data()) : static_cast<void*>(c16.data());
+  args.epilogue = c.epilogue;
+  GroupedGemm gemm;
+  const auto run_once = [&] {
+    if (c.epilogue == Epilogue::kAddF32)
+      c32.upload(before);
+    else if (fp32)
+      c32.fill_bytes(0xFF);
+    else
+      c16.fill_bytes(0xFF);
+    gemm.run_k_grouped(args, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    gemm.check_device_errors();
+    std::vector<float> got;
+    if (fp32)
+      got = c32.download();
+    else
+      for (uint16_t v : c16.download()) got.push_back(formats::bf16_to_float(v));
+    return got;
+  };
+  const std::vector<float> got = run_once();
+  // The tensor cores sum each 128-wide slice of E4M3 products in their own precision before the fp32
+  // promotion (up to ~2^-14 relative per slice); bf16 output adds its rounding.
+  const double tolerance = fp32 ? 1e-3 : 1e-2;
+  for (int e = 0; e < E; ++e) {
+    const std::span<const float> g(got.data() + e * c.m * c.n, c.m * c.n);
+    const std::span<const double> w(want.data() + e * c.m * c.n, c.m * c.n);
+    if (c.counts[e] == 0 && c.epilogue != Epilogue::kAddF32) {
+      EXPECT_TRUE(std::all_of(g.begin(), g.end(), [](float v) { return v == 0; })) << "expert " << e << " has no rows";
+      continue;
+    }
+    EXPECT_LE(relative_l2_error(g, w), tolerance) << "expert " << e << " (" << c.counts[e] << " rows)";
+  }
+  EXPECT_EQ(run_once(), got) << "not deterministic";
+  args.m = 192;
+  EXPECT_THAT([&] { gemm.run_k_grouped(args, nullptr); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("FP8 needs m and n in whole 128-blocks")));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, Fp8KGroupedGemmTest,
+    ::testing::Values(KCase{"one_expert_one_row", 1, 128, 128, {1}, Epilogue::kStoreF32},
+                      KCase{"empty_experts_store", 5, 128, 256, {0, 300, 0, 129, 0}, Epilogue::kStoreF32},
+                      KCase{"empty_experts_accumulate", 5, 128, 256, {0, 300, 0, 129, 0}, Epilogue::kAddF32},
+                      KCase{"bf16_out", 4, 256, 384, {700, 128, 0, 90}, Epilogue::kStore},
+                      KCase{"deep_reduction", 2, 256, 256, {3000, 2200}, Epilogue::kStoreF32}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Every scheduling knob must compute the same bits: tiles never split K, so only who computes a tile

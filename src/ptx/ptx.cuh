@@ -57,6 +57,12 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t smem_address) {
   return value;
 }
 
+__device__ __forceinline__ float2 ld_shared_v2_f32(uint32_t smem_address) {
+  float2 value;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(value.x), "=f"(value.y) : "r"(smem_address) : "memory");
+  return value;
+}
+
 __device__ __forceinline__ void st_shared_b32(uint32_t smem_address, uint32_t value) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_address), "r"(value) : "memory");
 }
