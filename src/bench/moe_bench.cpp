@@ -618,10 +618,11 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       w_fp8->refresh(w13.data(), w2.data(), stream);
     }
     DeviceBuffer<__nv_bfloat16> dx_fp8(fp8_shape ? T * H : 0);
-    const auto replay_fp8 = [&](int set) {
+    // fp8_weights: the weight gradients in FP8 too.
+    const auto replay_fp8 = [&](int set, bool fp8_weights) {
       chain_fp8->run({x[set].data(), d_ids.data(), d_weights.data(), T, dy[set].data(), dx_fp8.data(), d_topk.data()},
-                     {w13.data(), w2.data(), dw13.data(), dw2.data(), WeightGradOutput::kF32, &*w_fp8}, nullptr,
-                     stream);
+                     {w13.data(), w2.data(), dw13.data(), dw2.data(), WeightGradOutput::kF32, &*w_fp8, fp8_weights},
+                     nullptr, stream);
     };
     int kept_replays = 0;  // backwards meant to start from a kept forward that replayed instead
     DeviceBuffer<__nv_bfloat16> dw13_bf16(E * 2 * I * H), dw2_bf16(E * H * I);
@@ -674,7 +675,9 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       dx_fp8_check.max_relative_l2 = kFp8MaxRelativeL2;
       dx_fp8_check.max_worst_row = kFp8MaxWorstToken;
       backward_candidates.push_back({"pounce backward, replay, FP8 data gradients", Role::kPounce,
-                                     [&](int rep) { replay_fp8(rep % kSets); }, dx_fp8_check});
+                                     [&](int rep) { replay_fp8(rep % kSets, false); }, dx_fp8_check});
+      backward_candidates.push_back({"pounce backward, replay, FP8 data and weight gradients", Role::kPounce,
+                                     [&](int rep) { replay_fp8(rep % kSets, true); }, dx_fp8_check});
     }
     backward_candidates.push_back(dense_reference);
     result["backward"] =
@@ -725,6 +728,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
         {"dgrad_gate_up", "dgrad gate/up (dgu W13)", moe::BackwardGemm::kDataGateUp},
         {"wgrad_down", "wgrad down (dW2)", moe::BackwardGemm::kWeightDown},
         {"wgrad_gate_up", "wgrad gate/up (dW13)", moe::BackwardGemm::kWeightGateUp}};
+    if (fp8_shape) replay_fp8(0, true);  // its GEMMs alone below: all four in FP8
     for (const auto& [key, name, which] : kinds) {
       const bool gate_up = which == moe::BackwardGemm::kGateUp || which == moe::BackwardGemm::kDataGateUp ||
                            which == moe::BackwardGemm::kWeightGateUp;
@@ -736,7 +740,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                               {}});
       candidates.push_back(
           {"pounce", Role::kPounce, [&chain, which = which, stream](int) { chain.run_gemm(which, stream); }, {}});
-      if (fp8_shape && (which == moe::BackwardGemm::kDataDown || which == moe::BackwardGemm::kDataGateUp))
+      if (fp8_shape && which != moe::BackwardGemm::kGateUp)
         candidates.push_back({"pounce fp8",
                               Role::kPounce,
                               [&chain_fp8, which = which, stream](int) { chain_fp8->run_gemm(which, stream); },

@@ -119,7 +119,7 @@ struct SharedStorage {
   using Element = typename Stages::Element;
   static constexpr int kStages = Stages::kStages, kStoreSlots = Stages::kStoreSlots;
   static constexpr bool kColumnScales = Stages::kColumnScales;
-  static constexpr int kTileN = Stages::kTileN;
+  static constexpr int kTileN = Stages::kTileN, kSliceK = Stages::kSliceK;
   static constexpr uint32_t kStageBytes = (kBlockM + Stages::kTileN) * Stages::kSliceK * sizeof(Element);
   static_assert(Stages::kSliceK * sizeof(Element) == 128, "one K slice row must be one 128-byte swizzle row");
 
@@ -541,6 +541,28 @@ __device__ __forceinline__ void skip_fp8_stages(Storage& s, int k_blocks, uint32
   }
 }
 
+// Waits for stage `stage`'s data, takes this consumer's turn, issues the slice's four m64n128k32 wgmmas
+// into `part` (one commit group: the caller waits for it) and passes the turn. A descriptor's start
+// address (16-byte units, low bits) is moved by adding to it; it cannot carry into the other fields,
+// shared-memory addresses being below 2^18.
+template <class Storage>
+__device__ __forceinline__ void issue_fp8_slice(Storage& s, float (&part)[64], uint64_t a_desc, uint64_t b_desc,
+                                                uint32_t stage, uint32_t phase, IssueTurns& turns,
+                                                const WaitSite& pipe_site, int consumer) {
+  constexpr uint32_t kStageUnits = sizeof(s.a[0]) / 16;
+  static_assert(sizeof(s.a[0]) == sizeof(s.b[0]), "A and B stages advance together");
+  mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+  turns.wait(consumer);
+  const uint32_t stage_units = stage * kStageUnits;
+  ptx::fence_registers(part);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Storage::kSliceK / 32; ++kk)  // 32 bytes (2 units) of K per wgmma
+    ptx::wgmma_m64n128k32_e4m3(part, a_desc + stage_units + 2 * kk, b_desc + stage_units + 2 * kk, kk > 0);
+  ptx::wgmma_commit_group();
+  turns.pass(consumer);
+}
+
 // Tiles of at least this many K slices run the two-accumulator mainloop (run_fp8_mainloop); measured on
 // one H200 it was 2-9 % faster from 16 slices up (K >= 2048) and 9 % slower at 6.
 inline constexpr int kFp8PipelinedSlices = 12;
@@ -560,11 +582,7 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
   const int row = consumer * kRowsPerConsumer + (thread / 32) * 16 + lane / 4;
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-  // Stage 0's matrix descriptors and scale addresses, computed once. A descriptor's start address
-  // (16-byte units, low bits) is moved by adding to it; it cannot carry into the other fields,
-  // shared-memory addresses being below 2^18.
-  constexpr uint32_t kStageUnits = sizeof(s.a[0]) / 16;
-  static_assert(sizeof(s.a[0]) == sizeof(s.b[0]), "A and B stages advance together");
+  // Stage 0's matrix descriptors and scale addresses, computed once (issue_fp8_slice moves them).
   const uint64_t a_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128);
   const uint64_t b_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
   const uint32_t a_scale = ptx::smem_addr(&s.a_scale[0][row]), b_scale = ptx::smem_addr(&s.b_scale[0]);
@@ -573,16 +591,7 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
     // Short K: one partial accumulator, each slice's wgmmas waited for before scaling it.
     float part[64];
     for (int kb = 0; kb < k_blocks; ++kb) {
-      mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-      turns.wait(consumer);
-      const uint32_t stage_units = stage * kStageUnits;
-      ptx::fence_registers(part);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < Fp8Stages::kSliceK / 32; ++kk)  // 32 bytes (2 units) of K per wgmma
-        ptx::wgmma_m64n128k32_e4m3(part, a_desc + stage_units + 2 * kk, b_desc + stage_units + 2 * kk, kk > 0);
-      ptx::wgmma_commit_group();
-      turns.pass(consumer);
+      issue_fp8_slice(s, part, a_desc, b_desc, stage, phase, turns, pipe_site, consumer);
       // Powers of two: the products are exact.
       const float slice_b_scale = ptx::ld_shared_f32(b_scale + stage * sizeof(float));
       const float scale_lo = ptx::ld_shared_f32(a_scale + stage * sizeof(s.a_scale[0])) * slice_b_scale;
@@ -601,16 +610,7 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
   // Slices alternate between two partial accumulators: a consumer issues slice k + 1 (in its turn) before
   // it scales slice k, so its own wgmmas stay queued while it scales.
   const auto issue = [&](float(&part)[64]) {
-    mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-    turns.wait(consumer);
-    const uint32_t stage_units = stage * kStageUnits;
-    ptx::fence_registers(part);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Fp8Stages::kSliceK / 32; ++kk)  // 32 bytes (2 units) of K per wgmma
-      ptx::wgmma_m64n128k32_e4m3(part, a_desc + stage_units + 2 * kk, b_desc + stage_units + 2 * kk, kk > 0);
-    ptx::wgmma_commit_group();
-    turns.pass(consumer);
+    issue_fp8_slice(s, part, a_desc, b_desc, stage, phase, turns, pipe_site, consumer);
     const uint32_t issued = stage;
     if (++stage == Fp8Stages::kStages) stage = 0, phase ^= 1;
     return issued;
@@ -664,24 +664,13 @@ __device__ __forceinline__ void run_fp8_column_scale_mainloop(SharedStorage<Fp8C
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
   if (skip) return skip_fp8_stages(s, k_blocks, stage, phase, pending_done, turns, pipe_site, consumer, thread);
-  constexpr uint32_t kStageUnits = sizeof(s.a[0]) / 16;
-  static_assert(sizeof(s.a[0]) == sizeof(s.b[0]), "A and B stages advance together");
   const uint64_t a_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128);
   const uint64_t b_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
   // Chunk j of the fragment holds columns 8 j + 2 (lane % 4) + {0, 1} (store_tile).
   const uint32_t a_scale = ptx::smem_addr(&s.a_scale[0][row]), b_scale = ptx::smem_addr(&s.b_scale[0][2 * (lane % 4)]);
   float part[64];
   for (int kb = 0; kb < k_blocks; ++kb) {
-    mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-    turns.wait(consumer);
-    const uint32_t stage_units = stage * kStageUnits;
-    ptx::fence_registers(part);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Fp8ColumnScaleStages::kSliceK / 32; ++kk)  // 32 bytes (2 units) of K per wgmma
-      ptx::wgmma_m64n128k32_e4m3(part, a_desc + stage_units + 2 * kk, b_desc + stage_units + 2 * kk, kk > 0);
-    ptx::wgmma_commit_group();
-    turns.pass(consumer);
+    issue_fp8_slice(s, part, a_desc, b_desc, stage, phase, turns, pipe_site, consumer);
     const uint32_t a_at = a_scale + stage * sizeof(s.a_scale[0]), b_at = b_scale + stage * sizeof(s.b_scale[0]);
     const float a_lo = ptx::ld_shared_f32(a_at), a_hi = ptx::ld_shared_f32(a_at + 8 * sizeof(float));
     float2 b[16];

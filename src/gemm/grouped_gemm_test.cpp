@@ -250,6 +250,49 @@ void PrintTo(const KCase& c, std::ostream* out) { *out << c.name; }
 
 class KGroupedGemmTest : public ::testing::TestWithParam<KCase> {};
 
+// Each expert's first row in the row buffers, its rows padded to 128-row m-blocks; [experts] = rows in use.
+std::vector<int32_t> padded_offsets(const KCase& c) {
+  std::vector<int32_t> offsets(c.experts + 1, 0);
+  for (int e = 0; e < c.experts; ++e) offsets[e + 1] = offsets[e] + (c.counts[e] + kBlockM - 1) / kBlockM * kBlockM;
+  return offsets;
+}
+
+// A case's output C [E, m, n]: poisoned before each run (accumulating: holding `before`), downloaded as
+// floats.
+struct KGroupedOutput {
+  const KCase& c;
+  std::vector<float> before;  // kAddF32 adds to these
+  DeviceBuffer<float> c32;
+  DeviceBuffer<uint16_t> c16;
+
+  KGroupedOutput(const KCase& kcase, std::mt19937_64& rng)
+      : c(kcase),
+        before(testing::random_bf16_values(rng, elems())),
+        c32(fp32() ? elems() : 0),
+        c16(fp32() ? 0 : elems()) {}
+  bool fp32() const { return c.epilogue != Epilogue::kStore; }
+  int64_t elems() const { return int64_t(c.experts) * c.m * c.n; }
+  std::vector<float> run(GroupedGemm& gemm, KGroupedGemmArgs args) {
+    args.c = fp32() ? static_cast<void*>(c32.data()) : static_cast<void*>(c16.data());
+    args.epilogue = c.epilogue;
+    if (c.epilogue == Epilogue::kAddF32)
+      c32.upload(before);
+    else if (fp32())
+      c32.fill_bytes(0xFF);
+    else
+      c16.fill_bytes(0xFF);
+    gemm.run_k_grouped(args, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    gemm.check_device_errors();
+    std::vector<float> got;
+    if (fp32())
+      got = c32.download();
+    else
+      for (uint16_t v : c16.download()) got.push_back(formats::bf16_to_float(v));
+    return got;
+  }
+};
+
 // Against a double-precision host sum. Padding rows are zero in A and finite in B, as the contract asks
 // (they are summed like any row); the unused tail of both buffers is NaN, so a tile reading past its
 // expert's rows fails.
@@ -258,8 +301,7 @@ TEST_P(KGroupedGemmTest, MatchesHost) {
   auto rng = testing::fresh_rng();
   const KCase c = GetParam();
   const int E = c.experts;
-  std::vector<int32_t> offsets(E + 1, 0);
-  for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + (c.counts[e] + kBlockM - 1) / kBlockM * kBlockM;
+  const std::vector<int32_t> offsets = padded_offsets(c);
   const int64_t rows = offsets.back() + kBlockM;  // one unused m-block at the end
   std::vector<float> a(rows * c.m, std::nanf("")), b(rows * c.n, std::nanf(""));
   const auto a_values = testing::random_bf16_values(rng, rows * c.m),
@@ -270,23 +312,19 @@ TEST_P(KGroupedGemmTest, MatchesHost) {
       for (int64_t i = 0; i < c.m; ++i) a[r * c.m + i] = routed ? a_values[r * c.m + i] : 0.0f;
       for (int64_t j = 0; j < c.n; ++j) b[r * c.n + j] = b_values[r * c.n + j];
     }
-  const bool fp32 = c.epilogue != Epilogue::kStore;
-  const int64_t c_elems = int64_t(E) * c.m * c.n;
-  std::vector<float> before = testing::random_bf16_values(rng, c_elems);  // kAddF32 adds to these
-
-  std::vector<double> want(c_elems);
+  KGroupedOutput out(c, rng);
+  const bool fp32 = out.fp32();
+  std::vector<double> want(out.elems());
   for (int e = 0; e < E; ++e)
     for (int64_t i = 0; i < c.m; ++i)
       for (int64_t j = 0; j < c.n; ++j) {
-        double sum = c.epilogue == Epilogue::kAddF32 ? before[(e * c.m + i) * c.n + j] : 0.0;
+        double sum = c.epilogue == Epilogue::kAddF32 ? out.before[(e * c.m + i) * c.n + j] : 0.0;
         for (int64_t r = offsets[e]; r < offsets[e] + c.counts[e]; ++r) sum += double(a[r * c.m + i]) * b[r * c.n + j];
         want[(e * c.m + i) * c.n + j] = sum;
       }
 
   DeviceBuffer<uint16_t> d_a(testing::to_bf16_bits(a)), d_b(testing::to_bf16_bits(b));
   DeviceBuffer<int32_t> d_offsets(offsets);
-  DeviceBuffer<float> c32(fp32 ? c_elems : 0);
-  DeviceBuffer<uint16_t> c16(fp32 ? 0 : c_elems);
   KGroupedGemmArgs args;
   args.a = reinterpret_cast<const __nv_bfloat16*>(d_a.data());
   args.b = reinterpret_cast<const __nv_bfloat16*>(d_b.data());
@@ -295,27 +333,8 @@ TEST_P(KGroupedGemmTest, MatchesHost) {
   args.n = c.n;
   args.experts = E;
   args.expert_offsets = d_offsets.data();
-  args.c = fp32 ? static_cast<void*>(c32.data()) : static_cast<void*>(c16.data());
-  args.epilogue = c.epilogue;
   GroupedGemm gemm;
-  const auto run_once = [&] {
-    if (c.epilogue == Epilogue::kAddF32)
-      c32.upload(before);
-    else if (fp32)
-      c32.fill_bytes(0xFF);
-    else
-      c16.fill_bytes(0xFF);
-    gemm.run_k_grouped(args, nullptr);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    gemm.check_device_errors();
-    std::vector<float> got;
-    if (fp32)
-      got = c32.download();
-    else
-      for (uint16_t v : c16.download()) got.push_back(formats::bf16_to_float(v));
-    return got;
-  };
-  const std::vector<float> got = run_once();
+  const std::vector<float> got = out.run(gemm, args);
   int64_t non_finite = 0;
   for (float v : got) non_finite += !std::isfinite(v);
   EXPECT_EQ(non_finite, 0) << "a weight gradient read padding or rows past its expert, or was left unwritten";
@@ -328,7 +347,7 @@ TEST_P(KGroupedGemmTest, MatchesHost) {
     const std::span<const double> w(want.data() + e * c.m * c.n, c.m * c.n);
     EXPECT_LE(relative_l2_error(g, w), tolerance) << "expert " << e << " (" << c.counts[e] << " rows)";
   }
-  EXPECT_EQ(run_once(), got) << "not deterministic";
+  EXPECT_EQ(out.run(gemm, args), got) << "not deterministic";
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -371,8 +390,7 @@ TEST_P(Fp8KGroupedGemmTest, MatchesHostOnTheQuantizedOperands) {
   auto rng = testing::fresh_rng();
   const KCase c = GetParam();
   const int E = c.experts;
-  std::vector<int32_t> offsets(E + 1, 0);
-  for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + (c.counts[e] + kBlockM - 1) / kBlockM * kBlockM;
+  const std::vector<int32_t> offsets = padded_offsets(c);
   const int64_t rows = offsets.back() + kBlockM;  // one unused m-block at the end
   std::uniform_int_distribution<int> binade(-6, 6);
   const auto spread_values = [&](int64_t cols) {
@@ -389,22 +407,18 @@ TEST_P(Fp8KGroupedGemmTest, MatchesHostOnTheQuantizedOperands) {
     for (int64_t r = offsets[e] + c.counts[e]; r < offsets[e + 1]; ++r)
       for (int64_t i = 0; i < c.m; ++i) a[r * c.m + i] = 0.0f;
   const TransposedFp8 qa = quantize_transposed(a, rows, c.m), qb = quantize_transposed(b, rows, c.n);
-  const bool fp32 = c.epilogue != Epilogue::kStore;
-  const int64_t c_elems = int64_t(E) * c.m * c.n;
-  std::vector<float> before = testing::random_bf16_values(rng, c_elems);  // kAddF32 adds to these
-  std::vector<double> want(c_elems);
+  KGroupedOutput out(c, rng);
+  std::vector<double> want(out.elems());
   for (int e = 0; e < E; ++e)
     for (int64_t i = 0; i < c.m; ++i)
       for (int64_t j = 0; j < c.n; ++j) {
-        double sum = c.epilogue == Epilogue::kAddF32 ? before[(e * c.m + i) * c.n + j] : 0.0;
+        double sum = c.epilogue == Epilogue::kAddF32 ? out.before[(e * c.m + i) * c.n + j] : 0.0;
         for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
           sum += double(qa.exact[r * c.m + i]) * qb.exact[r * c.n + j];
         want[(e * c.m + i) * c.n + j] = sum;
       }
 
   DeviceBuffer<int32_t> d_offsets(offsets);
-  DeviceBuffer<float> c32(fp32 ? c_elems : 0);
-  DeviceBuffer<uint16_t> c16(fp32 ? 0 : c_elems);
   KGroupedGemmArgs args;
   args.fp8 = {qa.q.data(), qa.scales.data(), qb.q.data(), qb.scales.data()};
   args.rows = rows;
@@ -412,30 +426,11 @@ TEST_P(Fp8KGroupedGemmTest, MatchesHostOnTheQuantizedOperands) {
   args.n = c.n;
   args.experts = E;
   args.expert_offsets = d_offsets.data();
-  args.c = fp32 ? static_cast<void*>(c32.data()) : static_cast<void*>(c16.data());
-  args.epilogue = c.epilogue;
   GroupedGemm gemm;
-  const auto run_once = [&] {
-    if (c.epilogue == Epilogue::kAddF32)
-      c32.upload(before);
-    else if (fp32)
-      c32.fill_bytes(0xFF);
-    else
-      c16.fill_bytes(0xFF);
-    gemm.run_k_grouped(args, nullptr);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    gemm.check_device_errors();
-    std::vector<float> got;
-    if (fp32)
-      got = c32.download();
-    else
-      for (uint16_t v : c16.download()) got.push_back(formats::bf16_to_float(v));
-    return got;
-  };
-  const std::vector<float> got = run_once();
+  const std::vector<float> got = out.run(gemm, args);
   // The tensor cores sum each 128-wide slice of E4M3 products in their own precision before the fp32
   // promotion (up to ~2^-14 relative per slice); bf16 output adds its rounding.
-  const double tolerance = fp32 ? 1e-3 : 1e-2;
+  const double tolerance = out.fp32() ? 1e-3 : 1e-2;
   for (int e = 0; e < E; ++e) {
     const std::span<const float> g(got.data() + e * c.m * c.n, c.m * c.n);
     const std::span<const double> w(want.data() + e * c.m * c.n, c.m * c.n);
@@ -445,7 +440,7 @@ TEST_P(Fp8KGroupedGemmTest, MatchesHostOnTheQuantizedOperands) {
     }
     EXPECT_LE(relative_l2_error(g, w), tolerance) << "expert " << e << " (" << c.counts[e] << " rows)";
   }
-  EXPECT_EQ(run_once(), got) << "not deterministic";
+  EXPECT_EQ(out.run(gemm, args), got) << "not deterministic";
   args.m = 192;
   EXPECT_THAT([&] { gemm.run_k_grouped(args, nullptr); },
               ::testing::ThrowsMessage<Error>(HasSubstr("FP8 needs m and n in whole 128-blocks")));

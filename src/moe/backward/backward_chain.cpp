@@ -2,8 +2,11 @@
 
 #include <functional>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "common/device_pointer.h"
+#include "formats/quantize_kernel.h"
 #include "moe/backward/backward_kernels.h"
 
 namespace pounce::moe {
@@ -73,6 +76,29 @@ void BackwardChain::check_experts(int rank, const ExpertGradients& experts) cons
     POUNCE_REQUIRE(fp8->refreshed_from(experts.w13, experts.w2), "MoE backward: rank ", rank,
                    "'s FP8 weights were not refreshed from its w13 and w2 (Fp8TransposedWeights::refresh)");
   }
+  POUNCE_REQUIRE(!experts.fp8_weight_gradients || (H % 128 == 0 && I % 128 == 0),
+                 "MoE backward: FP8 weight gradients need H and I multiples of 128; H = ", H, ", I = ", I);
+}
+
+void BackwardChain::allocate_transposed_rows(cudaStream_t stream) {
+  const int64_t H = config_.hidden, I = config_.intermediate;
+  for (const auto& [rows, cols] :
+       {std::pair(&dy_t_, H), std::pair(&wa_t_, I), std::pair(&dgu_t_, 2 * I), std::pair(&x_t_, H)}) {
+    allocate(rows->q, rows_ * cols, "FP8 transposed route rows", stream);
+    allocate(rows->scales, rows_ / 128 * cols, "FP8 transposed route rows", stream);
+  }
+}
+
+// Each route-row buffer the weight gradients read, quantized along its rows into its transpose.
+void BackwardChain::quantize_transposed_rows(cudaStream_t stream) {
+  const int64_t H = config_.hidden, I = config_.intermediate;
+  const std::tuple<const __nv_bfloat16*, TransposedRows*, int64_t> buffers[] = {{route_rows_.dy, &dy_t_, H},
+                                                                                {route_rows_.wa, &wa_t_, I},
+                                                                                {route_rows_.dgu, &dgu_t_, 2 * I},
+                                                                                {rows_in_use_.x_rows, &x_t_, H}};
+  for (const auto& [rows, to, cols] : buffers)
+    formats::quantize_1x128_transposed_device(reinterpret_cast<const uint16_t*>(rows), rows_, cols, to->q.data(),
+                                              to->scales.data(), stream);
 }
 
 void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts,
@@ -106,6 +132,7 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
   const bool gather_x = kept == nullptr || kept->x_rows == nullptr;
   if (gather_x) allocate(x_rows_, rows_ * H, "x rows", stream);
   if (kept == nullptr) allocate(h13_, rows_ * 2 * I, "gate/up rows", stream);
+  if (experts.fp8_weight_gradients) allocate_transposed_rows(stream);
   const bool fp8 = experts.fp8 != nullptr;
   if (fp8) {
     allocate(dy_fp8_, rows_ * H, "FP8 route rows", stream);
@@ -160,6 +187,7 @@ void BackwardChain::run_weight_gradients(int rank, std::span<const __nv_bfloat16
   POUNCE_REQUIRE(int(x.size()) == config_.ranks, "MoE backward: got ", x.size(), " source ranks' x, the layer has ",
                  config_.ranks);
   const int64_t H = config_.hidden, k = config_.topk;
+  if (experts.fp8_weight_gradients) allocate_transposed_rows(stream);
   backward::RouteSources from{};
   for (int s = 0; s < config_.ranks; ++s) from.x[s] = x[s];  // x rows only: no dy, no weights
   last_experts_ = experts;
@@ -180,6 +208,7 @@ void BackwardChain::run_weight_gradients(int rank, std::span<const __nv_bfloat16
 // output is that fp32 sum rounded once, in the epilogue.
 void BackwardChain::weight_gradients(const ExpertGradients& experts, cudaStream_t stream) {
   const gemm::Epilogue epilogue = weight_grad_epilogue(experts.mode);
+  if (experts.fp8_weight_gradients) quantize_transposed_rows(stream);
   gemm(BackwardGemm::kWeightDown, experts.dw2, epilogue, stream);
   gemm(BackwardGemm::kWeightGateUp, experts.dw13, epilogue, stream);
 }
@@ -195,9 +224,12 @@ void BackwardChain::finish(std::span<const BackwardSource> sources, cudaStream_t
 
 int64_t BackwardChain::device_bytes() const {
   int64_t bytes = 0;
-  for (size_t b : {x_rows_.bytes(), dy_rows_.bytes(), h13_.bytes(), da_.bytes(), dgu_.bytes(), wa_.bytes(),
-                   dx_rows_.bytes(), row_weight_.bytes(), route_dot_.bytes(), dw_scratch_.bytes(), dy_fp8_.bytes(),
-                   dgu_fp8_.bytes(), dy_scale_.bytes(), dgu_scale_.bytes()})
+  for (size_t b :
+       {x_rows_.bytes(),      dy_rows_.bytes(),   h13_.bytes(),         da_.bytes(),        dgu_.bytes(),
+        wa_.bytes(),          dx_rows_.bytes(),   row_weight_.bytes(),  route_dot_.bytes(), dw_scratch_.bytes(),
+        dy_fp8_.bytes(),      dgu_fp8_.bytes(),   dy_scale_.bytes(),    dgu_scale_.bytes(), dy_t_.q.bytes(),
+        dy_t_.scales.bytes(), wa_t_.q.bytes(),    wa_t_.scales.bytes(), dgu_t_.q.bytes(),   dgu_t_.scales.bytes(),
+        x_t_.q.bytes(),       x_t_.scales.bytes()})
     bytes += int64_t(b);
   return bytes;
 }
@@ -239,10 +271,17 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
     g.timeline = timeline;
     gemm_.run(g, stream);
   };
-  const auto k_grouped = [&](const __nv_bfloat16* a, int64_t m, const __nv_bfloat16* b, int64_t n) {
+  // FP8 weight gradients: the transposed E4M3 rows of the same buffers in place of a and b.
+  const bool fp8_weights = last_experts_.fp8_weight_gradients;
+  const auto k_grouped = [&](const __nv_bfloat16* a, const TransposedRows& a_t, int64_t m, const __nv_bfloat16* b,
+                             const TransposedRows& b_t, int64_t n) {
     gemm::KGroupedGemmArgs g;
-    g.a = a;
-    g.b = b;
+    if (fp8_weights) {
+      g.fp8 = {a_t.q.data(), a_t.scales.data(), b_t.q.data(), b_t.scales.data()};
+    } else {
+      g.a = a;
+      g.b = b;
+    }
     g.rows = rows_;
     g.m = m;
     g.n = n;
@@ -269,9 +308,9 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
       return m_grouped(nullptr, nullptr, gemm::Major::kK, H, 2 * I, dx_rows_.data(), &operands);
     }
     case BackwardGemm::kWeightDown:
-      return k_grouped(route_rows_.dy, H, route_rows_.wa, I);
+      return k_grouped(route_rows_.dy, dy_t_, H, route_rows_.wa, wa_t_, I);
     case BackwardGemm::kWeightGateUp:
-      return k_grouped(route_rows_.dgu, 2 * I, rows_in_use_.x_rows, H);
+      return k_grouped(route_rows_.dgu, dgu_t_, 2 * I, rows_in_use_.x_rows, x_t_, H);
   }
 }
 

@@ -6,7 +6,8 @@
 //   dgu, wa, route dots  = SwiGLU backward (moe/backward/backward_kernels.h)
 //   dx_rows = dgu . W13[e]                         (m-grouped, W13 read N-major)
 //   dW2[e]  = dy_rows[e]^T . wa[e],  dW13[e] = dgu[e]^T . x_rows[e]      (k-grouped, fp32 sums)
-// (the two data gradients optionally in FP8: ExpertGradients::fp8)
+// (the two data gradients optionally in FP8: ExpertGradients::fp8; the two weight gradients too:
+// ExpertGradients::fp8_weight_gradients)
 // and the way back to token order: at one rank each token sums its dx rows; with more ranks (virtual
 // ranks on this GPU) each dx row goes to its source rank's [token, k] slot and, once every rank's
 // experts are done, finish() sums each token's slots. No host synchronization: a forward and this
@@ -52,6 +53,9 @@ struct ExpertGradients {
   // copies, with dy rows and d(gate, up) quantized 1 x 128 on the way; the weight gradients stay bf16
   // GEMMs on the bf16 rows. Needs H and I multiples of 128.
   const Fp8TransposedWeights* fp8 = nullptr;
+  // The two weight-gradient GEMMs in E4M3: each route-row buffer they read (dy, w.a, d(gate, up), x rows)
+  // quantized along its rows (the GEMMs' K) into its transpose first. Needs H and I multiples of 128.
+  bool fp8_weight_gradients = false;
 };
 
 // What a training forward kept for its backward (moe/fused_layer.h), all in device memory, rows in the
@@ -160,6 +164,14 @@ class BackwardChain {
   DeviceBuffer<float> row_weight_, route_dot_, dw_scratch_;
   DeviceBuffer<uint8_t> dy_fp8_, dgu_fp8_;  // FP8 data gradients: their A operands, 1 x 128 scales beside
   DeviceBuffer<float> dy_scale_, dgu_scale_;
+  // FP8 weight gradients: the route rows quantized into their transposes, [cols, rows] and [cols, rows / 128].
+  struct TransposedRows {
+    DeviceBuffer<uint8_t> q;
+    DeviceBuffer<float> scales;
+  };
+  TransposedRows dy_t_, wa_t_, dgu_t_, x_t_;
+  void allocate_transposed_rows(cudaStream_t stream);
+  void quantize_transposed_rows(cudaStream_t stream);
   gemm::GroupedGemm gemm_;
   TimelineSink timeline_;
 };

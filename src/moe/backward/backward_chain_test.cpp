@@ -251,6 +251,30 @@ TEST_P(BackwardChainFp8Test, DataGradientsInFp8MatchTheReferenceWithinFp8Error) 
   EXPECT_EQ(p.d_dw.download(), d_topk);
   EXPECT_EQ(p.dw13.download(), g13);
   EXPECT_EQ(p.dw2.download(), g2);
+
+  // The weight gradients in FP8 too, then alone: dx does not depend on them (the bf16 chain's bits when
+  // the data gradients stay bf16); both weight gradients within FP8's band and not the bf16 ones.
+  ExpertGradients all_fp8 = out;
+  all_fp8.fp8_weight_gradients = true;
+  p.run(all_fp8);
+  EXPECT_EQ(bf16_floats(p.d_dx), dx) << "the weight gradients changed dx";
+  const auto w13_fp8 = p.dw13.download(), w2_fp8 = p.dw2.download();
+  ExpertGradients weights_only = p.out;
+  weights_only.fp8_weight_gradients = true;
+  p.run(weights_only);
+  EXPECT_EQ(bf16_floats(p.d_dx), bf16_dx) << "FP8 weight gradients alone changed dx";
+  EXPECT_EQ(p.dw2.download(), w2_fp8) << "dW2 reads no data gradient: the same bits either way";
+  if (p.T > 0) {
+    const double e13 = testing::relative_l2_error(w13_fp8, p.want.dw13),
+                 e2 = testing::relative_l2_error(w2_fp8, p.want.dw2);
+    std::printf("[ measured ] FP8 weight gradients too: dW13 %.3g, dW2 %.3g\n", e13, e2);
+    EXPECT_LT(e13, 0.1);
+    EXPECT_LT(e2, 0.1);
+    EXPECT_NE(w2_fp8, bf16_dw2) << "the weight gradients did not run in FP8";
+  }
+  p.run(all_fp8);
+  EXPECT_EQ(p.dw13.download(), w13_fp8) << "not deterministic";
+  EXPECT_EQ(p.dw2.download(), w2_fp8);
 }
 
 INSTANTIATE_TEST_SUITE_P(Routings, BackwardChainFp8Test,
