@@ -201,9 +201,9 @@ __global__ void __launch_bounds__(kThreadsPerCta)
 }
 
 // One CTA per 128 x 128 tile of x, staged row-major in shared memory; thread c then owns column c of the
-// tile, one row of the output: it reads the column down the rows (a warp reads 32 neighbouring columns of
-// one row at a time: no bank conflicts), takes the block's amax itself and writes its 128 codes as eight
-// 16-byte vectors.
+// tile, one row of the output: it reads the column down the rows twice (a warp reads 32 neighbouring
+// columns of one row at a time: no bank conflicts), once for the block's amax and once to convert, eight
+// rows at a time, so that only a chunk is live (the one-pass form held all 128 values: 167 registers).
 constexpr int kTransposeThreads = 128;
 __global__ void __launch_bounds__(kTransposeThreads)
     quantize_1x128_transposed_kernel(const uint16_t* __restrict__ x, int64_t rows, int64_t cols,
@@ -219,25 +219,24 @@ __global__ void __launch_bounds__(kTransposeThreads)
   }
   __syncthreads();
   const int c = threadIdx.x;
-  // The column in chunks of 8 (uint4 of bf16 pairs, element 2i in the low half of word i), as the
+  // Column rows 8 v .. 8 v + 7 as a chunk of 8 bf16 (element 2i in the low half of word i), as the
   // row-wise quantizer holds them.
-  uint4 chunks[kVectors];
-  uint32_t amax = 0;
-#pragma unroll
-  for (int v = 0; v < kVectors; ++v) {
+  const auto chunk = [&](int v) {
     uint32_t words[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
       words[i] = uint32_t(tile[(v * 8 + 2 * i) * kB + c]) | uint32_t(tile[(v * 8 + 2 * i + 1) * kB + c]) << 16;
-    chunks[v] = make_uint4(words[0], words[1], words[2], words[3]);
-    amax = max(amax, finite_amax_bits(chunks[v]));
-  }
+    return make_uint4(words[0], words[1], words[2], words[3]);
+  };
+  uint32_t amax = 0;
+#pragma unroll 4
+  for (int v = 0; v < kVectors; ++v) amax = max(amax, finite_amax_bits(chunk(v)));
   const int e = scale_exponent<false>(amax);
   const float inv_scale = exp2_int(-e);
   uint8_t* to = out + (cb * kB + c) * rows + rb * kB;
-#pragma unroll
+#pragma unroll 2
   for (int v = 0; v < kVectors; v += 2) {
-    const uint2 lo = e4m3x8(chunks[v], inv_scale), hi = e4m3x8(chunks[v + 1], inv_scale);
+    const uint2 lo = e4m3x8(chunk(v), inv_scale), hi = e4m3x8(chunk(v + 1), inv_scale);
     *reinterpret_cast<uint4*>(to + v * kElemsPerThread) = make_uint4(lo.x, lo.y, hi.x, hi.y);
   }
   scales[(cb * kB + c) * (rows / kB) + rb] = exp2_int(e);

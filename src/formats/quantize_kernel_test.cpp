@@ -298,8 +298,17 @@ TEST(QuantizeKernel, TransposedQuantizerIsTheHostsQuantizerOfTheTranspose) {
   auto rng = testing::fresh_rng();
   const int64_t rows = 384, cols = 256;
   std::vector<uint16_t> x = wide_range_bf16(rng, size_t(rows * cols), 12);
-  x[5 * cols + 7] = 0x7FC0;                                 // NaN
-  x[200 * cols + 130] = 0xFF80;                             // -Inf
+  // Every (128-row block, column) its own binade, as the transposed blocks run down the columns.
+  std::uniform_int_distribution<int> exponent(1, 254);
+  for (int64_t rb = 0; rb < rows / 128; ++rb)
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint32_t e = uint32_t(exponent(rng));
+      for (int64_t r = rb * 128; r < (rb + 1) * 128; ++r)
+        x[r * cols + c] = uint16_t((x[r * cols + c] & 0x807Fu) | e << 7);
+    }
+  for (int64_t r = 256; r < 384; ++r) x[r * cols + 9] = uint16_t(0x0001 + r % 0x7F);  // a block of subnormals
+  x[5 * cols + 7] = 0x7FC0;                                                           // NaN
+  x[200 * cols + 130] = 0xFF80;                                                       // -Inf
   for (int64_t r = 128; r < 256; ++r) x[r * cols + 3] = 0;  // column 3's second block all zeros
   std::vector<float> transposed(size_t(rows * cols));
   for (int64_t r = 0; r < rows; ++r)

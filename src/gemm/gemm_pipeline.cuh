@@ -126,9 +126,9 @@ struct SharedStorage {
   alignas(1024) Element a[kStages][kBlockM * Stages::kSliceK];
   alignas(1024) Element b[kStages][Stages::kTileN * Stages::kSliceK];
   alignas(1024) __nv_bfloat16 c[kConsumerWarpgroups][kStoreSlots][kStoreBoxRows * kStoreBoxCols];
-  // Scales of each stage's slice (E4M3 only): the tile's A rows' and its B block's.
+  // Scales of each stage's slice (E4M3 only): the tile's A rows' and its B block's (or B columns').
   float a_scale[Stages::kScales ? kStages : 1][kBlockM];
-  float b_scale[Stages::kScales ? kStages : 1][Stages::kColumnScales ? Stages::kTileN : 1];
+  alignas(16) float b_scale[Stages::kScales ? kStages : 1][Stages::kColumnScales ? Stages::kTileN : 1];
   uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes; with
                             // scales, + one arrival per scale-loader lane once its copies landed)
   uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer thread: free_stage)
@@ -186,8 +186,8 @@ struct GemmOperands {
   // kSwiGLU only, optional: bf16 [rows, n] (store box) that also receives the tile before SwiGLU, at
   // TileInfo::keep_row: the gate/up rows a training forward keeps for the backward.
   const CUtensorMap* keep;
-  // kForwardFp8 only: fp32 power-of-two scales of A, [rows, k / 128] (1 x 128 blocks of each row), and of
-  // B, [experts * n / 128, k / 128] (128 x 128 blocks).
+  // E4M3 kinds only: fp32 power-of-two scales of A, [rows, k / 128] (1 x 128 blocks of each row), and of
+  // B, [experts * n / 128, k / 128] (128 x 128 blocks); kWeightGradFp8: see scale_k_blocks.
   const float* a_scale;
   const float* b_scale;
   // kWeightGradFp8: both scale arrays are [m or n, scale_k_blocks] (rows of the row buffers / 128), and a
@@ -280,7 +280,8 @@ __device__ __forceinline__ TileInfo take_tile(Storage& s, uint32_t& slot, uint32
   return tile;
 }
 
-// E4M3 tiles: one warp copies each K slice's scales (the tile's 128 A-row scales and its B block's) into
+// E4M3 tiles: one warp copies each K slice's scales (the tile's 128 A-row scales, and its B block's or its
+// 128 B columns') into
 // the stage, asynchronously, and each lane arrives on the stage's full barrier once its copies landed.
 // NOTES: the consumers then read their scales from shared memory beside the operands. Loaded by the
 // consumers from global memory instead, one slice ahead, each slice's MMAs sat behind the loads' latency
