@@ -61,6 +61,9 @@ struct FusedMoeOptions {
   // of the weights that refresh_fp8_weights() quantizes and transposes. Needs H and I multiples of 128 and
   // the chain: not with fused_backward, nor across GPUs (where only the persistent kernel runs).
   bool fp8_data_gradients = false;
+  // The two weight-gradient GEMMs in E4M3, their operands (the route rows) quantized along the tokens
+  // (docs/backward.md#fp8-data-gradients). Needs H and I multiples of 128; any backward path.
+  bool fp8_weight_gradients = false;
 };
 
 // This rank's experts, bf16, in device memory on the layer's GPU, 16-byte aligned.

@@ -15,7 +15,7 @@ extern "C" {
 #endif
 
 /* Raised whenever a struct below changes layout; bindings compare it with pounce_abi_version(). */
-#define POUNCE_C_ABI_VERSION 5
+#define POUNCE_C_ABI_VERSION 6
 #define POUNCE_NCCL_UNIQUE_ID_BYTES 128
 
 enum {
@@ -43,9 +43,10 @@ typedef struct pounce_options {
   int64_t ring_blocks;
   int64_t ring_bytes;
   uint64_t wait_timeout_ns;
-  int32_t backward_replays;   /* 1: a backward without its kept forward replays it; 0: it fails instead */
-  int32_t fused_backward;     /* 1: on one GPU a backward from kept rows runs the persistent kernel */
-  int32_t fp8_data_gradients; /* 1: the backward chain's data gradients in E4M3 (see refresh_fp8_weights) */
+  int32_t backward_replays;     /* 1: a backward without its kept forward replays it; 0: it fails instead */
+  int32_t fused_backward;       /* 1: on one GPU a backward from kept rows runs the persistent kernel */
+  int32_t fp8_data_gradients;   /* 1: the backward chain's data gradients in E4M3 (see refresh_fp8_weights) */
+  int32_t fp8_weight_gradients; /* 1: the backward's weight gradients in E4M3 */
 } pounce_options;
 
 /* pounce::RankIO: one rank's tensors for one forward, device pointers, 16-byte aligned. */

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 NCCL_UNIQUE_ID_BYTES = 128
 
 
@@ -42,6 +42,7 @@ class Options(ctypes.Structure):
         ("backward_replays", ctypes.c_int32),
         ("fused_backward", ctypes.c_int32),
         ("fp8_data_gradients", ctypes.c_int32),
+        ("fp8_weight_gradients", ctypes.c_int32),
     ]
 
 

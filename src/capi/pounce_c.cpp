@@ -72,7 +72,8 @@ pounce::FusedMoeOptions to_options(const pounce_options* o) {
           .wait_timeout_ns = o->wait_timeout_ns,
           .backward_replays = o->backward_replays != 0,
           .fused_backward = o->fused_backward != 0,
-          .fp8_data_gradients = o->fp8_data_gradients != 0};
+          .fp8_data_gradients = o->fp8_data_gradients != 0,
+          .fp8_weight_gradients = o->fp8_weight_gradients != 0};
 }
 
 // Finalizes and destroys a communicator, reporting the first failure after trying both.
@@ -104,7 +105,8 @@ int pounce_default_options(pounce_options* out) {
             .wait_timeout_ns = d.wait_timeout_ns,
             .backward_replays = d.backward_replays ? 1 : 0,
             .fused_backward = d.fused_backward ? 1 : 0,
-            .fp8_data_gradients = d.fp8_data_gradients ? 1 : 0};
+            .fp8_data_gradients = d.fp8_data_gradients ? 1 : 0,
+            .fp8_weight_gradients = d.fp8_weight_gradients ? 1 : 0};
   });
 }
 

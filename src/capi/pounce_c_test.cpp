@@ -70,6 +70,7 @@ TEST(CApi, DefaultOptionsAreTheLibrarys) {
   EXPECT_EQ(options.backward_replays != 0, d.backward_replays);
   EXPECT_EQ(options.fused_backward != 0, d.fused_backward);
   EXPECT_EQ(options.fp8_data_gradients != 0, d.fp8_data_gradients);
+  EXPECT_EQ(options.fp8_weight_gradients != 0, d.fp8_weight_gradients);
   EXPECT_EQ(pounce_abi_version(), POUNCE_C_ABI_VERSION);
 }
 

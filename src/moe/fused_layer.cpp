@@ -231,6 +231,10 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   backward_replays_ = options.backward_replays;
   fused_backward_enabled_ = options.fused_backward;
   fp8_data_gradients_ = options.fp8_data_gradients;
+  fp8_weight_gradients_ = options.fp8_weight_gradients;
+  POUNCE_REQUIRE(!options.fp8_weight_gradients || (config.hidden % 128 == 0 && config.intermediate % 128 == 0),
+                 "fused MoE: fp8_weight_gradients needs H and I multiples of 128 (E4M3 blocks); H = ", config.hidden,
+                 ", I = ", config.intermediate);
   POUNCE_REQUIRE(!options.fp8_data_gradients || (config.hidden % 128 == 0 && config.intermediate % 128 == 0),
                  "fused MoE: fp8_data_gradients needs H and I multiples of 128 (E4M3 blocks); H = ", config.hidden,
                  ", I = ", config.intermediate);
@@ -546,7 +550,8 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
                    grads[lr].dw13,
                    grads[lr].dw2,
                    mode,
-                   fp8_data_gradients_ ? fp8_weights_[lr].get() : nullptr};
+                   fp8_data_gradients_ ? fp8_weights_[lr].get() : nullptr,
+                   fp8_weight_gradients_};
     if (L == config_.ranks) {
       backward_->check(params_.first_rank + lr, sources, experts[lr]);  // every rank before any is enqueued
     } else {                                                            // a rank across GPUs sees only its own tensors

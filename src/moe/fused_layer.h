@@ -122,6 +122,7 @@ class FusedLayer {
   // FusedMoeOptions::fp8_data_gradients: each launch rank's E4M3 weight copies (made by the first
   // refresh), and whether they were refreshed since the last set_weights.
   bool fp8_data_gradients_ = false;
+  bool fp8_weight_gradients_ = false;  // FusedMoeOptions::fp8_weight_gradients
   std::vector<std::unique_ptr<Fp8TransposedWeights>> fp8_weights_;
   bool fp8_fresh_ = false;
   // The fused backward's own counters, number and peer words (virtual ranks), and its rows: a ring

@@ -915,6 +915,44 @@ TEST(FusedMoe, BackwardOnVirtualRanksHasTheBitsOfOneRank) {
   }
 }
 
+// FP8 weight gradients through the public layer (FusedMoeOptions::fp8_weight_gradients) on the chain
+// and on the fused backward kernel, at three virtual ranks: dx and the router-weight gradients keep the
+// bf16 layer's bits (nothing of theirs passes the weight gradients), both weight gradients lie within
+// FP8's band of the host reference and are not the bf16 ones.
+TEST(FusedMoe, Fp8WeightGradientsThroughTheLayer) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, Case{3, 200, 256, 128, 12, 4, RoutingPattern::kZipf});
+  std::vector<std::vector<float>> dy;
+  std::vector<DeviceBuffer<uint16_t>> d_dy;
+  for (int r = 0; r < p.config.ranks; ++r) {
+    dy.push_back(testing::random_bf16_values(rng, p.tokens[r] * p.config.hidden));
+    d_dy.emplace_back(testing::to_bf16_bits(dy.back()));
+  }
+  const reference::MoeGradients want = reference_backward(p, dy);
+  for (bool fused : {false, true}) {
+    SCOPED_TRACE(fused ? "fused backward" : "chain");
+    FusedMoe fp8_layer(p.config, {.fused_backward = fused, .fp8_weight_gradients = true});
+    FusedMoe bf16_layer(p.config, {.fused_backward = fused});
+    p.load_weights(fp8_layer);
+    p.load_weights(bf16_layer);
+    fp8_layer.forward(p.io(), nullptr, /*keep_for_backward=*/true);
+    bf16_layer.forward(p.io(), nullptr, /*keep_for_backward=*/true);
+    const Gradients fp8 = run_backward(fp8_layer, p, d_dy), bf16 = run_backward(bf16_layer, p, d_dy);
+    EXPECT_EQ(fp8.dx, bf16.dx);
+    EXPECT_EQ(fp8.d_topk, bf16.d_topk);
+    EXPECT_NE(fp8.dw13, bf16.dw13) << "the weight gradients did not run in FP8";
+    const double dw13 = testing::relative_l2_error(fp8.dw13, want.dw13),
+                 dw2 = testing::relative_l2_error(fp8.dw2, want.dw2);
+    std::printf("[ measured ] FP8 weight gradients, layer: dW13 %.3g, dW2 %.3g\n", dw13, dw2);
+    EXPECT_LT(dw13, 0.1);
+    EXPECT_LT(dw2, 0.1);
+  }
+  EpConfig config{.ranks = 1, .experts = 4, .topk = 2, .hidden = 256, .intermediate = 192, .max_tokens_per_rank = 8};
+  testing::expect_error([&] { FusedMoe bad(config, {.fp8_weight_gradients = true}); },
+                        "fp8_weight_gradients needs H and I multiples of 128");
+}
+
 // FP8 data gradients through the public layer (FusedMoeOptions::fp8_data_gradients) at one and three
 // virtual ranks, from kept forwards and replayed: dW2 (which reads bf16 rows only) has the bf16 layer's
 // bits, every other gradient lies within FP8's band of the host reference. A backward before
