@@ -14,8 +14,8 @@
 #               timeline (default: all but the train phases and timeline, sanitize only with --sanitize), to split one
 #               check over several shorter runs into the same OUTDIR; torch reads the bench phase's JSON there.
 #               train runs python -m pounce.train into OUTDIR/train, train-fused the same with
-#               --fused-backward into OUTDIR/train-fused, train-fp8 with --fp8-data-gradients into
-#               OUTDIR/train-fp8. timeline uses a second build with
+#               --fused-backward into OUTDIR/train-fused, train-fp8 with --fp8-data-gradients
+#               --fp8-weight-gradients into OUTDIR/train-fp8. timeline uses a second build with
 #               -DPOUNCE_TIMELINE=ON (build-timeline/bin with --prebuilt): its test, what recording costs
 #               the forward, and the traces of a forward and a training step in OUTDIR/timeline.
 # The commit recorded in the JSON is $POUNCE_COMMIT, else `git rev-parse HEAD`.
@@ -141,12 +141,12 @@ if has torch; then
   cat "$out/torch.log"
 fi
 # The training comparison (python -m pounce.train) over this build's library; train-fused: the same with
-# pounce's backward as the persistent kernel (--fused-backward); train-fp8: its data gradients in FP8.
+# pounce's backward as the persistent kernel (--fused-backward); train-fp8: its backward GEMMs in FP8.
 for phase in train train-fused train-fp8; do
   has $phase || continue
   flags=()
   [ $phase = train-fused ] && flags=(--fused-backward)
-  [ $phase = train-fp8 ] && flags=(--fp8-data-gradients)
+  [ $phase = train-fp8 ] && flags=(--fp8-data-gradients --fp8-weight-gradients)
   PYTHONPATH=python POUNCE_LIBRARY=$(realpath "$bin/libpounce.so") timeout 400 python3 -m pounce.train \
     ${flags[@]+"${flags[@]}"} --out "$out/$phase" > "$out/$phase.log" 2>&1 || status=1
   tail -20 "$out/$phase.log"
