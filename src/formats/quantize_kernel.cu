@@ -207,10 +207,12 @@ __global__ void __launch_bounds__(kThreadsPerCta)
 constexpr int kTransposeThreads = 128;
 __global__ void __launch_bounds__(kTransposeThreads)
     quantize_1x128_transposed_kernel(const uint16_t* __restrict__ x, int64_t rows, int64_t cols,
-                                     uint8_t* __restrict__ out, float* __restrict__ scales) {
+                                     uint8_t* __restrict__ out, float* __restrict__ scales,
+                                     const int32_t* __restrict__ rows_in_use) {
   constexpr int kB = kActivationBlock, kVectors = kB / kElemsPerThread;
   __shared__ alignas(16) uint16_t tile[kB * kB];
   const int64_t block_cols = cols / kB, rb = blockIdx.x / block_cols, cb = blockIdx.x % block_cols;
+  if (rows_in_use != nullptr && rb * kB >= *rows_in_use) return;  // the whole CTA: before any barrier
   const uint16_t* from = x + rb * kB * cols + cb * kB;
   for (int i = threadIdx.x; i < kB * kVectors; i += kTransposeThreads) {
     const int r = i / kVectors, v = i % kVectors;
@@ -299,7 +301,7 @@ void transpose_128x128_device(const uint8_t* q, const float* scales, int64_t mat
 }
 
 void quantize_1x128_transposed_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,
-                                      cudaStream_t stream) {
+                                      cudaStream_t stream, const int32_t* rows_in_use) {
   constexpr const char* name = "quantize_1x128_transposed_device";
   POUNCE_REQUIRE(rows >= 0 && cols >= 0, name, ": shape [", rows, ", ", cols, "] has a negative extent");
   POUNCE_REQUIRE(rows % kActivationBlock == 0 && cols % kActivationBlock == 0, name, ": shape [", rows, ", ", cols,
@@ -311,7 +313,8 @@ void quantize_1x128_transposed_device(const uint16_t* x_bf16, int64_t rows, int6
                  name, ": x and out must be 16-byte and scales 4-byte aligned");
   const int64_t tiles = (rows / kActivationBlock) * (cols / kActivationBlock);
   POUNCE_REQUIRE(tiles <= INT_MAX, name, ": [", rows, ", ", cols, "] has too many tiles for one launch");
-  quantize_1x128_transposed_kernel<<<unsigned(tiles), kTransposeThreads, 0, stream>>>(x_bf16, rows, cols, out, scales);
+  quantize_1x128_transposed_kernel<<<unsigned(tiles), kTransposeThreads, 0, stream>>>(x_bf16, rows, cols, out, scales,
+                                                                                      rows_in_use);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -96,9 +96,12 @@ void BackwardChain::quantize_transposed_rows(cudaStream_t stream) {
                                                                                 {route_rows_.wa, &wa_t_, I},
                                                                                 {route_rows_.dgu, &dgu_t_, 2 * I},
                                                                                 {rows_in_use_.x_rows, &x_t_, H}};
+  // Only the schedule's rows in use: the k-grouped GEMMs read no further (a capacity of many ranks' worst
+  // case may hold several times as many).
+  const int32_t* rows_in_use = rows_in_use_.expert_offsets + config_.local_experts();
   for (const auto& [rows, to, cols] : buffers)
     formats::quantize_1x128_transposed_device(reinterpret_cast<const uint16_t*>(rows), rows_, cols, to->q.data(),
-                                              to->scales.data(), stream);
+                                              to->scales.data(), stream, rows_in_use);
 }
 
 void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const ExpertGradients& experts,
