@@ -749,6 +749,17 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       gemms[key] = compare(s.name, name, (gate_up ? 4.0 : 2.0) * routes * double(H) * double(I), candidates, o,
                            dense_tflops, report, stream);
     }
+    if (fp8_shape) {
+      // What the FP8 weight gradients' operands cost apart from their GEMMs: four quantization passes.
+      gemms["fp8_weight_gradient_quantization"] =
+          compare(s.name, "FP8 wgrad operands quantized", 0.0,
+                  {{"pounce fp8",
+                    Role::kPounce,
+                    [&chain_fp8, stream](int) { chain_fp8->run_weight_gradient_quantization(stream); },
+                    {}},
+                   dense_reference},
+                  o, dense_tflops, report, stream);
+    }
     result["backward_gemms"] = gemms;
     CUDA_CHECK(cudaStreamSynchronize(stream));
     chain.check_device_errors();

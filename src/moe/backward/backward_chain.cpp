@@ -248,6 +248,12 @@ void BackwardChain::run_gemm(BackwardGemm which, cudaStream_t stream) {
   gemm(which, dw_scratch_.data(), gemm::Epilogue::kStoreF32, stream);
 }
 
+void BackwardChain::run_weight_gradient_quantization(cudaStream_t stream) {
+  POUNCE_REQUIRE(last_experts_.fp8_weight_gradients,
+                 "MoE backward: the FP8 weight gradients' quantization alone needs an earlier run with them");
+  quantize_transposed_rows(stream);
+}
+
 void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue epilogue, cudaStream_t stream) {
   const int64_t E = config_.local_experts(), H = config_.hidden, I = config_.intermediate;
   const int32_t* offsets = rows_in_use_.expert_offsets;

@@ -138,6 +138,9 @@ class BackwardChain {
   // One GEMM alone on the buffers and weights of the last run (benchmarks); weight gradients go to fp32
   // scratch of the chain's own.
   void run_gemm(BackwardGemm which, cudaStream_t stream);
+  // The FP8 weight gradients' quantization passes alone (the route rows into their transposes), on the
+  // rows of the last run, which had ExpertGradients::fp8_weight_gradients (benchmarks: what they cost).
+  void run_weight_gradient_quantization(cudaStream_t stream);
 
   // Device memory of the chain's buffers (made by the first run that needs them).
   int64_t device_bytes() const;
