@@ -112,6 +112,11 @@ struct TileInfo {
                      // MMAs and its stores (padding rows: no work done for them)
 };
 
+// Where B column c's scale sits in a stage's b_scale (column scales): a wgmma fragment gives lane l the
+// columns 8 j + 2 (l % 4) + {0, 1}, j = 0..15, so columns are ordered by l % 4 first, then j and the pair,
+// which puts each thread's 32 scales side by side.
+__device__ constexpr int column_scale_slot(int c) { return (c % 8 / 2) * 32 + c / 8 * 2 + c % 2; }
+
 // Every TMA tile starts on a 1024-byte boundary: the 128-byte swizzle pattern repeats every 8 rows
 // of 128 bytes and is computed from absolute shared-memory address bits.
 template <class Stages>
@@ -126,12 +131,15 @@ struct SharedStorage {
   alignas(1024) Element a[kStages][kBlockM * Stages::kSliceK];
   alignas(1024) Element b[kStages][Stages::kTileN * Stages::kSliceK];
   alignas(1024) __nv_bfloat16 c[kConsumerWarpgroups][kStoreSlots][kStoreBoxRows * kStoreBoxCols];
-  // Scales of each stage's slice (E4M3 only): the tile's A rows' and its B block's (or B columns').
+  // Scales of each stage's slice (E4M3 only): the tile's A rows' and its B block's (or B columns'). B
+  // columns are stored in fragment order (column_scale_slot): the 32 columns of a thread's fragment lie
+  // together, eight 16-byte loads.
   float a_scale[Stages::kScales ? kStages : 1][kBlockM];
   alignas(16) float b_scale[Stages::kScales ? kStages : 1][Stages::kColumnScales ? Stages::kTileN : 1];
   uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes; with
                             // scales, + one arrival per scale-loader lane once its copies landed)
-  uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer thread: free_stage)
+  uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer thread: lane 0 arrives for
+                            // its warp (free_stage) unless the warp's lanes read the stage themselves)
   uint64_t tile_full[kTileSlots];
   uint64_t tile_empty[kTileSlots];  // one arrival per consumer warp (and the scale loader's)
   TileInfo tiles[kTileSlots];
@@ -312,7 +320,7 @@ __device__ void run_scale_loader(Storage& s, const Tiles& tiles, const WaitSite&
       if constexpr (kColumnScales) {
 #pragma unroll
         for (int i = 0; i < Storage::kTileN / 32; ++i)
-          ptx::cp_async_4(&s.b_scale[stage][lane + 32 * i], b_scale + i * rows_32 + kb);
+          ptx::cp_async_4(&s.b_scale[stage][column_scale_slot(lane + 32 * i)], b_scale + i * rows_32 + kb);
       } else if (lane == 0) {
         ptx::cp_async_4(&s.b_scale[stage], b_scale + kb);
       }
@@ -542,17 +550,15 @@ __device__ __forceinline__ void skip_fp8_stages(Storage& s, int k_blocks, uint32
   }
 }
 
-// Waits for stage `stage`'s data, takes this consumer's turn, issues the slice's four m64n128k32 wgmmas
-// into `part` (one commit group: the caller waits for it) and passes the turn. A descriptor's start
-// address (16-byte units, low bits) is moved by adding to it; it cannot carry into the other fields,
-// shared-memory addresses being below 2^18.
+// For stage `stage`, whose data the caller has waited for (full): takes this consumer's turn, issues the
+// slice's four m64n128k32 wgmmas into `part` (one commit group: the caller waits for it) and passes the
+// turn. A descriptor's start address (16-byte units, low bits) is moved by adding to it; it cannot carry
+// into the other fields, shared-memory addresses being below 2^18.
 template <class Storage>
 __device__ __forceinline__ void issue_fp8_slice(Storage& s, float (&part)[64], uint64_t a_desc, uint64_t b_desc,
-                                                uint32_t stage, uint32_t phase, IssueTurns& turns,
-                                                const WaitSite& pipe_site, int consumer) {
+                                                uint32_t stage, IssueTurns& turns, int consumer) {
   constexpr uint32_t kStageUnits = sizeof(s.a[0]) / 16;
   static_assert(sizeof(s.a[0]) == sizeof(s.b[0]), "A and B stages advance together");
-  mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
   turns.wait(consumer);
   const uint32_t stage_units = stage * kStageUnits;
   ptx::fence_registers(part);
@@ -592,7 +598,8 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
     // Short K: one partial accumulator, each slice's wgmmas waited for before scaling it.
     float part[64];
     for (int kb = 0; kb < k_blocks; ++kb) {
-      issue_fp8_slice(s, part, a_desc, b_desc, stage, phase, turns, pipe_site, consumer);
+      mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+      issue_fp8_slice(s, part, a_desc, b_desc, stage, turns, consumer);
       // Powers of two: the products are exact.
       const float slice_b_scale = ptx::ld_shared_f32(b_scale + stage * sizeof(float));
       const float scale_lo = ptx::ld_shared_f32(a_scale + stage * sizeof(s.a_scale[0])) * slice_b_scale;
@@ -600,7 +607,7 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
           ptx::ld_shared_f32(a_scale + stage * sizeof(s.a_scale[0]) + 8 * sizeof(float)) * slice_b_scale;
       ptx::wgmma_wait_group<0>();
       ptx::fence_registers(part);
-      if (lane == 0) free_stage(&s.empty[stage]);
+      ptx::mbarrier_arrive(&s.empty[stage]);  // every thread read the stage's scales
       if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i % 4 < 2 ? scale_lo : scale_hi, acc[i]);
@@ -611,7 +618,8 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
   // Slices alternate between two partial accumulators: a consumer issues slice k + 1 (in its turn) before
   // it scales slice k, so its own wgmmas stay queued while it scales.
   const auto issue = [&](float(&part)[64]) {
-    issue_fp8_slice(s, part, a_desc, b_desc, stage, phase, turns, pipe_site, consumer);
+    mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+    issue_fp8_slice(s, part, a_desc, b_desc, stage, turns, consumer);
     const uint32_t issued = stage;
     if (++stage == Fp8Stages::kStages) stage = 0, phase ^= 1;
     return issued;
@@ -623,8 +631,7 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
     const float slice_b_scale = ptx::ld_shared_f32(b_scale + at * sizeof(float));
     const float scale_lo = ptx::ld_shared_f32(a_scale + at * sizeof(s.a_scale[0])) * slice_b_scale;
     const float scale_hi = ptx::ld_shared_f32(a_scale + at * sizeof(s.a_scale[0]) + 8 * sizeof(float)) * slice_b_scale;
-    __syncwarp();  // every lane has read the stage's scales before lane 0 frees it
-    if (lane == 0) free_stage(&s.empty[at]);
+    ptx::mbarrier_arrive(&s.empty[at]);  // every thread read the stage's scales
     if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i % 4 < 2 ? scale_lo : scale_hi, acc[i]);
@@ -654,8 +661,10 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
 
 // One k-grouped E4M3 tile (kWeightGradFp8): per K slice, four m64n128k32 wgmmas into one partial
 // accumulator, waited for, then promoted into `acc` with the A row's and each B column's scale (powers of
-// two: exact products). The thread's 32 columns' scales are read from the stage before the wait, so the
-// stage is freed before the promotion. `skip`: this consumer's rows are all padding.
+// two: exact products). The thread's scales (2 rows, 32 columns) are read as soon as the stage is full,
+// before the turn: measured, reading them after the issue left the tensor cores idle, the loads queued
+// behind the wgmmas' own shared-memory reads for longer than the wgmmas ran. `skip`: this consumer's
+// rows are all padding.
 __device__ __forceinline__ void run_fp8_column_scale_mainloop(SharedStorage<Fp8ColumnScaleStages>& s, float (&acc)[64],
                                                               int k_blocks, bool skip, uint32_t& stage, uint32_t& phase,
                                                               uint32_t*& pending_done, IssueTurns& turns,
@@ -667,27 +676,35 @@ __device__ __forceinline__ void run_fp8_column_scale_mainloop(SharedStorage<Fp8C
   if (skip) return skip_fp8_stages(s, k_blocks, stage, phase, pending_done, turns, pipe_site, consumer, thread);
   const uint64_t a_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128);
   const uint64_t b_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
-  // Chunk j of the fragment holds columns 8 j + 2 (lane % 4) + {0, 1} (store_tile).
-  const uint32_t a_scale = ptx::smem_addr(&s.a_scale[0][row]), b_scale = ptx::smem_addr(&s.b_scale[0][2 * (lane % 4)]);
+  // This thread's 32 columns' scales, side by side (column_scale_slot); chunk j of the fragment holds
+  // columns 8 j + 2 (lane % 4) + {0, 1} (store_tile).
+  const uint32_t a_scale = ptx::smem_addr(&s.a_scale[0][row]),
+                 b_scale = ptx::smem_addr(&s.b_scale[0][column_scale_slot(2 * (lane % 4))]);
   float part[64];
   for (int kb = 0; kb < k_blocks; ++kb) {
-    issue_fp8_slice(s, part, a_desc, b_desc, stage, phase, turns, pipe_site, consumer);
+    mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
     const uint32_t a_at = a_scale + stage * sizeof(s.a_scale[0]), b_at = b_scale + stage * sizeof(s.b_scale[0]);
     const float a_lo = ptx::ld_shared_f32(a_at), a_hi = ptx::ld_shared_f32(a_at + 8 * sizeof(float));
-    float2 b[16];
+    float4 b[8];  // columns of chunks 2 i and 2 i + 1
 #pragma unroll
-    for (int j = 0; j < 16; ++j) b[j] = ptx::ld_shared_v2_f32(b_at + j * 8 * sizeof(float));
+    for (int i = 0; i < 8; ++i) b[i] = ptx::ld_shared_v4_f32(b_at + i * sizeof(float4));
+    issue_fp8_slice(s, part, a_desc, b_desc, stage, turns, consumer);
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(part);
-    __syncwarp();  // every lane has read the stage's scales before lane 0 frees it
-    if (lane == 0) free_stage(&s.empty[stage]);
+    ptx::mbarrier_arrive(&s.empty[stage]);  // every thread read the stage's scales
     if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      acc[4 * j + 0] = fmaf(part[4 * j + 0], a_lo * b[j].x, acc[4 * j + 0]);
-      acc[4 * j + 1] = fmaf(part[4 * j + 1], a_lo * b[j].y, acc[4 * j + 1]);
-      acc[4 * j + 2] = fmaf(part[4 * j + 2], a_hi * b[j].x, acc[4 * j + 2]);
-      acc[4 * j + 3] = fmaf(part[4 * j + 3], a_hi * b[j].y, acc[4 * j + 3]);
+    for (int i = 0; i < 8; ++i) {
+      const float columns[4] = {b[i].x, b[i].y, b[i].z, b[i].w};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float* const out = acc + 8 * i + 4 * half;
+        const float* const in = part + 8 * i + 4 * half;
+        out[0] = fmaf(in[0], a_lo * columns[2 * half], out[0]);
+        out[1] = fmaf(in[1], a_lo * columns[2 * half + 1], out[1]);
+        out[2] = fmaf(in[2], a_hi * columns[2 * half], out[2]);
+        out[3] = fmaf(in[3], a_hi * columns[2 * half + 1], out[3]);
+      }
     }
     if (++stage == Fp8ColumnScaleStages::kStages) stage = 0, phase ^= 1;
   }

@@ -970,7 +970,7 @@ TEST(FusedMoe, Fp8DataGradientsThroughTheLayer) {
       d_dy.emplace_back(testing::to_bf16_bits(dy.back()));
     }
     const reference::MoeGradients want = reference_backward(p, dy);
-    FusedMoe fp8_layer(p.config, {.fp8_data_gradients = true}), bf16_layer(p.config, {});
+    FusedMoe fp8_layer(p.config, {.fp8_data_gradients = true}), bf16_layer(p.config);
     p.load_weights(fp8_layer);
     p.load_weights(bf16_layer);
     fp8_layer.forward(p.io(), nullptr, /*keep_for_backward=*/true);
@@ -1003,7 +1003,7 @@ TEST(FusedMoe, Fp8DataGradientsThroughTheLayer) {
   EpConfig config{.ranks = 1, .experts = 4, .topk = 2, .hidden = 256, .intermediate = 128, .max_tokens_per_rank = 8};
   testing::expect_error([&] { FusedMoe bad(config, {.fused_backward = true, .fp8_data_gradients = true}); },
                         "fused_backward has no FP8 path yet");
-  FusedMoe plain(config, {});
+  FusedMoe plain(config);
   testing::expect_error([&] { plain.refresh_fp8_weights(nullptr); }, "made without fp8_data_gradients");
   config.intermediate = 192;
   testing::expect_error([&] { FusedMoe bad(config, {.fp8_data_gradients = true}); },

@@ -57,9 +57,12 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t smem_address) {
   return value;
 }
 
-__device__ __forceinline__ float2 ld_shared_v2_f32(uint32_t smem_address) {
-  float2 value;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(value.x), "=f"(value.y) : "r"(smem_address) : "memory");
+__device__ __forceinline__ float4 ld_shared_v4_f32(uint32_t smem_address) {
+  float4 value;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(value.x), "=f"(value.y), "=f"(value.z), "=f"(value.w)
+               : "r"(smem_address)
+               : "memory");
   return value;
 }
 
