@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -101,6 +102,9 @@ class FusedMoe {
   // This GPU's rank of `comm`, a communicator of config.ranks ranks, one per GPU. Collective: every
   // rank constructs its layer with the same config and options (a mismatch throws, naming the field).
   FusedMoe(const EpConfig& config, ncclComm* comm, const FusedMoeOptions& options = {});
+  // `{}` or nullptr in the communicator's place would choose the constructor above and fail at run time;
+  // as a compile error instead: FusedMoe(config) or FusedMoe(config, options) is the one-GPU layer.
+  FusedMoe(const EpConfig& config, std::nullptr_t, const FusedMoeOptions& options = {}) = delete;
   ~FusedMoe();
   FusedMoe(FusedMoe&&) noexcept;
   FusedMoe& operator=(FusedMoe&&) noexcept;

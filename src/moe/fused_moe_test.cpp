@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "baseline/cublas_moe.h"
 #include "bench/device_fill.h"
@@ -952,6 +953,11 @@ TEST(FusedMoe, Fp8WeightGradientsThroughTheLayer) {
   testing::expect_error([&] { FusedMoe bad(config, {.fp8_weight_gradients = true}); },
                         "fp8_weight_gradients needs H and I multiples of 128");
 }
+
+// A null communicator literal (or `{}`) in the communicator's place is a compile error, not the NCCL
+// constructor's run-time one.
+static_assert(!std::is_constructible_v<FusedMoe, const EpConfig&, std::nullptr_t>);
+static_assert(std::is_constructible_v<FusedMoe, const EpConfig&, const FusedMoeOptions&>);
 
 // FP8 data gradients through the public layer (FusedMoeOptions::fp8_data_gradients) at one and three
 // virtual ranks, from kept forwards and replayed: dW2 (which reads bf16 rows only) has the bf16 layer's
