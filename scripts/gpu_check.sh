@@ -11,13 +11,16 @@
 #               machine with the same toolkit, then copied into build/bin) instead of building: saves the
 #               build's minutes
 #   --phases    a comma-separated subset of tests,sanitize,bench,zipf,movers,torch,train,train-fused,train-fp8,
-#               timeline (default: all but the train phases and timeline, sanitize only with --sanitize), to split one
-#               check over several shorter runs into the same OUTDIR; torch reads the bench phase's JSON there.
+#               timeline,ab (default: all but the train phases, timeline and ab, sanitize only with --sanitize),
+#               to split one check over several shorter runs into the same OUTDIR; torch reads the bench
+#               phase's JSON there.
 #               train runs python -m pounce.train into OUTDIR/train, train-fused the same with
 #               --fused-backward into OUTDIR/train-fused, train-fp8 with --fp8-data-gradients
 #               --fp8-weight-gradients into OUTDIR/train-fp8. timeline uses a second build with
 #               -DPOUNCE_TIMELINE=ON (build-timeline/bin with --prebuilt): its test, what recording costs
-#               the forward, and the traces of a forward and a training step in OUTDIR/timeline.
+#               the forward, and the traces of a forward and a training step in OUTDIR/timeline. ab times
+#               this build's library against the one in $AB_LIB (a folder holding another build's
+#               libpounce.so.0, e.g. a branch's) with scripts/ab_bench.sh into OUTDIR/ab.
 # The commit recorded in the JSON is $POUNCE_COMMIT, else `git rev-parse HEAD`.
 set -uo pipefail
 
@@ -167,6 +170,11 @@ if has timeline && [ -x "$tbin/pounce_bench" ]; then
   timeout 300 "$tbin/pounce_bench" --shapes deepseek_v3,qwen3_30b --no-gemms --no-backward \
     --timeline "$out/timeline" --json "$out/timeline/bench.json" > "$out/timeline/bench.log" 2>&1 || status=1
   grep 'timeline:' "$out/timeline/bench.log"
+fi
+if has ab; then
+  scripts/ab_bench.sh "$out/ab" "$bin" "${AB_LIB:?the ab phase needs AB_LIB, a folder with another libpounce.so.0}" 2 \
+    -- --shapes deepseek_v3,qwen3_30b,mixtral_8x7b --reps 10 --warmup 2 > "$out/ab.log" 2>&1 || status=1
+  tail -60 "$out/ab.log"
 fi
 kill $dmon 2>/dev/null
 exit $status
