@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Two builds of libpounce.so against each other on one GPU: the same pounce_bench binary (build/bin) loads
-# build A's library, then build B's, alternately for ROUNDS rounds (so drift in clock and temperature
-# falls on both), then tools/ab_compare.py prints each timed row's median under A and B. The two builds
-# must differ only inside the library (kernels, launch code), not in the benchmark's interface. Before the
-# timing, pounce_tests_gpu runs under each library with TEST_FILTER (default: the GEMM and FP8 tests).
+# Two builds of libpounce.so against each other on one GPU: the same pounce_bench binary (in $BIN, default
+# build/bin) loads build A's library, then build B's, alternately for ROUNDS rounds (so drift in clock
+# and temperature falls on both), then tools/ab_compare.py prints each timed row's median under A and B.
+# The two builds must differ only inside the library (kernels, launch code), not in the benchmark's
+# interface. Before the timing, pounce_tests_gpu runs under each library with TEST_FILTER (default: the
+# GEMM and FP8 tests).
 #
 # usage: scripts/ab_bench.sh OUTDIR LIBDIR_A LIBDIR_B [ROUNDS] [-- pounce_bench options]
 #   e.g. scripts/ab_bench.sh out build/bin build/lib-b 2 -- --shapes deepseek_v3,qwen3_30b --reps 10
@@ -18,6 +19,7 @@ if [ $# -gt 0 ] && [ "$1" != -- ]; then rounds=$1; shift; fi
 bench_args=("$@")
 [ ${#bench_args[@]} -eq 0 ] && bench_args=(--shapes deepseek_v3,qwen3_30b,mixtral_8x7b --reps 10 --warmup 2)
 mkdir -p "$out"
+bin=${BIN:-build/bin}
 
 # Never NVLink multicast: it can take shared machines down.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,7 +29,7 @@ for build in A B; do
   lib=$lib_a
   [ $build = B ] && lib=$lib_b
   [ -e "$lib/libpounce.so.0" ] || { echo "$lib has no libpounce.so.0" >&2; exit 2; }
-  LD_LIBRARY_PATH=$lib${nccl:+:$nccl/lib} timeout 300 build/bin/pounce_tests_gpu \
+  LD_LIBRARY_PATH=$lib${nccl:+:$nccl/lib} timeout 300 "$bin/pounce_tests_gpu" \
     --gtest_filter="${TEST_FILTER:-*GroupedGemm*:*Fp8*}" > "$out/tests-$build.log" 2>&1 || status=1
   echo "tests $build ($lib): $(grep -E '^\[  (PASSED|FAILED) ' "$out/tests-$build.log" | tr '\n' ' ')"
 done
@@ -36,7 +38,7 @@ for round in $(seq 1 "$rounds"); do
     lib=$lib_a
     [ $build = B ] && lib=$lib_b
     LD_LIBRARY_PATH=$lib${nccl:+:$nccl/lib} POUNCE_COMMIT=${POUNCE_COMMIT:-unknown} timeout 300 \
-      build/bin/pounce_bench "${bench_args[@]}" --json "$out/$build-$round.json" > "$out/$build-$round.log" 2>&1 ||
+      "$bin/pounce_bench" "${bench_args[@]}" --json "$out/$build-$round.json" > "$out/$build-$round.log" 2>&1 ||
       status=1
     echo "bench $build round $round: $(tail -1 "$out/$build-$round.log")"
   done

@@ -172,7 +172,7 @@ if has timeline && [ -x "$tbin/pounce_bench" ]; then
   grep 'timeline:' "$out/timeline/bench.log"
 fi
 if has ab; then
-  scripts/ab_bench.sh "$out/ab" "$bin" "${AB_LIB:?the ab phase needs AB_LIB, a folder with another libpounce.so.0}" 2 \
+  BIN=$bin scripts/ab_bench.sh "$out/ab" "$bin" "${AB_LIB:?the ab phase needs AB_LIB, a folder with another libpounce.so.0}" 2 \
     -- --shapes deepseek_v3,qwen3_30b,mixtral_8x7b --reps 10 --warmup 2 > "$out/ab.log" 2>&1 || status=1
   tail -60 "$out/ab.log"
 fi
