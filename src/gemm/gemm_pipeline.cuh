@@ -291,8 +291,8 @@ __device__ __forceinline__ TileInfo take_tile(Storage& s, uint32_t& slot, uint32
 }
 
 // E4M3 tiles: one warp copies each K slice's scales (the tile's 128 A-row scales, and its B block's or its
-// 128 B columns') into
-// the stage, asynchronously, and each lane arrives on the stage's full barrier once its copies landed.
+// 128 B columns') into the stage, asynchronously, and each lane arrives on the stage's full barrier once
+// its copies landed.
 // NOTES: the consumers then read their scales from shared memory beside the operands. Loaded by the
 // consumers from global memory instead, one slice ahead, each slice's MMAs sat behind the loads' latency
 // (the register that carried the next slice's scale had to be ready before the wgmma wait).

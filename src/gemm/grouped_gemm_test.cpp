@@ -257,21 +257,51 @@ std::vector<int32_t> padded_offsets(const KCase& c) {
   return offsets;
 }
 
-// A case's output C [E, m, n]: poisoned before each run (accumulating: holding `before`), downloaded as
-// floats.
-struct KGroupedOutput {
+// A case's row layout (each expert's rows padded to m-blocks, one unused m-block at the end of the row
+// buffers) and its output C [E, m, n]: poisoned before each run (accumulating: holding `before`),
+// downloaded as floats.
+struct KGroupedRun {
   const KCase& c;
+  const std::vector<int32_t> offsets;
+  const int64_t rows;
   std::vector<float> before;  // kAddF32 adds to these
+  DeviceBuffer<int32_t> d_offsets;
   DeviceBuffer<float> c32;
   DeviceBuffer<uint16_t> c16;
 
-  KGroupedOutput(const KCase& kcase, std::mt19937_64& rng)
+  KGroupedRun(const KCase& kcase, std::mt19937_64& rng)
       : c(kcase),
+        offsets(padded_offsets(kcase)),
+        rows(offsets.back() + kBlockM),
         before(testing::random_bf16_values(rng, elems())),
+        d_offsets(offsets),
         c32(fp32() ? elems() : 0),
         c16(fp32() ? 0 : elems()) {}
   bool fp32() const { return c.epilogue != Epilogue::kStore; }
   int64_t elems() const { return int64_t(c.experts) * c.m * c.n; }
+  // The GEMM's arguments but its operands and C.
+  KGroupedGemmArgs args() const {
+    KGroupedGemmArgs g;
+    g.rows = rows;
+    g.m = c.m;
+    g.n = c.n;
+    g.experts = c.experts;
+    g.expert_offsets = d_offsets.data();
+    return g;
+  }
+  // The host's C in double: each expert's rows [offsets[e], offsets[e + 1]) of A [rows, m] and B [rows, n]
+  // (padding rows zero in A), added to `before` when accumulating.
+  std::vector<double> want(const std::vector<float>& a, const std::vector<float>& b) const {
+    std::vector<double> sums(elems());
+    for (int e = 0; e < c.experts; ++e)
+      for (int64_t i = 0; i < c.m; ++i)
+        for (int64_t j = 0; j < c.n; ++j) {
+          double sum = c.epilogue == Epilogue::kAddF32 ? before[(e * c.m + i) * c.n + j] : 0.0;
+          for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) sum += double(a[r * c.m + i]) * b[r * c.n + j];
+          sums[(e * c.m + i) * c.n + j] = sum;
+        }
+    return sums;
+  }
   std::vector<float> run(GroupedGemm& gemm, KGroupedGemmArgs args) {
     args.c = fp32() ? static_cast<void*>(c32.data()) : static_cast<void*>(c16.data());
     args.epilogue = c.epilogue;
@@ -301,8 +331,9 @@ TEST_P(KGroupedGemmTest, MatchesHost) {
   auto rng = testing::fresh_rng();
   const KCase c = GetParam();
   const int E = c.experts;
-  const std::vector<int32_t> offsets = padded_offsets(c);
-  const int64_t rows = offsets.back() + kBlockM;  // one unused m-block at the end
+  KGroupedRun out(c, rng);
+  const std::vector<int32_t>& offsets = out.offsets;
+  const int64_t rows = out.rows;
   std::vector<float> a(rows * c.m, std::nanf("")), b(rows * c.n, std::nanf(""));
   const auto a_values = testing::random_bf16_values(rng, rows * c.m),
              b_values = testing::random_bf16_values(rng, rows * c.n);
@@ -312,27 +343,13 @@ TEST_P(KGroupedGemmTest, MatchesHost) {
       for (int64_t i = 0; i < c.m; ++i) a[r * c.m + i] = routed ? a_values[r * c.m + i] : 0.0f;
       for (int64_t j = 0; j < c.n; ++j) b[r * c.n + j] = b_values[r * c.n + j];
     }
-  KGroupedOutput out(c, rng);
   const bool fp32 = out.fp32();
-  std::vector<double> want(out.elems());
-  for (int e = 0; e < E; ++e)
-    for (int64_t i = 0; i < c.m; ++i)
-      for (int64_t j = 0; j < c.n; ++j) {
-        double sum = c.epilogue == Epilogue::kAddF32 ? out.before[(e * c.m + i) * c.n + j] : 0.0;
-        for (int64_t r = offsets[e]; r < offsets[e] + c.counts[e]; ++r) sum += double(a[r * c.m + i]) * b[r * c.n + j];
-        want[(e * c.m + i) * c.n + j] = sum;
-      }
+  const std::vector<double> want = out.want(a, b);
 
   DeviceBuffer<uint16_t> d_a(testing::to_bf16_bits(a)), d_b(testing::to_bf16_bits(b));
-  DeviceBuffer<int32_t> d_offsets(offsets);
-  KGroupedGemmArgs args;
+  KGroupedGemmArgs args = out.args();
   args.a = reinterpret_cast<const __nv_bfloat16*>(d_a.data());
   args.b = reinterpret_cast<const __nv_bfloat16*>(d_b.data());
-  args.rows = rows;
-  args.m = c.m;
-  args.n = c.n;
-  args.experts = E;
-  args.expert_offsets = d_offsets.data();
   GroupedGemm gemm;
   const std::vector<float> got = out.run(gemm, args);
   int64_t non_finite = 0;
@@ -390,8 +407,9 @@ TEST_P(Fp8KGroupedGemmTest, MatchesHostOnTheQuantizedOperands) {
   auto rng = testing::fresh_rng();
   const KCase c = GetParam();
   const int E = c.experts;
-  const std::vector<int32_t> offsets = padded_offsets(c);
-  const int64_t rows = offsets.back() + kBlockM;  // one unused m-block at the end
+  KGroupedRun out(c, rng);
+  const std::vector<int32_t>& offsets = out.offsets;
+  const int64_t rows = out.rows;
   std::uniform_int_distribution<int> binade(-6, 6);
   const auto spread_values = [&](int64_t cols) {
     std::vector<float> v = testing::random_bf16_values(rng, rows * cols);
@@ -407,25 +425,10 @@ TEST_P(Fp8KGroupedGemmTest, MatchesHostOnTheQuantizedOperands) {
     for (int64_t r = offsets[e] + c.counts[e]; r < offsets[e + 1]; ++r)
       for (int64_t i = 0; i < c.m; ++i) a[r * c.m + i] = 0.0f;
   const TransposedFp8 qa = quantize_transposed(a, rows, c.m), qb = quantize_transposed(b, rows, c.n);
-  KGroupedOutput out(c, rng);
-  std::vector<double> want(out.elems());
-  for (int e = 0; e < E; ++e)
-    for (int64_t i = 0; i < c.m; ++i)
-      for (int64_t j = 0; j < c.n; ++j) {
-        double sum = c.epilogue == Epilogue::kAddF32 ? out.before[(e * c.m + i) * c.n + j] : 0.0;
-        for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
-          sum += double(qa.exact[r * c.m + i]) * qb.exact[r * c.n + j];
-        want[(e * c.m + i) * c.n + j] = sum;
-      }
+  const std::vector<double> want = out.want(qa.exact, qb.exact);
 
-  DeviceBuffer<int32_t> d_offsets(offsets);
-  KGroupedGemmArgs args;
+  KGroupedGemmArgs args = out.args();
   args.fp8 = {qa.q.data(), qa.scales.data(), qb.q.data(), qb.scales.data()};
-  args.rows = rows;
-  args.m = c.m;
-  args.n = c.n;
-  args.experts = E;
-  args.expert_offsets = d_offsets.data();
   GroupedGemm gemm;
   const std::vector<float> got = out.run(gemm, args);
   // The tensor cores sum each 128-wide slice of E4M3 products in their own precision before the fp32

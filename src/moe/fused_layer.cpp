@@ -232,12 +232,10 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   fused_backward_enabled_ = options.fused_backward;
   fp8_data_gradients_ = options.fp8_data_gradients;
   fp8_weight_gradients_ = options.fp8_weight_gradients;
-  POUNCE_REQUIRE(!options.fp8_weight_gradients || (config.hidden % 128 == 0 && config.intermediate % 128 == 0),
-                 "fused MoE: fp8_weight_gradients needs H and I multiples of 128 (E4M3 blocks); H = ", config.hidden,
-                 ", I = ", config.intermediate);
-  POUNCE_REQUIRE(!options.fp8_data_gradients || (config.hidden % 128 == 0 && config.intermediate % 128 == 0),
-                 "fused MoE: fp8_data_gradients needs H and I multiples of 128 (E4M3 blocks); H = ", config.hidden,
-                 ", I = ", config.intermediate);
+  POUNCE_REQUIRE(
+      !(fp8_data_gradients_ || fp8_weight_gradients_) || (config.hidden % 128 == 0 && config.intermediate % 128 == 0),
+      "fused MoE: ", fp8_data_gradients_ ? "fp8_data_gradients" : "fp8_weight_gradients",
+      " needs H and I multiples of 128 (E4M3 blocks); H = ", config.hidden, ", I = ", config.intermediate);
   POUNCE_REQUIRE(!(options.fp8_data_gradients && options.fused_backward),
                  "fused MoE: fp8_data_gradients runs in the backward chain; fused_backward has no FP8 path yet");
   p.steps = counter_steps(config);

@@ -228,11 +228,9 @@ void BackwardChain::finish(std::span<const BackwardSource> sources, cudaStream_t
 int64_t BackwardChain::device_bytes() const {
   int64_t bytes = 0;
   for (size_t b :
-       {x_rows_.bytes(),      dy_rows_.bytes(),   h13_.bytes(),         da_.bytes(),        dgu_.bytes(),
-        wa_.bytes(),          dx_rows_.bytes(),   row_weight_.bytes(),  route_dot_.bytes(), dw_scratch_.bytes(),
-        dy_fp8_.bytes(),      dgu_fp8_.bytes(),   dy_scale_.bytes(),    dgu_scale_.bytes(), dy_t_.q.bytes(),
-        dy_t_.scales.bytes(), wa_t_.q.bytes(),    wa_t_.scales.bytes(), dgu_t_.q.bytes(),   dgu_t_.scales.bytes(),
-        x_t_.q.bytes(),       x_t_.scales.bytes()})
+       {x_rows_.bytes(), dy_rows_.bytes(), h13_.bytes(), da_.bytes(), dgu_.bytes(), wa_.bytes(), dx_rows_.bytes(),
+        row_weight_.bytes(), route_dot_.bytes(), dw_scratch_.bytes(), dy_fp8_.bytes(), dgu_fp8_.bytes(),
+        dy_scale_.bytes(), dgu_scale_.bytes(), dy_t_.bytes(), wa_t_.bytes(), dgu_t_.bytes(), x_t_.bytes()})
     bytes += int64_t(b);
   return bytes;
 }

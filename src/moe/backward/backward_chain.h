@@ -171,6 +171,7 @@ class BackwardChain {
   struct TransposedRows {
     DeviceBuffer<uint8_t> q;
     DeviceBuffer<float> scales;
+    size_t bytes() const { return q.bytes() + scales.bytes(); }
   };
   TransposedRows dy_t_, wa_t_, dgu_t_, x_t_;
   void allocate_transposed_rows(cudaStream_t stream);
