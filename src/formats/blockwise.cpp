@@ -107,6 +107,16 @@ std::vector<float> dequantize(const Fp8Rows1x128& q) {
   return dequantize_tiles(q.data, t, [&](int64_t tile) { return q.scales[tile]; });
 }
 
+std::vector<float> scales_k_block_major(const Fp8Rows1x128& q) {
+  const Tiling t = check_shape("scales_k_block_major", q.rows, q.cols, 1, kActivationBlock);
+  check_size("scales_k_block_major", "scales", q.scales.size(), t.tiles());
+  const int64_t blocks = q.cols / kActivationBlock;
+  std::vector<float> out(q.scales.size());
+  for (int64_t r = 0; r < q.rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) out[b * q.rows + r] = q.scales[r * blocks + b];
+  return out;
+}
+
 Fp8Blocks128x128 quantize_128x128(std::span<const float> x, int64_t rows, int64_t cols) {
   const Tiling t = check_shape("quantize_128x128", rows, cols, kWeightBlock, kWeightBlock);
   check_size("quantize_128x128", "x", x.size(), rows * cols);

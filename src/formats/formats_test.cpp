@@ -391,6 +391,10 @@ TEST(Quantize1x128, RandomDataScalesAndErrorBounds) {
       }
     const std::vector<float> y = dequantize(q);
     expect_within_e4m3_rounding(x, y, [&](int64_t i) { return q.scales[i / 128]; });
+    const std::vector<float> by_block = scales_k_block_major(q);
+    ASSERT_EQ(by_block.size(), q.scales.size());
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t b = 0; b < cols / 128; ++b) ASSERT_EQ(by_block[b * rows + r], q.scales[r * (cols / 128) + b]);
   }
 }
 

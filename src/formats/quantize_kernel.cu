@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kTransposeThreads)
     const uint2 lo = e4m3x8(chunk(v), inv_scale), hi = e4m3x8(chunk(v + 1), inv_scale);
     *reinterpret_cast<uint4*>(to + v * kElemsPerThread) = make_uint4(lo.x, lo.y, hi.x, hi.y);
   }
-  scales[(cb * kB + c) * (rows / kB) + rb] = exp2_int(e);
+  scales[rb * cols + cb * kB + c] = exp2_int(e);
 }
 
 }  // namespace

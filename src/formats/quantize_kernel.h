@@ -25,8 +25,9 @@ void quantize_1x128_gather_device(const uint16_t* x_bf16, const int32_t* source_
 
 // The weight gradients' operands, quantized along the tokens (the k-grouped GEMM reads them K-major, K
 // being the rows): out [cols, rows] E4M3 is x transposed, each of its rows quantized 1 x 128 (so 128
-// consecutive rows of one column of x share a scale); scales [cols, rows / 128]. Bit for bit
-// quantize_1x128 of x's transpose. rows and cols multiples of 128; x and out 16-byte aligned. With
+// consecutive rows of one column of x share a scale); scales [rows / 128, cols], K block-major as the
+// k-grouped GEMM reads them (one 128-row block's scales lie together). Bit for bit quantize_1x128 of x's
+// transpose, its scales transposed. rows and cols multiples of 128; x and out 16-byte aligned. With
 // rows_in_use (device, one value, a multiple of 128): rows from there on are neither read nor quantized
 // (their part of out and scales is left as it was).
 void quantize_1x128_transposed_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,

@@ -322,7 +322,8 @@ TEST(QuantizeKernel, TransposedQuantizerIsTheHostsQuantizerOfTheTranspose) {
   quantize_1x128_transposed_device(d_x.as<uint16_t>(), rows, cols, d_out.as<uint8_t>(), d_scales.as<float>(), nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   expect_bytes_equal(d_out.download(), want.data, "transposed 1x128 data", rows);
-  expect_bytes_equal(d_scales.download(), as_bytes(want.scales), "transposed 1x128 scales", rows / 128 * 4);
+  const std::vector<uint8_t> want_scales = as_bytes(scales_k_block_major(want));  // [rows / 128, cols]
+  expect_bytes_equal(d_scales.download(), want_scales, "transposed 1x128 scales", cols * 4);
   // Only the rows in use (the first two row blocks): the third block's part stays untouched.
   const DeviceBuffer<int32_t> in_use(std::vector<int32_t>{256});
   d_out.poison();
@@ -331,13 +332,11 @@ TEST(QuantizeKernel, TransposedQuantizerIsTheHostsQuantizerOfTheTranspose) {
                                    in_use.data());
   CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<uint8_t> partial = d_out.download(), partial_scales = d_scales.download();
-  const std::vector<uint8_t> want_scales = as_bytes(want.scales);
-  for (int64_t c = 0; c < cols; ++c) {
+  for (int64_t c = 0; c < cols; ++c)
     for (int64_t r = 0; r < rows; ++r)
       ASSERT_EQ(partial[c * rows + r], r < 256 ? want.data[c * rows + r] : kPoison) << "row " << r << ", column " << c;
-    for (int64_t b = 0; b < 3 * 4; ++b)
-      ASSERT_EQ(partial_scales[c * 12 + b], b < 8 ? want_scales[c * 12 + b] : kPoison) << "scale byte " << b;
-  }
+  for (size_t b = 0; b < partial_scales.size(); ++b)  // row blocks 0 and 1 of the scales, then block 2's
+    ASSERT_EQ(partial_scales[b], b < size_t(2 * cols * 4) ? want_scales[b] : kPoison) << "scale byte " << b;
   EXPECT_THROW(quantize_1x128_transposed_device(d_x.as<uint16_t>(), 100, cols, d_out.as<uint8_t>(),
                                                 d_scales.as<float>(), nullptr),
                Error);

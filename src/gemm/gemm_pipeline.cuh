@@ -136,7 +136,7 @@ struct SharedStorage {
   // Scales of each stage's slice (E4M3 only): the tile's A rows' and its B block's (or B columns'). B
   // columns are stored in fragment order (column_scale_slot): a thread reads its 32 columns' scales as
   // eight 16-byte loads.
-  float a_scale[Stages::kScales ? kStages : 1][kBlockM];
+  alignas(16) float a_scale[Stages::kScales ? kStages : 1][kBlockM];
   alignas(16) float b_scale[Stages::kScales ? kStages : 1][Stages::kColumnScales ? Stages::kTileN : 1];
   uint64_t full[kStages];   // TMA bytes landed          (1 producer arrival + transaction bytes; with
                             // scales, + one arrival per scale-loader lane once its copies landed)
@@ -197,12 +197,12 @@ struct GemmOperands {
   // TileInfo::keep_row: the gate/up rows a training forward keeps for the backward.
   const CUtensorMap* keep;
   // E4M3 kinds only: fp32 power-of-two scales of A, [rows, k / 128] (1 x 128 blocks of each row), and of
-  // B, [experts * n / 128, k / 128] (128 x 128 blocks); kWeightGradFp8: see scale_k_blocks.
+  // B, [experts * n / 128, k / 128] (128 x 128 blocks); kWeightGradFp8: see below.
   const float* a_scale;
   const float* b_scale;
-  // kWeightGradFp8: both scale arrays are [m or n, scale_k_blocks] (rows of the row buffers / 128), and a
-  // tile's slices start at its expert's first row.
-  int32_t scale_k_blocks;
+  // kWeightGradFp8: the scale arrays are [rows / 128, m] and [rows / 128, n] (K block-major: one slice's
+  // scales lie together), these being m and n; a tile's slices start at its expert's first row.
+  int32_t a_scale_stride, b_scale_stride;
 };
 
 // Waits inside the CTA must outlast the producer's readiness wait, which they may sit behind.
@@ -303,28 +303,29 @@ __device__ void run_scale_loader(Storage& s, const Tiles& tiles, const WaitSite&
   for (;;) {
     const TileInfo tile = take_tile(s, slot, slot_phase, pipe_site);
     if (!tile.valid) return;
-    // Scale arrays: A [rows, k / 128], B [experts * n / 128, k / 128]; a slice is one column of both.
-    // Column scales (k-grouped): A [m, k blocks] and B [n, k blocks], the tile's K from its expert's
-    // first row (the operands' column) on.
     const GemmOperands& op = tiles.operands(tile.gemm);
-    constexpr bool kColumnScales = Storage::kColumnScales;
-    const int32_t columns = kColumnScales ? op.scale_k_blocks : tile.k_blocks;
-    const int32_t first_k_block = kColumnScales ? tile.a.col / 128 : 0;
-    const float* a_scale = op.a_scale + (int64_t(tile.a.row) + lane) * columns + first_k_block;  // rows lane + 32 i
-    const float* b_scale = kColumnScales ? op.b_scale + (int64_t(tile.b.row) + lane) * columns + first_k_block
-                                         : op.b_scale + int64_t(tile.b.row / Fp8Stages::kTileN) * columns;
-    const int64_t rows_32 = int64_t(32) * columns;
+    // Row scales: A [rows, k / 128] and B [experts * n / 128, k / 128]; a slice is one column of both.
+    // Column scales (k-grouped): A [rows / 128, m] and B [rows / 128, n], a slice one row of both (16
+    // bytes per lane of A's; B's in 8-byte pairs, to their slots in fragment order), the tile's K from its
+    // expert's first row (the operands' column) on.
+    const float* a_scale = Storage::kColumnScales
+                               ? op.a_scale + int64_t(tile.a.col / 128) * op.a_scale_stride + tile.a.row + 4 * lane
+                               : op.a_scale + (int64_t(tile.a.row) + lane) * tile.k_blocks;  // rows lane + 32 i
+    const float* b_scale = Storage::kColumnScales
+                               ? op.b_scale + int64_t(tile.a.col / 128) * op.b_scale_stride + tile.b.row + 4 * lane
+                               : op.b_scale + int64_t(tile.b.row / Fp8Stages::kTileN) * tile.k_blocks;
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
       mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
+      if constexpr (Storage::kColumnScales) {
+        ptx::cp_async<16>(&s.a_scale[stage][4 * lane], a_scale + int64_t(kb) * op.a_scale_stride);
+        ptx::cp_async<8>(&s.b_scale[stage][column_scale_slot(4 * lane)], b_scale + int64_t(kb) * op.b_scale_stride);
+        ptx::cp_async<8>(&s.b_scale[stage][column_scale_slot(4 * lane + 2)],
+                         b_scale + int64_t(kb) * op.b_scale_stride + 2);
+      } else {
 #pragma unroll
-      for (int i = 0; i < kBlockM / 32; ++i)
-        ptx::cp_async_4(&s.a_scale[stage][lane + 32 * i], a_scale + i * rows_32 + kb);
-      if constexpr (kColumnScales) {
-#pragma unroll
-        for (int i = 0; i < Storage::kTileN / 32; ++i)
-          ptx::cp_async_4(&s.b_scale[stage][column_scale_slot(lane + 32 * i)], b_scale + i * rows_32 + kb);
-      } else if (lane == 0) {
-        ptx::cp_async_4(&s.b_scale[stage], b_scale + kb);
+        for (int i = 0; i < kBlockM / 32; ++i)
+          ptx::cp_async<4>(&s.a_scale[stage][lane + 32 * i], a_scale + int64_t(32 * i) * tile.k_blocks + kb);
+        if (lane == 0) ptx::cp_async<4>(&s.b_scale[stage], b_scale + kb);
       }
       ptx::cp_async_mbarrier_arrive(&s.full[stage]);
       if (++stage == Storage::kStages) stage = 0, phase ^= 1;

@@ -30,7 +30,7 @@ struct KernelParams {
   const float* row_scale;
   const float* a_scale;  // FP8 only
   const float* b_scale;
-  int32_t scale_k_blocks;  // FP8 k-grouped: rows / 128
+  int32_t a_scale_stride, b_scale_stride;  // FP8 k-grouped: m and n (GemmOperands)
   Epilogue epilogue;
   const uint32_t* m_block_ready;
   uint32_t ready_target;
@@ -130,8 +130,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                         const __grid_constant__ CUtensorMap c_map, const KernelParams p) {
   extern __shared__ uint8_t smem_raw[];
-  const GemmOperands op{&a_map,  &b_map,  &c_map,    p.epilogue, p.row_scale,
-                        nullptr, nullptr, p.a_scale, p.b_scale,  p.scale_k_blocks};
+  const GemmOperands op{&a_map,  &b_map,    &c_map,    p.epilogue,       p.row_scale,     nullptr,
+                        nullptr, p.a_scale, p.b_scale, p.a_scale_stride, p.b_scale_stride};
   QueueTiles<kKind> tiles(p, op);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, pipeline::pipeline_timeout_ns(p.wait_timeout_ns)};
   pipeline::run_gemm_cta(smem_raw, tiles, pipe_site, [] {});
@@ -244,6 +244,9 @@ void GroupedGemm::run_k_grouped(const KGroupedGemmArgs& args, cudaStream_t strea
                    "k-grouped GEMM: an FP8 GEMM needs fp8.a, fp8.a_scale, fp8.b and fp8.b_scale, and no bf16 a or b");
     POUNCE_REQUIRE(args.m % 128 == 0 && args.n % 128 == 0,
                    "k-grouped GEMM: FP8 needs m and n in whole 128-blocks; m = ", args.m, ", n = ", args.n);
+    POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(args.fp8.a_scale) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(args.fp8.b_scale) % 16 == 0,
+                   "k-grouped GEMM: fp8.a_scale and fp8.b_scale must be 16-byte aligned");
   }
   POUNCE_REQUIRE((fp8 || (args.a && args.b)) && args.c && args.expert_offsets,
                  "k-grouped GEMM: a, b, c and expert_offsets must be set");
@@ -272,7 +275,8 @@ void GroupedGemm::run_k_grouped(const KGroupedGemmArgs& args, cudaStream_t strea
     // Stored transposed: K-major boxes of 128 rows of M or N by one 128-wide K slice.
     params.a_scale = args.fp8.a_scale;
     params.b_scale = args.fp8.b_scale;
-    params.scale_k_blocks = int32_t(args.rows / kBlockM);
+    params.a_scale_stride = int32_t(args.m);
+    params.b_scale_stride = int32_t(args.n);
     const CUtensorMap a_map = make_fp8_tensor_map(args.fp8.a, rows, args.m, 128, kBlockM);
     const CUtensorMap b_map = make_fp8_tensor_map(args.fp8.b, rows, args.n, 128, 128);
     launch<TileKind::kWeightGradFp8>(a_map, b_map, c_map, params, args.max_ctas, stream);

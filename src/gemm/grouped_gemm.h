@@ -98,12 +98,12 @@ struct GroupedGemmArgs {
 
 // E4M3 operands of an FP8 k-grouped GEMM: the row buffers quantized along their rows (the GEMM's K) and
 // stored transposed (formats::quantize_1x128_transposed_device), with fp32 power-of-two scales, one per
-// row of the transposed buffer and 128 of K.
+// row of the transposed buffer and 128 of K, stored K block-major (a K block's scales lie together).
 struct KGroupedFp8Operands {
   const uint8_t* a = nullptr;      // [m, rows]: A's row buffer transposed
-  const float* a_scale = nullptr;  // [m, rows / 128]
+  const float* a_scale = nullptr;  // [rows / 128, m], 16-byte aligned
   const uint8_t* b = nullptr;      // [n, rows]
-  const float* b_scale = nullptr;  // [n, rows / 128]
+  const float* b_scale = nullptr;  // [rows / 128, n], 16-byte aligned
 };
 
 // C[e] (+)= A[rows of e]^T . B[rows of e] for every expert e: weight gradients.

@@ -383,8 +383,8 @@ INSTANTIATE_TEST_SUITE_P(
 // differs from its neighbours' (a scale applied to the wrong column fails).
 class Fp8KGroupedGemmTest : public ::testing::TestWithParam<KCase> {};
 
-// The row buffer [rows, cols] transposed and quantized 1 x 128 along its rows (the host's
-// quantize_1x128_transposed_device), and its dequantized values in row-buffer order.
+// The row buffer [rows, cols] transposed and quantized 1 x 128 along its rows, scales K block-major (the
+// host's quantize_1x128_transposed_device), and its dequantized values in row-buffer order.
 struct TransposedFp8 {
   DeviceBuffer<uint8_t> q;
   DeviceBuffer<float> scales;
@@ -399,7 +399,7 @@ TransposedFp8 quantize_transposed(const std::vector<float>& x, int64_t rows, int
   std::vector<float> exact(x.size());
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) exact[r * cols + c] = d[c * rows + r];
-  return {DeviceBuffer<uint8_t>(q.data), DeviceBuffer<float>(q.scales), exact};
+  return {DeviceBuffer<uint8_t>(q.data), DeviceBuffer<float>(formats::scales_k_block_major(q)), exact};
 }
 
 TEST_P(Fp8KGroupedGemmTest, MatchesHostOnTheQuantizedOperands) {

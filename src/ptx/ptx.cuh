@@ -207,14 +207,17 @@ __device__ __forceinline__ void bulk_load(void* smem_dst, const void* global_src
                : "memory");
 }
 
-// Global -> shared, 4 bytes, asynchronous (no register holds the value: the issuing thread goes on).
-__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* global_src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(smem_dst)),
-               "l"(reinterpret_cast<uint64_t>(global_src))
+// Global -> shared, kBytes (4, 8 or 16, both addresses aligned to it), asynchronous (no register holds
+// the value: the issuing thread goes on).
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* smem_dst, const void* global_src) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(smem_dst)),
+               "l"(reinterpret_cast<uint64_t>(global_src)), "n"(kBytes)
                : "memory");
 }
 
-// Arrives on `bar` once this thread's earlier cp_async_4 copies have landed (one of the arrivals the
+// Arrives on `bar` once this thread's earlier cp_async copies have landed (one of the arrivals the
 // barrier was initialized with: .noinc).
 __device__ __forceinline__ void cp_async_mbarrier_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
