@@ -281,6 +281,7 @@ INSTANTIATE_TEST_SUITE_P(Routings, BackwardChainFp8Test,
                          ::testing::Values(Case{300, 256, 128, 8, 2, RoutingPattern::kUniform},
                                            Case{700, 384, 256, 16, 6, RoutingPattern::kZipf},
                                            Case{257, 256, 128, 8, 4, RoutingPattern::kHalfEmpty, true},
+                                           Case{500, 256, 256, 8, 8, RoutingPattern::kOneExpert},
                                            Case{1, 128, 128, 4, 1, RoutingPattern::kUniform},
                                            Case{0, 256, 128, 8, 2, RoutingPattern::kUniform}),
                          testing::NameFromPrintTo());
