@@ -452,6 +452,10 @@ TEST_P(Fp8KGroupedGemmTest, MatchesHostOnTheQuantizedOperands) {
   args.m = 192;
   EXPECT_THAT([&] { gemm.run_k_grouped(args, nullptr); },
               ::testing::ThrowsMessage<Error>(HasSubstr("FP8 needs m and n in whole 128-blocks")));
+  args.m = c.m;
+  args.fp8.b_scale = qb.scales.data() + 1;  // the scale loader copies 16-byte pieces
+  EXPECT_THAT([&] { gemm.run_k_grouped(args, nullptr); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("fp8.a_scale and fp8.b_scale must be 16-byte aligned")));
 }
 
 INSTANTIATE_TEST_SUITE_P(

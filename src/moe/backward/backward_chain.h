@@ -167,7 +167,8 @@ class BackwardChain {
   DeviceBuffer<float> row_weight_, route_dot_, dw_scratch_;
   DeviceBuffer<uint8_t> dy_fp8_, dgu_fp8_;  // FP8 data gradients: their A operands, 1 x 128 scales beside
   DeviceBuffer<float> dy_scale_, dgu_scale_;
-  // FP8 weight gradients: the route rows quantized into their transposes, [cols, rows] and [cols, rows / 128].
+  // FP8 weight gradients: the route rows quantized into their transposes, [cols, rows], with their scales
+  // K block-major, [rows / 128, cols].
   struct TransposedRows {
     DeviceBuffer<uint8_t> q;
     DeviceBuffer<float> scales;
