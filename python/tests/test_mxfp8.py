@@ -1,5 +1,5 @@
 """pounce.to_mxfp8 and pounce.from_mxfp8 on a Hopper GPU: from_mxfp8 bit for bit an fp32 reference over
-every E4M3 code and every scale code (0xFF: NaN), to_mxfp8's scales by the MX rule and its round trip
+every pair of E4M3 code and scale code (0xFF: NaN), to_mxfp8's scales by the MX rule and its round trip
 within E4M3's rounding, leading dimensions kept, opcheck, torch.compile, and bad inputs named."""
 
 import pytest
@@ -24,9 +24,9 @@ def same_bits(a, b):
 
 
 def test_from_mxfp8_is_exact_on_every_code():
-    data = (torch.arange(256 * 256, device="cuda") % 256).to(torch.uint8).view(256, 256)  # every E4M3 code
-    scales = (torch.arange(256 * 8, device="cuda") % 256).to(torch.uint8)  # every scale code
-    scales = scales[torch.randperm(scales.numel(), device="cuda")].view(256, 8)
+    # Row r: every E4M3 code, every block under scale code r: each (code, scale) pair once.
+    data = torch.arange(256, device="cuda").to(torch.uint8).repeat(256, 1)
+    scales = torch.arange(256, device="cuda").to(torch.uint8).view(256, 1).repeat(1, 8)
     got = pounce.from_mxfp8(data, scales)
     assert got.dtype == torch.bfloat16 and got.shape == (256, 256)
     assert same_bits(got, reference_from_mxfp8(data, scales))
@@ -40,9 +40,10 @@ def test_to_mxfp8_follows_the_mx_rule_and_round_trips():
     data, scales = pounce.to_mxfp8(x)
     assert data.dtype == torch.float8_e4m3fn and data.shape == x.shape
     assert scales.dtype == torch.uint8 and scales.shape == (3, 40, 8)
-    # The spec's rule: e = floor(log2(amax)) - 8 (E4M3's largest binade is 2^8).
+    # The spec's rule: e = floor(log2(amax)) - 8 (E4M3's largest binade is 2^8); frexp gives floor(log2)
+    # + 1 exactly. (No block here is all zeros or near the clamp at 2^-127 or 2^127.)
     amax = x.float().abs().view(3, 40, 8, 32).amax(-1)
-    want = torch.floor(torch.log2(amax)).to(torch.int32) - 8 + 127
+    want = torch.frexp(amax).exponent.to(torch.int32) - 1 - 8 + 127
     assert torch.equal(scales.to(torch.int32), want)
     back = pounce.from_mxfp8(data, scales)
     error = (back.float() - x.float()).abs()
@@ -52,11 +53,14 @@ def test_to_mxfp8_follows_the_mx_rule_and_round_trips():
     assert bool((error <= torch.maximum(x.float().abs() / 8, step)).all())
 
 
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 8),
+                    reason="opcheck compares float8 outputs from PyTorch 2.8 on")
 def test_opcheck_and_compile():
     x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.pounce.to_mxfp8.default, (x,))
     data, scales = pounce.to_mxfp8(x)
-    torch.library.opcheck(torch.ops.pounce.from_mxfp8.default, (data, scales))
+    # opcheck's mutation check multiplies its inputs, which float8 tensors cannot: data as its uint8 bits.
+    torch.library.opcheck(torch.ops.pounce.from_mxfp8.default, (data.view(torch.uint8), scales))
     compiled = torch.compile(lambda t: pounce.from_mxfp8(*pounce.to_mxfp8(t)), fullgraph=True)
     assert same_bits(compiled(x), pounce.from_mxfp8(data, scales))
 
