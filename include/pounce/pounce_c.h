@@ -14,8 +14,9 @@
 extern "C" {
 #endif
 
-/* Raised whenever a struct below changes layout; bindings compare it with pounce_abi_version(). */
-#define POUNCE_C_ABI_VERSION 6
+/* Raised whenever a struct below changes layout or a function is added; bindings compare it with
+ * pounce_abi_version(). */
+#define POUNCE_C_ABI_VERSION 7
 #define POUNCE_NCCL_UNIQUE_ID_BYTES 128
 
 enum {
@@ -138,6 +139,13 @@ int pounce_moe_get_info(const pounce_moe* layer, pounce_moe_info* out);
 
 /* Frees the layer (NULL is fine). Collective for an NCCL layer: it then destroys its communicator. */
 int pounce_moe_destroy(pounce_moe* layer);
+
+/* MXFP8 at the layer's boundary (OCP MX v1.0: E4M3 elements, one E8M0 scale per 32 consecutive elements
+ * of a row), enqueued on `stream`. bf16 x [rows, cols] -> q [rows, cols] E4M3 and scales [rows, cols / 32]
+ * E8M0 (pounce::formats::quantize_mxfp8_device), and back to bf16 (dequantize_mxfp8_device: exact for
+ * scale codes 3 to 246). cols a multiple of 32; x and out 16-byte, q 8-byte aligned. */
+int pounce_bf16_to_mxfp8(const void* x, int64_t rows, int64_t cols, void* q, void* scales, void* stream);
+int pounce_mxfp8_to_bf16(const void* q, const void* scales, int64_t rows, int64_t cols, void* out, void* stream);
 
 #ifdef __cplusplus
 }

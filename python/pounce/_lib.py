@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 NCCL_UNIQUE_ID_BYTES = 128
 
 
@@ -105,6 +105,8 @@ _SIGNATURES = {
     "pounce_moe_check_device_errors": [_P],
     "pounce_moe_get_info": [_P, ctypes.POINTER(Info)],
     "pounce_moe_destroy": [_P],
+    "pounce_bf16_to_mxfp8": [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P],
+    "pounce_mxfp8_to_bf16": [_P, _P, ctypes.c_int64, ctypes.c_int64, _P, _P],
 }
 
 

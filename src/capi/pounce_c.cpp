@@ -13,6 +13,7 @@
 
 #include "comm/nccl_window.h"
 #include "common/require.h"
+#include "formats/quantize_kernel.h"
 #include "pounce/fused_moe.h"
 
 struct pounce_moe {
@@ -239,6 +240,20 @@ int pounce_moe_destroy(pounce_moe* layer) {
     if (!owned) return;
     owned->layer.reset();  // its NCCL window goes before the communicator
     if (owned->comm) destroy_comm(std::exchange(owned->comm, nullptr));
+  });
+}
+
+int pounce_bf16_to_mxfp8(const void* x, int64_t rows, int64_t cols, void* q, void* scales, void* stream) {
+  return guarded([&] {
+    pounce::formats::quantize_mxfp8_device(static_cast<const uint16_t*>(x), rows, cols, static_cast<uint8_t*>(q),
+                                           static_cast<uint8_t*>(scales), static_cast<cudaStream_t>(stream));
+  });
+}
+
+int pounce_mxfp8_to_bf16(const void* q, const void* scales, int64_t rows, int64_t cols, void* out, void* stream) {
+  return guarded([&] {
+    pounce::formats::dequantize_mxfp8_device(static_cast<const uint8_t*>(q), static_cast<const uint8_t*>(scales), rows,
+                                             cols, static_cast<uint16_t*>(out), static_cast<cudaStream_t>(stream));
   });
 }
 

@@ -56,6 +56,19 @@ TEST(CApi, NullArgumentsAreNamed) {
   EXPECT_EQ(pounce_moe_destroy(nullptr), POUNCE_OK);  // like free(NULL)
 }
 
+// The MXFP8 converters check their arguments before any CUDA call: the error names what is wrong.
+TEST(CApi, MxConvertersNameBadArguments) {
+  EXPECT_EQ(pounce_bf16_to_mxfp8(nullptr, 2, 48, nullptr, nullptr, nullptr), POUNCE_ERROR);
+  EXPECT_THAT(pounce_last_error(), ::testing::HasSubstr("cols = 48 is not a multiple of 32"));
+  EXPECT_EQ(pounce_bf16_to_mxfp8(nullptr, 2, 64, nullptr, nullptr, nullptr), POUNCE_ERROR);
+  EXPECT_THAT(pounce_last_error(), ::testing::HasSubstr("x is null"));
+  EXPECT_EQ(pounce_mxfp8_to_bf16(nullptr, nullptr, 2, 40, nullptr, nullptr), POUNCE_ERROR);
+  EXPECT_THAT(pounce_last_error(), ::testing::HasSubstr("not made of whole 1 x 32 blocks"));
+  EXPECT_EQ(pounce_mxfp8_to_bf16(nullptr, nullptr, 2, 64, nullptr, nullptr), POUNCE_ERROR);
+  EXPECT_THAT(pounce_last_error(), ::testing::HasSubstr("q, scales and out must be set"));
+  EXPECT_EQ(pounce_mxfp8_to_bf16(nullptr, nullptr, 0, 64, nullptr, nullptr), POUNCE_OK);  // nothing to do
+}
+
 TEST(CApi, DefaultOptionsAreTheLibrarys) {
   pounce_options options;
   ASSERT_EQ(pounce_default_options(&options), POUNCE_OK);

@@ -148,14 +148,24 @@ __global__ void __launch_bounds__(kThreadsPerCta)
   if (threadIdx.x == 0) scales[int64_t(blockIdx.y) * gridDim.x + blockIdx.x] = exp2_int(e);
 }
 
+// E8M0 code -> its power of two (0xFF: NaN; 0: 2^-127, a float subnormal).
+__device__ __forceinline__ float e8m0_value(uint8_t code) {
+  if (code == kE8M0NaN) return __int_as_float(0x7FC00000);
+  return code == 0 ? __int_as_float(0x00400000) : __int_as_float(uint32_t(code) << 23);
+}
+
 // One thread per 8 elements: E4M3 -> float (exact) times the block's power-of-two scale (exact unless
-// subnormal) -> bf16 (exact for 4 significant bits; the host reference rounds the same two steps).
-__global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scales, int64_t rows,
+// subnormal) -> bf16 (exact for 4 significant bits; the host reference rounds the same two steps). kMx:
+// E8M0 scales, one per 32 elements of a row; else fp32 ones per 1 x 128 (block_rows 1) or 128 x 128 block.
+template <bool kMx>
+__global__ void dequantize_kernel(const uint8_t* __restrict__ q, const void* __restrict__ scales, int64_t rows,
                                   int64_t cols, int block_rows, uint16_t* __restrict__ out) {
   const int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kElemsPerThread;
   if (first >= rows * cols) return;
   const int64_t row = first / cols, col = first % cols;
-  const float scale = scales[(row / block_rows) * (cols / kActivationBlock) + col / kActivationBlock];
+  const float scale =
+      kMx ? e8m0_value(static_cast<const uint8_t*>(scales)[row * (cols / kMxBlock) + col / kMxBlock])
+          : static_cast<const float*>(scales)[(row / block_rows) * (cols / kActivationBlock) + col / kActivationBlock];
   const uint2 codes = *reinterpret_cast<const uint2*>(q + first);
   const uint32_t words[2] = {codes.x, codes.y};
   uint32_t bf16x2[4];
@@ -268,7 +278,23 @@ void dequantize_blockwise_device(const uint8_t* q, const float* scales, int64_t 
   const int64_t threads = rows * cols / kElemsPerThread;
   const int64_t ctas = (threads + kThreadsPerCta - 1) / kThreadsPerCta;
   POUNCE_REQUIRE(ctas <= INT_MAX, name, ": ", rows, " x ", cols, " elements need more than 2^31 - 1 CTAs");
-  dequantize_kernel<<<unsigned(ctas), kThreadsPerCta, 0, stream>>>(q, scales, rows, cols, block_rows, out_bf16);
+  dequantize_kernel<false><<<unsigned(ctas), kThreadsPerCta, 0, stream>>>(q, scales, rows, cols, block_rows, out_bf16);
+  CUDA_CHECK_LAUNCH();
+}
+
+void dequantize_mxfp8_device(const uint8_t* q, const uint8_t* scales, int64_t rows, int64_t cols, uint16_t* out_bf16,
+                             cudaStream_t stream) {
+  constexpr const char* name = "dequantize_mxfp8_device";
+  POUNCE_REQUIRE(rows >= 0 && cols >= 0 && cols % kMxBlock == 0, name, ": shape [", rows, ", ", cols,
+                 "] is not made of whole 1 x ", kMxBlock, " blocks");
+  if (rows == 0 || cols == 0) return;
+  POUNCE_REQUIRE(q != nullptr && scales != nullptr && out_bf16 != nullptr, name, ": q, scales and out must be set");
+  POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(q) % 8 == 0 && reinterpret_cast<uintptr_t>(out_bf16) % 16 == 0, name,
+                 ": q must be 8-byte and out 16-byte aligned");
+  const int64_t threads = rows * cols / kElemsPerThread;
+  const int64_t ctas = (threads + kThreadsPerCta - 1) / kThreadsPerCta;
+  POUNCE_REQUIRE(ctas <= INT_MAX, name, ": ", rows, " x ", cols, " elements need more than 2^31 - 1 CTAs");
+  dequantize_kernel<true><<<unsigned(ctas), kThreadsPerCta, 0, stream>>>(q, scales, rows, cols, 1, out_bf16);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -51,5 +51,12 @@ void dequantize_blockwise_device(const uint8_t* q, const float* scales, int64_t 
 // out: [rows, cols] E4M3; scales: [rows, cols / 32] E8M0 (OCP MX rule). cols % 32 == 0.
 void quantize_mxfp8_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, uint8_t* scales,
                            cudaStream_t stream);
+// Its inverse, MXFP8 -> bf16: out = e4m3 q * 2^(scale - 127), rounded as the host's float product
+// (formats::dequantize of an Mxfp8) converted to bf16. Exact for every E4M3 value under scale codes 3 to
+// 246 (2^-124 to 2^119); below, the smallest values fall under bf16's subnormal step (2^-133) and round,
+// above, the largest overflow to infinity. A 0xFF scale gives NaN, as the MX spec says.
+// cols % 32 == 0; q 8-byte and out 16-byte aligned.
+void dequantize_mxfp8_device(const uint8_t* q, const uint8_t* scales, int64_t rows, int64_t cols, uint16_t* out_bf16,
+                             cudaStream_t stream);
 
 }  // namespace pounce::formats

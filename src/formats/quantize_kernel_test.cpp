@@ -74,13 +74,13 @@ std::vector<uint8_t> as_bytes(const std::vector<T>& v) {
   return bytes;
 }
 
-// The device dequantizer on what a device quantizer wrote, against the host's dequantized values.
-void check_dequantized(const GuardedBuffer& q, const GuardedBuffer& scales, int64_t rows, int64_t cols, int block_rows,
-                       const std::vector<float>& want, cudaStream_t stream) {
+// A device dequantizer (`run` writes bf16 [rows, cols] to its argument) against the host's dequantized
+// values, bit for bit (NaN for NaN).
+template <typename Run>
+void check_dequantized(const char* what, Run run, int64_t cols, const std::vector<float>& want, cudaStream_t stream) {
   GuardedBuffer d_out(want.size() * sizeof(uint16_t));
   d_out.poison();
-  dequantize_blockwise_device(q.as<uint8_t>(), scales.as<float>(), rows, cols, block_rows, d_out.as<uint16_t>(),
-                              stream);
+  run(d_out.as<uint16_t>());
   CUDA_CHECK(cudaStreamSynchronize(stream));
   const std::vector<uint8_t> bytes = d_out.download();
   const std::vector<uint16_t> want_bits = testing::to_bf16_bits(want);
@@ -91,8 +91,19 @@ void check_dequantized(const GuardedBuffer& q, const GuardedBuffer& scales, int6
     const bool same = got == want_bits[i] || (std::isnan(bf16_to_float(got)) && std::isnan(want[i]));
     if (!same && mismatches++ == 0) first = int64_t(i);
   }
-  EXPECT_EQ(mismatches, 0) << (block_rows == 1 ? "1x128" : "128x128") << " dequantized: first mismatch at element "
-                           << first << " (row " << first / cols << ", column " << first % cols << ")";
+  EXPECT_EQ(mismatches, 0) << what << " dequantized: first mismatch at element " << first << " (row " << first / cols
+                           << ", column " << first % cols << ")";
+}
+
+// The blockwise device dequantizer on what a device quantizer wrote.
+void check_dequantized(const GuardedBuffer& q, const GuardedBuffer& scales, int64_t rows, int64_t cols, int block_rows,
+                       const std::vector<float>& want, cudaStream_t stream) {
+  check_dequantized(
+      block_rows == 1 ? "1x128" : "128x128",
+      [&](uint16_t* out) {
+        dequantize_blockwise_device(q.as<uint8_t>(), scales.as<float>(), rows, cols, block_rows, out, stream);
+      },
+      cols, want, stream);
 }
 
 // Runs the device quantizers on x (bf16 bits, [rows, cols]) and compares them to the host reference.
@@ -138,6 +149,12 @@ void check_against_host(const std::vector<uint16_t>& x, int64_t rows, int64_t co
   CUDA_CHECK(cudaStreamSynchronize(stream));
   expect_bytes_equal(d_out.download(), want.data, "MXFP8 data", cols);
   expect_bytes_equal(d_scales.download(), want.scales, "MXFP8 scales", cols / kMxBlock);
+  check_dequantized(
+      "MXFP8",
+      [&](uint16_t* out) {
+        dequantize_mxfp8_device(d_out.as<uint8_t>(), d_scales.as<uint8_t>(), rows, cols, out, stream);
+      },
+      cols, dequantize(want), stream);
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
@@ -288,6 +305,33 @@ TEST(QuantizeKernel, TransposedBlocksMatchHost) {
   EXPECT_THROW(transpose_128x128_device(d_q.data(), d_scales.data(), 1, 100, 128, d_out.as<uint8_t>(),
                                         d_out_scales.as<float>(), nullptr),
                Error);
+}
+
+// MXFP8 -> bf16 over every pair of scale code (0 to 255: the subnormal rounding at the low end,
+// infinities at the high end, NaN at 0xFF) and E4M3 code (NaNs included), bit for bit the host's
+// dequantized values; bad shapes and pointers refused.
+TEST(QuantizeKernel, MxDequantizerIsTheHostsOnEveryCode) {
+  POUNCE_REQUIRE_HOPPER();
+  // Row r: every E4M3 code, every block under scale code r: each (code, scale) pair once.
+  Mxfp8 mx{256, 256, std::vector<uint8_t>(256 * 256), std::vector<uint8_t>(256 * 256 / kMxBlock)};
+  for (int64_t r = 0; r < mx.rows; ++r) {
+    for (int64_t c = 0; c < mx.cols; ++c) mx.data[r * mx.cols + c] = uint8_t(c);
+    for (int64_t b = 0; b < mx.cols / kMxBlock; ++b) mx.scales[r * (mx.cols / kMxBlock) + b] = uint8_t(r);
+  }
+  GuardedBuffer d_q(mx.data.size()), d_scales(mx.scales.size());
+  CUDA_CHECK(cudaMemcpy(d_q.as<void>(), mx.data.data(), mx.data.size(), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(d_scales.as<void>(), mx.scales.data(), mx.scales.size(), cudaMemcpyHostToDevice));
+  check_dequantized(
+      "MXFP8",
+      [&](uint16_t* out) {
+        dequantize_mxfp8_device(d_q.as<uint8_t>(), d_scales.as<uint8_t>(), mx.rows, mx.cols, out, nullptr);
+      },
+      mx.cols, dequantize(mx), nullptr);
+  GuardedBuffer d_out(size_t(2 * 32));
+  EXPECT_THROW(dequantize_mxfp8_device(d_q.as<uint8_t>(), d_scales.as<uint8_t>(), 1, 48, d_out.as<uint16_t>(), nullptr),
+               Error);
+  EXPECT_THROW(dequantize_mxfp8_device(nullptr, d_scales.as<uint8_t>(), 1, 32, d_out.as<uint16_t>(), nullptr), Error);
+  EXPECT_NO_THROW(dequantize_mxfp8_device(nullptr, nullptr, 0, 32, nullptr, nullptr));
 }
 
 // The weight gradients' operands: x [rows, cols] quantized along its rows into its transpose, bit for
