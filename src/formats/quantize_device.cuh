@@ -7,6 +7,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "formats/blockwise.h"
 #include "formats/numerics.h"
@@ -80,14 +81,37 @@ __device__ __forceinline__ uint2 e4m3x8(uint4 raw, float inv_scale) {
   return make_uint2(codes[0], codes[1]);
 }
 
-// The 1 x 128 block scale exponent of the finite amax `amax` (bits) of a block whose elements are
-// spread over kLanes consecutive lanes (aligned groups), each lane holding its own part's amax: the
-// lanes' maximum by shuffles, then scale_exponent. Every lane of the warp must call it.
-template <int kLanes>
-__device__ __forceinline__ int block_scale_exponent_1x128(uint32_t amax) {
+// The scale exponent (MX or blockwise rule) of a block whose elements are spread over kLanes consecutive
+// lanes (aligned groups), each lane holding its own part's finite amax (bits): the lanes' maximum by
+// shuffles, then scale_exponent. Every lane of the warp must call it.
+template <bool kMx, int kLanes>
+__device__ __forceinline__ int block_scale_exponent(uint32_t amax) {
 #pragma unroll
   for (int offset = kLanes / 2; offset > 0; offset /= 2) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-  return scale_exponent<false>(amax);
+  return scale_exponent<kMx>(amax);
+}
+
+template <bool kMx>
+using ScaleT = std::conditional_t<kMx, uint8_t, float>;  // E8M0 codes, or fp32 powers of two
+
+// One 16-byte chunk (8 bf16, index `chunk` of a row-major matrix of whole blocks) quantized within its
+// block (1 x 128, or 1 x 32 for MX), whose chunks are consecutive lanes (an aligned group): codes to chunk
+// `chunk` of out, the block's scale to its slot of scales ([rows, cols / block]). Every lane of the warp
+// calls it (the block's amax is a shuffle); inactive lanes only skip the stores.
+template <bool kMx>
+__device__ __forceinline__ void quantize_chunk(uint4 raw, int64_t chunk, bool active, uint8_t* out,
+                                               ScaleT<kMx>* scales) {
+  constexpr int kLanes = (kMx ? kMxBlock : kActivationBlock) / 8;  // 4 or 16
+  const int e = block_scale_exponent<kMx, kLanes>(finite_amax_bits(raw));
+  const uint2 codes = e4m3x8(raw, exp2_int(-e));  // e >= -127 keeps the inverse scale <= 2^127
+  if (!active) return;
+  reinterpret_cast<uint2*>(out)[chunk] = codes;
+  if (chunk % kLanes == 0) {
+    if constexpr (kMx)
+      scales[chunk / kLanes] = uint8_t(e + kE8M0Bias);
+    else
+      scales[chunk / kLanes] = exp2_int(e);
+  }
 }
 
 }  // namespace pounce::formats::quantize_device

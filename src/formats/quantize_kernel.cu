@@ -40,33 +40,6 @@ constexpr int kElemsPerThread = 8;  // one 16-byte load of bf16
 constexpr int kThreadsPerCta = 256;
 constexpr int kChunksPerThread = 4;  // loads in flight per thread: 4 gave ~15% more bandwidth than 1 on H200
 
-template <bool kMx>
-using ScaleT = std::conditional_t<kMx, uint8_t, float>;
-
-// Quantizes one chunk (8 elements from element `first`); an inactive chunk lies past the end.
-template <bool kMx>
-__device__ void quantize_chunk(uint4 raw, int64_t first, bool active, uint8_t* __restrict__ out,
-                               ScaleT<kMx>* __restrict__ scales) {
-  constexpr int kBlock = kMx ? kMxBlock : kActivationBlock;
-  constexpr int kLanesPerBlock = kBlock / kElemsPerThread;  // 4 or 16
-  uint32_t amax = finite_amax_bits(raw);
-#pragma unroll
-  for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2)
-    amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-
-  const int e = scale_exponent<kMx>(amax);
-  const float inv_scale = exp2_int(-e);  // e >= -127 keeps this <= 2^127
-  const uint2 codes = e4m3x8(raw, inv_scale);
-  if (!active) return;
-  *reinterpret_cast<uint2*>(out + first) = codes;
-  if (threadIdx.x % kLanesPerBlock == 0) {
-    if constexpr (kMx)
-      scales[first / kBlock] = uint8_t(e + kE8M0Bias);
-    else
-      scales[first / kBlock] = exp2_int(e);
-  }
-}
-
 // With source_row, output row r is x's row source_row[r] (a gather; negative: a row of zeros); a chunk
 // never straddles two rows (cols is a multiple of 8).
 template <bool kMx>
@@ -87,7 +60,8 @@ __global__ void __launch_bounds__(kThreadsPerCta)
     raw[c] = first[c] < n && from >= 0 ? *reinterpret_cast<const uint4*>(x + from) : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
-  for (int c = 0; c < kChunksPerThread; ++c) quantize_chunk<kMx>(raw[c], first[c], first[c] < n, out, scales);
+  for (int c = 0; c < kChunksPerThread; ++c)  // an inactive chunk lies past the end
+    quantize_chunk<kMx>(raw[c], first[c] / kElemsPerThread, first[c] < n, out, scales);
 }
 
 template <bool kMx>

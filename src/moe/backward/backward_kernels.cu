@@ -23,17 +23,7 @@ __global__ void set_plan_inputs_kernel(const int32_t** ids_table, int32_t* token
   }
 }
 
-// One 16-byte chunk (8 bf16, row-major index `chunk`) of a row quantized within its 1 x 128 block, whose
-// 16 chunks are 16 consecutive lanes (an aligned half-warp): bit for bit quantize_1x128_device. Every
-// lane of the warp calls it (the block's amax is a shuffle); inactive lanes only skip the stores.
-__device__ __forceinline__ void quantize_chunk_1x128(uint4 raw, int64_t chunk, bool active, Fp8Rows out) {
-  using namespace formats::quantize_device;
-  const int e = block_scale_exponent_1x128<16>(finite_amax_bits(raw));
-  const uint2 codes = e4m3x8(raw, exp2_int(-e));
-  if (!active) return;
-  reinterpret_cast<uint2*>(out.data)[chunk] = codes;
-  if (chunk % 16 == 0) out.scales[chunk / 16] = exp2_int(e);
-}
+using formats::quantize_device::quantize_chunk;  // bit for bit quantize_1x128_device's, chunk by chunk
 
 // The vector loop runs the same trip count on every thread (chunks past the row only skip their
 // stores), so that the FP8 quantizer's shuffles see whole warps: vecs is a multiple of 16 then.
@@ -58,7 +48,7 @@ __global__ void gather_kernel(const RouteSources sources, const int32_t* row_sou
           dy_rows[r * vecs + v] = dy_value;
         }
       }
-      if (dy_fp8.data != nullptr) quantize_chunk_1x128(dy_value, r * vecs + v, active, dy_fp8);
+      if (dy_fp8.data != nullptr) quantize_chunk<false>(dy_value, r * vecs + v, active, dy_fp8.data, dy_fp8.scales);
     }
   }
 }
@@ -83,7 +73,7 @@ __global__ void scatter_kernel(const uint4* dx_rows, const float* route_dot, con
 __device__ __forceinline__ void quantize_row(const uint4* row, int64_t first_chunk, int64_t vecs, Fp8Rows out,
                                              int lane) {
   __syncwarp();
-  for (int64_t v = lane; v < vecs; v += 32) quantize_chunk_1x128(row[v], first_chunk + v, true, out);
+  for (int64_t v = lane; v < vecs; v += 32) quantize_chunk<false>(row[v], first_chunk + v, true, out.data, out.scales);
 }
 
 // One warp per row (moe/backward/swiglu_backward.cuh), each lane owning groups of 8 intermediate columns:
