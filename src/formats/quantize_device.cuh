@@ -48,23 +48,35 @@ __device__ __forceinline__ int scale_exponent(uint32_t amax) {
 // inputs: a block of subnormals has scale 2^-127 and its elements must survive the multiplication.
 using ptx::mul_rn;
 
-// Two E4M3 codes (lo in bits 0-7), with any NaN made the canonical 0x7F.
+// Two E4M3 codes (lo in bits 0-7) as cvt.rn.satfinite gives them: a NaN may come out as 0x7F or 0xFF.
 __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
-  const uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t c0 = pair & 0xFF, c1 = pair >> 8;
-  return ((c0 & 0x7F) == 0x7F ? kE4M3NaN : c0) | ((c1 & 0x7F) == 0x7F ? kE4M3NaN : c1) << 8;
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
 }
 
-// The largest finite magnitude among a chunk's 8 bf16 (as bits; see the NOTES above).
+// Four E4M3 codes with every NaN made the canonical 0x7F. With satfinite, a code whose low seven bits
+// are all ones is a NaN (finite values and infinities saturate to 0x7E): adding 1 to those bits carries
+// into bit 7 for exactly those codes, which marks the sign bits to clear.
+__device__ __forceinline__ uint32_t canonical_nan_codes(uint32_t codes) {
+  const uint32_t nan_bytes = ((codes & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+  return codes & ~nan_bytes;
+}
+
+// The largest finite magnitude among a chunk's 8 bf16 (as bits; see the NOTES above): the magnitudes'
+// maximum two at a time, and element by element only for a chunk holding an Inf or a NaN.
 __device__ __forceinline__ uint32_t finite_amax_bits(uint4 raw) {
+  constexpr uint32_t kMagnitudes = 0x7FFF7FFFu;
+  const uint32_t pairs = ptx::max_u16x2(ptx::max_u16x2(raw.x & kMagnitudes, raw.y & kMagnitudes),
+                                        ptx::max_u16x2(raw.z & kMagnitudes, raw.w & kMagnitudes));
+  const uint32_t amax = max(pairs & 0xFFFFu, pairs >> 16);
+  if (amax < 0x7F80) return amax;
   const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};  // element 2i in the low half of words[i]
-  uint32_t amax = 0;
+  uint32_t finite = 0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint32_t a = (words[i / 2] >> (16 * (i % 2))) & 0x7FFF;
-    if (a < 0x7F80) amax = max(amax, a);
+    if (a < 0x7F80) finite = max(finite, a);
   }
-  return amax;
+  return finite;
 }
 
 // A chunk's 8 bf16 times inv_scale, as 8 E4M3 codes in element order.
@@ -75,8 +87,8 @@ __device__ __forceinline__ uint2 e4m3x8(uint4 raw, float inv_scale) {
   for (int i = 0; i < 2; ++i) {
     const float x0 = __uint_as_float(words[2 * i] << 16), x1 = __uint_as_float(words[2 * i] & 0xFFFF0000u);
     const float x2 = __uint_as_float(words[2 * i + 1] << 16), x3 = __uint_as_float(words[2 * i + 1] & 0xFFFF0000u);
-    codes[i] = e4m3x2(mul_rn(x0, inv_scale), mul_rn(x1, inv_scale)) |
-               e4m3x2(mul_rn(x2, inv_scale), mul_rn(x3, inv_scale)) << 16;
+    codes[i] = canonical_nan_codes(e4m3x2(mul_rn(x0, inv_scale), mul_rn(x1, inv_scale)) |
+                                   e4m3x2(mul_rn(x2, inv_scale), mul_rn(x3, inv_scale)) << 16);
   }
   return make_uint2(codes[0], codes[1]);
 }

@@ -184,43 +184,58 @@ __global__ void __launch_bounds__(kThreadsPerCta)
     out_scales[(m * block_cols + bc) * block_rows + br] = scales[(m * block_rows + br) * block_cols + bc];
 }
 
-// One CTA per 128 x 128 tile of x, staged row-major in shared memory; thread c then owns column c of the
-// tile, one row of the output: it reads the column down the rows twice (a warp reads 32 neighbouring
-// columns of one row at a time: no bank conflicts), once for the block's amax and once to convert, eight
-// rows at a time, so that only a chunk is live (the one-pass form held all 128 values: 167 registers).
+// One CTA per 128 x 128 tile of x, staged in shared memory with rows paired: word (p, c) holds column c
+// of rows 2 p and 2 p + 1 (the lower row in the low half), so a thread reading its column down the rows
+// gets two elements per 4-byte load, already in the chunk order of the row-wise quantizer (element 2i in
+// the low half of word i). Thread c then owns column c of the tile, one row of the output: it reads the
+// column twice (a warp reads 32 neighbouring words of one pair of rows at a time: no bank conflicts), once
+// for the block's amax and once to convert, eight rows at a time, so that only a chunk is live (the
+// one-pass form held all 128 values: 167 registers).
 constexpr int kTransposeThreads = 128;
 __global__ void __launch_bounds__(kTransposeThreads)
     quantize_1x128_transposed_kernel(const uint16_t* __restrict__ x, int64_t rows, int64_t cols,
                                      uint8_t* __restrict__ out, float* __restrict__ scales,
                                      const int32_t* __restrict__ rows_in_use) {
   constexpr int kB = kActivationBlock, kVectors = kB / kElemsPerThread;
-  __shared__ alignas(16) uint16_t tile[kB * kB];
+  __shared__ alignas(16) uint32_t pairs[kB / 2][kB];
   const int64_t block_cols = cols / kB, rb = blockIdx.x / block_cols, cb = blockIdx.x % block_cols;
   if (rows_in_use != nullptr && rb * kB >= *rows_in_use) return;  // the whole CTA: before any barrier
   const uint16_t* from = x + rb * kB * cols + cb * kB;
-  // All of a thread's 16 loads first, then its stores: 16 loads in flight per thread instead of one.
-  constexpr int kLoads = kB * kVectors / kTransposeThreads;
-  uint4 loaded[kLoads];
+  // A thread takes 8 column chunks of both rows of a pair: all 16 of its loads first, then its
+  // shared-memory stores (16 loads in flight per thread instead of one).
+  constexpr int kPairChunks = kB / 2 * kVectors / kTransposeThreads;  // 8
+  uint4 upper[kPairChunks], lower[kPairChunks];
 #pragma unroll
-  for (int j = 0; j < kLoads; ++j) {
-    const int i = threadIdx.x + j * kTransposeThreads, r = i / kVectors, v = i % kVectors;
-    loaded[j] = *reinterpret_cast<const uint4*>(from + r * cols + v * kElemsPerThread);
+  for (int j = 0; j < kPairChunks; ++j) {
+    const int i = threadIdx.x + j * kTransposeThreads, p = i / kVectors, v = i % kVectors;
+    upper[j] = *reinterpret_cast<const uint4*>(from + (2 * p) * cols + v * kElemsPerThread);
+    lower[j] = *reinterpret_cast<const uint4*>(from + (2 * p + 1) * cols + v * kElemsPerThread);
   }
 #pragma unroll
-  for (int j = 0; j < kLoads; ++j) {
-    const int i = threadIdx.x + j * kTransposeThreads, r = i / kVectors, v = i % kVectors;
-    *reinterpret_cast<uint4*>(&tile[r * kB + v * kElemsPerThread]) = loaded[j];
+  for (int j = 0; j < kPairChunks; ++j) {
+    const int i = threadIdx.x + j * kTransposeThreads, p = i / kVectors, v = i % kVectors;
+    const uint32_t a[4] = {upper[j].x, upper[j].y, upper[j].z, upper[j].w};
+    const uint32_t b[4] = {lower[j].x, lower[j].y, lower[j].z, lower[j].w};
+    uint32_t words[8];  // columns 8 v .. 8 v + 7
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      words[2 * k] = __byte_perm(a[k], b[k], 0x5410);      // the even column's two rows
+      words[2 * k + 1] = __byte_perm(a[k], b[k], 0x7632);  // the odd column's
+    }
+    // A thread's two 16-byte stores in the order (v / 4) % 2: the eight lanes of a store phase then cover
+    // all 32 banks once.
+    uint4* const to = reinterpret_cast<uint4*>(&pairs[p][v * kElemsPerThread]);
+    const int first = v / 4 % 2;
+    to[first] = first == 0 ? make_uint4(words[0], words[1], words[2], words[3])
+                           : make_uint4(words[4], words[5], words[6], words[7]);
+    to[1 - first] = first == 0 ? make_uint4(words[4], words[5], words[6], words[7])
+                               : make_uint4(words[0], words[1], words[2], words[3]);
   }
   __syncthreads();
   const int c = threadIdx.x;
-  // Column rows 8 v .. 8 v + 7 as a chunk of 8 bf16 (element 2i in the low half of word i), as the
-  // row-wise quantizer holds them.
+  // Column rows 8 v .. 8 v + 7 as a chunk of 8 bf16.
   const auto chunk = [&](int v) {
-    uint32_t words[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      words[i] = uint32_t(tile[(v * 8 + 2 * i) * kB + c]) | uint32_t(tile[(v * 8 + 2 * i + 1) * kB + c]) << 16;
-    return make_uint4(words[0], words[1], words[2], words[3]);
+    return make_uint4(pairs[4 * v][c], pairs[4 * v + 1][c], pairs[4 * v + 2][c], pairs[4 * v + 3][c]);
   };
   uint32_t amax = 0;
 #pragma unroll 4

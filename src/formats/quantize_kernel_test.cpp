@@ -335,8 +335,8 @@ TEST(QuantizeKernel, MxDequantizerIsTheHostsOnEveryCode) {
 }
 
 // The weight gradients' operands: x [rows, cols] quantized along its rows into its transpose, bit for
-// bit the host's 1 x 128 quantizer of the transposed matrix; wide magnitudes, a NaN, an Inf, a zero
-// column block, several tiles both ways.
+// bit the host's 1 x 128 quantizer of the transposed matrix; wide magnitudes, NaNs of both signs, an
+// Inf, a zero column block, several tiles both ways.
 TEST(QuantizeKernel, TransposedQuantizerIsTheHostsQuantizerOfTheTranspose) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
@@ -352,6 +352,7 @@ TEST(QuantizeKernel, TransposedQuantizerIsTheHostsQuantizerOfTheTranspose) {
     }
   for (int64_t r = 256; r < 384; ++r) x[r * cols + 9] = uint16_t(0x0001 + r % 0x7F);  // a block of subnormals
   x[5 * cols + 7] = 0x7FC0;                                                           // NaN
+  x[6 * cols + 8] = 0xFFC0;                                                           // -NaN
   x[200 * cols + 130] = 0xFF80;                                                       // -Inf
   for (int64_t r = 128; r < 256; ++r) x[r * cols + 3] = 0;  // column 3's second block all zeros
   std::vector<float> transposed(size_t(rows * cols));

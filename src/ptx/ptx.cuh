@@ -49,6 +49,13 @@ __device__ __forceinline__ float mul_rn(float a, float b) {
   return r;
 }
 
+// The larger of each 16-bit half of a and b, as unsigned integers (sm_90).
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
 // ---- shared memory -------------------------------------------------------------------------------
 
 __device__ __forceinline__ float ld_shared_f32(uint32_t smem_address) {
