@@ -253,6 +253,25 @@ __global__ void __launch_bounds__(kTransposeThreads)
 
 }  // namespace
 
+namespace {
+
+// What both dequantizers check and do once their shape is known to be whole blocks.
+template <bool kMx>
+void launch_dequantize(const char* name, const uint8_t* q, const void* scales, int64_t rows, int64_t cols,
+                       int block_rows, uint16_t* out_bf16, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  POUNCE_REQUIRE(q != nullptr && scales != nullptr && out_bf16 != nullptr, name, ": q, scales and out must be set");
+  POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(q) % 8 == 0 && reinterpret_cast<uintptr_t>(out_bf16) % 16 == 0, name,
+                 ": q must be 8-byte and out 16-byte aligned");
+  const int64_t threads = rows * cols / kElemsPerThread;
+  const int64_t ctas = (threads + kThreadsPerCta - 1) / kThreadsPerCta;
+  POUNCE_REQUIRE(ctas <= INT_MAX, name, ": ", rows, " x ", cols, " elements need more than 2^31 - 1 CTAs");
+  dequantize_kernel<kMx><<<unsigned(ctas), kThreadsPerCta, 0, stream>>>(q, scales, rows, cols, block_rows, out_bf16);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
 void dequantize_blockwise_device(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, int block_rows,
                                  uint16_t* out_bf16, cudaStream_t stream) {
   constexpr const char* name = "dequantize_blockwise_device";
@@ -260,15 +279,7 @@ void dequantize_blockwise_device(const uint8_t* q, const float* scales, int64_t 
                  " (1 for 1 x 128 blocks, 128 for 128 x 128)");
   POUNCE_REQUIRE(rows >= 0 && cols >= 0 && cols % kActivationBlock == 0 && rows % block_rows == 0, name, ": shape [",
                  rows, ", ", cols, "] is not made of whole ", block_rows, " x 128 blocks");
-  if (rows == 0 || cols == 0) return;
-  POUNCE_REQUIRE(q != nullptr && scales != nullptr && out_bf16 != nullptr, name, ": q, scales and out must be set");
-  POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(q) % 8 == 0 && reinterpret_cast<uintptr_t>(out_bf16) % 16 == 0, name,
-                 ": q must be 8-byte and out 16-byte aligned");
-  const int64_t threads = rows * cols / kElemsPerThread;
-  const int64_t ctas = (threads + kThreadsPerCta - 1) / kThreadsPerCta;
-  POUNCE_REQUIRE(ctas <= INT_MAX, name, ": ", rows, " x ", cols, " elements need more than 2^31 - 1 CTAs");
-  dequantize_kernel<false><<<unsigned(ctas), kThreadsPerCta, 0, stream>>>(q, scales, rows, cols, block_rows, out_bf16);
-  CUDA_CHECK_LAUNCH();
+  launch_dequantize<false>(name, q, scales, rows, cols, block_rows, out_bf16, stream);
 }
 
 void dequantize_mxfp8_device(const uint8_t* q, const uint8_t* scales, int64_t rows, int64_t cols, uint16_t* out_bf16,
@@ -276,15 +287,7 @@ void dequantize_mxfp8_device(const uint8_t* q, const uint8_t* scales, int64_t ro
   constexpr const char* name = "dequantize_mxfp8_device";
   POUNCE_REQUIRE(rows >= 0 && cols >= 0 && cols % kMxBlock == 0, name, ": shape [", rows, ", ", cols,
                  "] is not made of whole 1 x ", kMxBlock, " blocks");
-  if (rows == 0 || cols == 0) return;
-  POUNCE_REQUIRE(q != nullptr && scales != nullptr && out_bf16 != nullptr, name, ": q, scales and out must be set");
-  POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(q) % 8 == 0 && reinterpret_cast<uintptr_t>(out_bf16) % 16 == 0, name,
-                 ": q must be 8-byte and out 16-byte aligned");
-  const int64_t threads = rows * cols / kElemsPerThread;
-  const int64_t ctas = (threads + kThreadsPerCta - 1) / kThreadsPerCta;
-  POUNCE_REQUIRE(ctas <= INT_MAX, name, ": ", rows, " x ", cols, " elements need more than 2^31 - 1 CTAs");
-  dequantize_kernel<true><<<unsigned(ctas), kThreadsPerCta, 0, stream>>>(q, scales, rows, cols, 1, out_bf16);
-  CUDA_CHECK_LAUNCH();
+  launch_dequantize<true>(name, q, scales, rows, cols, 1, out_bf16, stream);
 }
 
 void quantize_128x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,
