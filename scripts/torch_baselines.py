@@ -7,6 +7,9 @@
   - a loop of per-expert torch.mm (cuBLAS) for each GEMM: the same loop pounce_bench times as
     "cublas_loop", so pounce / torch._grouped_mm can be read through a reference that does the same work,
     each ratio measured interleaved in its own process;
+  - torch._scaled_grouped_mm for both GEMMs in E4M3 with rowwise scales and fast accumulation, on the
+    same groups, interleaved with torch._scaled_mm's 8192^3 E4M3 dense GEMM (rowwise, fast
+    accumulation), the FP8 ceiling pounce_bench times beside its own FP8 GEMMs;
   - torch.matmul 8192^3 bf16 as this process's dense ceiling;
   - when the pounce package imports (from python/ over build/bin/libpounce.so, or installed), pounce's
     layer (pounce.moe) forward and forward + backward against the eager MoE's, in this same process and
@@ -69,6 +72,54 @@ def check_eager_moe():
     err = ((y - ref).norm() / ref.norm()).item()
     assert err < 2e-2, f"eager MoE baseline disagrees with the loop reference: relative L2 {err}"
     return err
+
+
+def rowwise_fp8(t):
+    """t (bf16, [..., K]) in E4M3 with one fp32 scale per row (its amax over 448), as rowwise scaled GEMMs take it."""
+    scale = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / 448.0
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
+
+
+def scaled_grouped_mm(pool, hidden, w13, w2, offs, routes, args):
+    """GEMM1 and GEMM2 by torch._scaled_grouped_mm (E4M3, rowwise scales, fast accumulation) on the padded
+    groups, interleaved with torch._scaled_mm's 8192^3 E4M3 dense GEMM; GEMM1's output is checked against
+    torch._grouped_mm in bf16 (E4M3 rounding of both operands: a few percent)."""
+    E, N1, H = w13.shape
+    I = w2.shape[2]
+    a1, sa1 = rowwise_fp8(pool)
+    b1, sb1 = rowwise_fp8(w13)
+    a2, sa2 = rowwise_fp8(hidden)
+    b2, sb2 = rowwise_fp8(w2)
+    d = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    da, sda = rowwise_fp8(d)
+    db, sdb = rowwise_fp8(d.t().contiguous())
+
+    def gemm1():
+        return torch._scaled_grouped_mm(a1, b1.transpose(-2, -1), sa1, sb1, offs=offs, out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
+
+    def gemm2():
+        return torch._scaled_grouped_mm(a2, b2.transpose(-2, -1), sa2, sb2, offs=offs, out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
+
+    def dense():
+        return torch._scaled_mm(da, db.t(), sda.unsqueeze(1), sdb.unsqueeze(0), out_dtype=torch.bfloat16,
+                                use_fast_accum=True)
+
+    want = torch._grouped_mm(pool, w13.transpose(-2, -1), offs=offs).float()
+    err = ((gemm1().float() - want).norm() / want.norm()).item()
+    assert err < 0.1, f"torch._scaled_grouped_mm GEMM1 strays from the bf16 GEMM: relative L2 {err}"
+    g1, g2, dn = time_interleaved([gemm1, gemm2, dense], args.warmup, args.reps)
+    dense_rate = 2 * 8192 ** 3 / (dn["median_ms"] * 1e-3) / 1e12
+    for t, flops in ((g1, 2 * routes * N1 * H), (g2, 2 * routes * H * I)):
+        t["tflops"] = flops / (t["median_ms"] * 1e-3) / 1e12
+        t["fraction_of_interleaved_fp8_dense"] = t["tflops"] / dense_rate
+    print(f"  torch._scaled_grouped_mm (E4M3 rowwise, fast accumulation): GEMM1 {g1['median_ms']:.3f} ms "
+          f"({g1['fraction_of_interleaved_fp8_dense']:.3f} of FP8 dense), GEMM2 {g2['median_ms']:.3f} ms "
+          f"({g2['fraction_of_interleaved_fp8_dense']:.3f}); FP8 dense interleaved {dense_rate:.1f} TFLOP/s; "
+          f"GEMM1 relative L2 against bf16 {err:.3f}", flush=True)
+    return {"gemm1_gate_up": g1, "gemm2_down": g2, "interleaved_fp8_dense_tflops": dense_rate,
+            "gemm1_relative_l2_vs_bf16": err}
 
 
 def same_process(x, ids, w, w13, w2, I, dense, args):
@@ -176,18 +227,25 @@ def main():
             t["fraction_of_interleaved_dense"] = t["tflops"] / dense_rate
         g1["speedup_over_cublas_loop"] = l1["median_ms"] / g1["median_ms"]
         g2["speedup_over_cublas_loop"] = l2["median_ms"] / g2["median_ms"]
-        del pool, hidden
         entry = {"shape": s["shape"], "grouped_mm_gemm1_gate_up": g1, "grouped_mm_gemm2_down": g2,
                  "cublas_loop_gemm1_gate_up": l1, "cublas_loop_gemm2_down": l2,
                  "eager_forward": fwd, "interleaved_dense_tflops": dense_rate}
-        if pounce is not None:
-            entry["same_process"] = same_process(x, ids, w, w13, w2, I, dense, args)
-        shapes.append(entry)
         print(f"{s['shape']:18s} _grouped_mm GEMM1 {g1['median_ms']:7.3f} ms {g1['tflops']:6.1f} TFLOP/s "
               f"({g1['fraction_of_interleaved_dense']:.3f} of dense, {g1['speedup_over_cublas_loop']:.3f}x cuBLAS loop) | "
               f"GEMM2 {g2['median_ms']:7.3f} ms {g2['tflops']:6.1f} ({g2['fraction_of_interleaved_dense']:.3f}, "
               f"{g2['speedup_over_cublas_loop']:.3f}x) | eager forward "
               f"{fwd['median_ms']:7.3f} ms {fwd['tflops']:6.1f} | dense interleaved {dense_rate:6.1f}", flush=True)
+        if H % 16 == 0 and I % 16 == 0:  # rowwise E4M3 GEMMs need K and N multiples of 16
+            try:
+                entry["scaled_grouped_mm_fp8"] = scaled_grouped_mm(pool, hidden, w13, w2, offs, routes, args)
+            except (RuntimeError, AttributeError, TypeError, AssertionError) as error:
+                # An older PyTorch, a GPU it has no kernel for, or its check failed: recorded, not fatal.
+                entry["scaled_grouped_mm_fp8"] = {"error": str(error)}
+                print(f"  torch._scaled_grouped_mm: not run ({error})", flush=True)
+        del pool, hidden
+        if pounce is not None:
+            entry["same_process"] = same_process(x, ids, w, w13, w2, I, dense, args)
+        shapes.append(entry)
         del w13, w2, x
         torch.cuda.empty_cache()
     result["shapes"] = shapes
