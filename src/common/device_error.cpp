@@ -160,6 +160,10 @@ std::string DeviceErrorSlot::describe() const {
       out << "token " << r.index << " lists expert " << r.observed << " twice (k " << r.expected << " and k "
           << r.position << ")";
       break;
+    case WaitTarget::kOffsetsAligned:
+      out << "expert_offsets[" << r.index << "] = " << int32_t(r.observed) << " is not a multiple of " << r.expected
+          << ", or lies below the offset before it (or below 0)";
+      break;
   }
   if (DeviceErrorCode(r.code) == DeviceErrorCode::kWaitTimeout)
     out << " (gave up after " << r.waited_ns / 1000000.0 << " ms)";

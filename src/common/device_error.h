@@ -53,6 +53,8 @@ enum class WaitTarget : uint32_t {
                          // kept none), the latest is number expected; index 1 when the kept forward's inputs
                          // are the backward's
   kSwigluDone = 17,      // the fused backward's SwiGLU-backward counter of m-block index
+  kOffsetsAligned = 18,  // not a wait: a grouped GEMM's expert_offsets[index] = observed is not a multiple of
+                         // expected (128), or lies below the offset before it (or below 0)
 };
 
 struct DeviceErrorRecord {

@@ -64,6 +64,27 @@ class QueueTiles {
                           p.experts, uint64_t(p.rows), uint64_t(rows_in_use), 0);
       total_tiles_ = 0;
     }
+    // Offsets off the 128-row grid (m-blocks, K slices, E4M3 scale blocks) or going backwards would make
+    // tiles silently drop or repeat rows: they stop the launch. Warp 0 holds the producer, the only
+    // reader of total_tiles_; its lanes check offsets 32 apart.
+    const auto off_grid = [&p](int32_t e) {
+      const int32_t offset = p.expert_offsets[e];
+      return offset % kBlockM != 0 || offset < (e > 0 ? p.expert_offsets[e - 1] : 0);
+    };
+    if (threadIdx.x < 32) {
+      bool bad = false;
+      for (int32_t e = threadIdx.x; e <= p.experts; e += 32) bad |= off_grid(e);
+      const uint32_t bad_lanes = __ballot_sync(0xFFFFFFFFu, bad);
+      if (bad_lanes != 0) {
+        if (threadIdx.x == 0) {
+          int32_t e = __ffs(bad_lanes) - 1;  // the first bad offset of the first lane that saw one
+          while (!off_grid(e)) e += 32;
+          report_device_error(p.error, DeviceErrorCode::kBadSchedule, DeviceRole::kGemmProducer,
+                              WaitTarget::kOffsetsAligned, e, uint64_t(kBlockM), uint32_t(p.expert_offsets[e]), 0);
+        }
+        total_tiles_ = 0;
+      }
+    }
   }
 
   __device__ bool next(TileInfo& info) {
@@ -236,6 +257,8 @@ void GroupedGemm::run_k_grouped(const KGroupedGemmArgs& args, cudaStream_t strea
   POUNCE_REQUIRE(args.experts >= 1, "k-grouped GEMM: experts = ", args.experts, ", must be at least 1");
   require_multiple_of_64("m", args.m);
   require_multiple_of_64("n", args.n);
+  POUNCE_REQUIRE(args.m <= INT32_MAX && args.n <= INT32_MAX, "k-grouped GEMM: m = ", args.m, " and n = ", args.n,
+                 " must fit int32");
   POUNCE_REQUIRE(args.rows >= 0 && args.rows % kBlockM == 0 && args.rows <= INT32_MAX,
                  "k-grouped GEMM: rows = ", args.rows, " must be a multiple of ", kBlockM, " that fits int32");
   const bool fp8 = args.fp8.a != nullptr || args.fp8.b != nullptr;

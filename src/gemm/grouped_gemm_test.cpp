@@ -611,6 +611,34 @@ TEST(GroupedGemm, RejectsOffsetsBeyondTheBuffer) {
       Error);
 }
 
+// Offsets off the 128-row grid, or going backwards, stop the launch with the offset named: m-grouped, and
+// k-grouped, whose tiles would otherwise drop rows without a word.
+TEST(GroupedGemm, RejectsOffsetsOffTheGrid) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  GroupedGemm gemm;
+  const auto expect_rejected = [&](const std::string& what) {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_THAT([&] { gemm.check_device_errors(); }, ::testing::ThrowsMessage<Error>(HasSubstr(what)));
+  };
+  Problem p = make_problem(rng, 2, 128, 64, {100, 100}, Epilogue::kStore, false);
+  DeviceProblem d(p);
+  d.offsets.upload(std::vector<int32_t>{0, 64, 256});
+  gemm.run(d.args(p), nullptr);
+  expect_rejected("expert_offsets[1] = 64 is not a multiple of 128");
+
+  const KCase kcase{"two_experts", 2, 128, 128, {100, 100}, Epilogue::kStoreF32};
+  KGroupedRun run(kcase, rng);
+  const DeviceBuffer<uint16_t> a(run.rows * kcase.m), b(run.rows * kcase.n);  // never read
+  KGroupedGemmArgs args = run.args();
+  args.a = reinterpret_cast<const __nv_bfloat16*>(a.data());
+  args.b = reinterpret_cast<const __nv_bfloat16*>(b.data());
+  args.c = run.c32.data();
+  run.d_offsets.upload(std::vector<int32_t>{0, 256, 128});
+  gemm.run_k_grouped(args, nullptr);
+  expect_rejected("expert_offsets[2] = 128 is not a multiple of 128, or lies below the offset before it");
+}
+
 // ---- FP8: E4M3 operands with 1 x 128 (A) and 128 x 128 (B) power-of-two scales ----------------------
 
 // The problem's operands quantized on the host (formats/blockwise.h), on the device.
