@@ -5,6 +5,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <exception>
 #include <memory>
 #include <string>
@@ -12,6 +13,8 @@
 #include <vector>
 
 #include "comm/nccl_window.h"
+#include "common/cuda_check.h"
+#include "common/device_pointer.h"
 #include "common/require.h"
 #include "formats/quantize_kernel.h"
 #include "pounce/fused_moe.h"
@@ -51,6 +54,22 @@ const T& required(const T* p, const char* name) {
 }
 
 pounce::FusedMoe& layer_of(pounce_moe* layer) { return *required(layer, "layer").layer; }
+
+// The MX converters' buffers, once the shape is whole 1 x 32 blocks and every pointer is set (otherwise
+// the converter names the problem itself): device memory of the current GPU, large enough, so that a
+// host pointer is an error here instead of a fault in the kernel that loses the CUDA context.
+void require_mx_buffers(const char* name, int64_t rows, int64_t cols, const void* bf16, const char* bf16_name,
+                        const void* q, const void* scales) {
+  const bool checkable = bf16 != nullptr && q != nullptr && scales != nullptr && rows > 0 && cols > 0 &&
+                         cols % 32 == 0 && rows <= INT64_MAX / 2 / cols;
+  if (!checkable) return;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  const std::string prefix = std::string(name) + ": ";
+  pounce::require_device_memory(bf16, 2 * rows * cols, 16, device, prefix + bf16_name);
+  pounce::require_device_memory(q, rows * cols, 8, device, prefix + "q");
+  pounce::require_device_memory(scales, rows * cols / 32, 1, device, prefix + "scales");
+}
 
 pounce::EpConfig to_config(const pounce_config* c) {
   const pounce_config& config = required(c, "config");
@@ -245,6 +264,7 @@ int pounce_moe_destroy(pounce_moe* layer) {
 
 int pounce_bf16_to_mxfp8(const void* x, int64_t rows, int64_t cols, void* q, void* scales, void* stream) {
   return guarded([&] {
+    require_mx_buffers("pounce_bf16_to_mxfp8", rows, cols, x, "x", q, scales);
     pounce::formats::quantize_mxfp8_device(static_cast<const uint16_t*>(x), rows, cols, static_cast<uint8_t*>(q),
                                            static_cast<uint8_t*>(scales), static_cast<cudaStream_t>(stream));
   });
@@ -252,6 +272,7 @@ int pounce_bf16_to_mxfp8(const void* x, int64_t rows, int64_t cols, void* q, voi
 
 int pounce_mxfp8_to_bf16(const void* q, const void* scales, int64_t rows, int64_t cols, void* out, void* stream) {
   return guarded([&] {
+    require_mx_buffers("pounce_mxfp8_to_bf16", rows, cols, out, "out", q, scales);
     pounce::formats::dequantize_mxfp8_device(static_cast<const uint8_t*>(q), static_cast<const uint8_t*>(scales), rows,
                                              cols, static_cast<uint16_t*>(out), static_cast<cudaStream_t>(stream));
   });

@@ -3,9 +3,11 @@
 // Hopper GPU or says why it cannot).
 #include "pounce/pounce_c.h"
 
+#include <cuda_runtime.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <string>
 #include <thread>
 
@@ -67,6 +69,27 @@ TEST(CApi, MxConvertersNameBadArguments) {
   EXPECT_EQ(pounce_mxfp8_to_bf16(nullptr, nullptr, 2, 64, nullptr, nullptr), POUNCE_ERROR);
   EXPECT_THAT(pounce_last_error(), ::testing::HasSubstr("q, scales and out must be set"));
   EXPECT_EQ(pounce_mxfp8_to_bf16(nullptr, nullptr, 0, 64, nullptr, nullptr), POUNCE_OK);  // nothing to do
+  EXPECT_EQ(pounce_bf16_to_mxfp8(nullptr, INT64_MAX / 32, 64, nullptr, nullptr, nullptr), POUNCE_ERROR);
+  EXPECT_THAT(pounce_last_error(), ::testing::HasSubstr("has more than 2^63 - 1 elements"));
+  EXPECT_EQ(pounce_mxfp8_to_bf16(nullptr, nullptr, INT64_MAX / 32, 64, nullptr, nullptr), POUNCE_ERROR);
+  EXPECT_THAT(pounce_last_error(), ::testing::HasSubstr("has more than 2^63 - 1 elements"));
+}
+
+// On a GPU, host memory handed to the MX converters is named instead of faulting in the kernel.
+TEST(CApi, MxConvertersRefuseHostMemory) {
+  if (!pounce::gpu_is_hopper()) GTEST_SKIP() << "needs a Hopper GPU";
+  alignas(16) static uint16_t host_x[2 * 64];
+  void* q = nullptr;
+  void* scales = nullptr;
+  ASSERT_EQ(cudaMalloc(&q, 2 * 64), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&scales, 2 * 2), cudaSuccess);
+  EXPECT_EQ(pounce_bf16_to_mxfp8(host_x, 2, 64, q, scales, nullptr), POUNCE_ERROR);
+  EXPECT_THAT(pounce_last_error(), ::testing::HasSubstr("pounce_bf16_to_mxfp8: x at"));
+  EXPECT_THAT(pounce_last_error(), ::testing::HasSubstr("device memory of GPU"));
+  EXPECT_EQ(pounce_mxfp8_to_bf16(q, scales, 2, 64, host_x, nullptr), POUNCE_ERROR);
+  EXPECT_THAT(pounce_last_error(), ::testing::HasSubstr("pounce_mxfp8_to_bf16: out at"));
+  ASSERT_EQ(cudaFree(q), cudaSuccess);
+  ASSERT_EQ(cudaFree(scales), cudaSuccess);
 }
 
 TEST(CApi, DefaultOptionsAreTheLibrarys) {

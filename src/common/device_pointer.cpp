@@ -25,32 +25,35 @@ PFN_cuMemGetAddressRange_v3020 address_range_query() {
 
 }  // namespace
 
-void require_device_tensor(const void* ptr, int64_t bytes, int device, const char* tensor, int rank) {
+void require_device_memory(const void* ptr, int64_t bytes, int alignment, int device, const std::string& what) {
   if (bytes <= 0) return;
-  POUNCE_REQUIRE(ptr != nullptr, "rank ", rank, "'s ", tensor, " is a null pointer");
-  POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, "rank ", rank, "'s ", tensor, " at ", ptr,
-                 " is not 16-byte aligned");
+  POUNCE_REQUIRE(ptr != nullptr, what, " is a null pointer");
+  POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(ptr) % alignment == 0, what, " at ", ptr, " is not ", alignment,
+                 "-byte aligned");
   cudaPointerAttributes attributes{};
   const cudaError_t status = cudaPointerGetAttributes(&attributes, ptr);
   if (status != cudaSuccess) {
     cudaGetLastError();  // not sticky: clear it so the caller's next check does not see it
-    POUNCE_FAIL("rank ", rank, "'s ", tensor, " at ", ptr, " is not a CUDA pointer (", cudaGetErrorString(status), ")");
+    POUNCE_FAIL(what, " at ", ptr, " is not a CUDA pointer (", cudaGetErrorString(status), ")");
   }
-  POUNCE_REQUIRE(attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged, "rank ", rank,
-                 "'s ", tensor, " at ", ptr, " is ",
-                 attributes.type == cudaMemoryTypeHost ? "pinned host memory" : "not CUDA memory",
+  POUNCE_REQUIRE(attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged, what, " at ", ptr,
+                 " is ", attributes.type == cudaMemoryTypeHost ? "pinned host memory" : "not CUDA memory",
                  ": it must be device memory of GPU ", device);
-  POUNCE_REQUIRE(attributes.type == cudaMemoryTypeManaged || attributes.device == device, "rank ", rank, "'s ", tensor,
-                 " lives on GPU ", attributes.device, ", the layer on GPU ", device);
+  POUNCE_REQUIRE(attributes.type == cudaMemoryTypeManaged || attributes.device == device, what, " lives on GPU ",
+                 attributes.device, ", not on GPU ", device);
   if (const auto query = address_range_query()) {
     CUdeviceptr base = 0;
     size_t size = 0;
     if (query(&base, &size, CUdeviceptr(reinterpret_cast<uintptr_t>(ptr))) == CUDA_SUCCESS) {
       const uint64_t available = base + size - reinterpret_cast<uintptr_t>(ptr);
-      POUNCE_REQUIRE(available >= uint64_t(bytes), "rank ", rank, "'s ", tensor, " needs ", bytes,
-                     " bytes, but its allocation ends ", available, " bytes after ", ptr);
+      POUNCE_REQUIRE(available >= uint64_t(bytes), what, " needs ", bytes, " bytes, but its allocation ends ",
+                     available, " bytes after ", ptr);
     }
   }
+}
+
+void require_device_tensor(const void* ptr, int64_t bytes, int device, const char* tensor, int rank) {
+  require_device_memory(ptr, bytes, 16, device, "rank " + std::to_string(rank) + "'s " + tensor);
 }
 
 }  // namespace pounce

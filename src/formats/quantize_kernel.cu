@@ -21,6 +21,7 @@
 #include <cuda_fp8.h>
 
 #include <climits>
+#include <cstdint>
 #include <type_traits>
 
 #include "common/cuda_check.h"
@@ -35,6 +36,13 @@ namespace pounce::formats {
 namespace {
 
 using namespace quantize_device;
+
+// Refuses [rows, cols] (non-negative) with more elements than int64 counts: a caller's garbage sizes
+// would otherwise wrap into a small or negative launch.
+void require_countable(const char* name, int64_t rows, int64_t cols) {
+  POUNCE_REQUIRE(cols == 0 || rows <= INT64_MAX / cols, name, ": shape [", rows, ", ", cols,
+                 "] has more than 2^63 - 1 elements");
+}
 
 constexpr int kElemsPerThread = 8;  // one 16-byte load of bf16
 constexpr int kThreadsPerCta = 256;
@@ -70,6 +78,7 @@ void launch(const char* name, const uint16_t* x, const int32_t* source_row, int6
   constexpr int kBlock = kMx ? kMxBlock : kActivationBlock;
   POUNCE_REQUIRE(rows >= 0 && cols >= 0, name, ": shape [", rows, ", ", cols, "] has a negative extent");
   POUNCE_REQUIRE(cols % kBlock == 0, name, ": cols = ", cols, " is not a multiple of ", kBlock);
+  require_countable(name, rows, cols);
   const int64_t n = rows * cols;
   if (n == 0) return;
   POUNCE_REQUIRE(x != nullptr, name, ": x is null");
@@ -259,6 +268,7 @@ namespace {
 template <bool kMx>
 void launch_dequantize(const char* name, const uint8_t* q, const void* scales, int64_t rows, int64_t cols,
                        int block_rows, uint16_t* out_bf16, cudaStream_t stream) {
+  require_countable(name, rows, cols);
   if (rows == 0 || cols == 0) return;
   POUNCE_REQUIRE(q != nullptr && scales != nullptr && out_bf16 != nullptr, name, ": q, scales and out must be set");
   POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(q) % 8 == 0 && reinterpret_cast<uintptr_t>(out_bf16) % 16 == 0, name,
@@ -296,6 +306,7 @@ void quantize_128x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols,
   POUNCE_REQUIRE(rows >= 0 && cols >= 0, name, ": shape [", rows, ", ", cols, "] has a negative extent");
   POUNCE_REQUIRE(rows % kWeightBlock == 0 && cols % kWeightBlock == 0, name, ": shape [", rows, ", ", cols,
                  "] is not made of whole ", kWeightBlock, " x ", kWeightBlock, " blocks");
+  require_countable(name, rows, cols);
   if (rows == 0 || cols == 0) return;
   POUNCE_REQUIRE(x_bf16 != nullptr && out != nullptr && scales != nullptr, name, ": x, out and scales must be set");
   POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(x_bf16) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0 &&
@@ -316,6 +327,8 @@ void transpose_128x128_device(const uint8_t* q, const float* scales, int64_t mat
   POUNCE_REQUIRE(rows % kWeightBlock == 0 && cols % kWeightBlock == 0, name, ": shape [", rows, ", ", cols,
                  "] is not made of whole ", kWeightBlock, " x ", kWeightBlock, " blocks");
   if (matrices == 0 || rows == 0 || cols == 0) return;
+  require_countable(name, matrices, rows);
+  require_countable(name, matrices * rows, cols);
   POUNCE_REQUIRE(q != nullptr && scales != nullptr && out != nullptr && out_scales != nullptr, name,
                  ": q, scales, out and out_scales must be set");
   POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0, name,
@@ -332,6 +345,7 @@ void quantize_1x128_transposed_device(const uint16_t* x_bf16, int64_t rows, int6
   POUNCE_REQUIRE(rows >= 0 && cols >= 0, name, ": shape [", rows, ", ", cols, "] has a negative extent");
   POUNCE_REQUIRE(rows % kActivationBlock == 0 && cols % kActivationBlock == 0, name, ": shape [", rows, ", ", cols,
                  "] is not made of whole 128 x 128 tiles");
+  require_countable(name, rows, cols);
   if (rows == 0 || cols == 0) return;
   POUNCE_REQUIRE(x_bf16 != nullptr && out != nullptr && scales != nullptr, name, ": x, out and scales must be set");
   POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(x_bf16) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
