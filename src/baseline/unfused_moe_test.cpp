@@ -154,7 +154,7 @@ TEST_P(UnfusedFp8Test, MatchesTheQuantizedHostLayer) {
   const auto w2 = testing::random_bf16_values(rng, p.experts * p.hidden * p.intermediate, -0.1f, 0.1f);
   const auto ids = reference::synthetic_topk_ids(p.pattern, p.tokens, int(p.experts), int(p.topk), rng);
   auto weights = reference::synthetic_topk_weights(p.tokens, int(p.topk), rng);
-  if (!weights.empty()) weights[0] = 0.0f;  // an exact-zero router weight
+  if (weights.size() > 1) weights[0] = 0.0f;  // an exact-zero router weight (not the only route's)
   const reference::MoeShape shape{p.tokens, p.hidden, p.intermediate, p.experts, p.topk};
   const reference::MoeInputs inputs{x, ids, weights, w13, w2};
   const auto want_hidden = fp8_hidden_reference(shape, inputs);
@@ -188,9 +188,12 @@ TEST_P(UnfusedFp8Test, MatchesTheQuantizedHostLayer) {
       cudaMemcpy(pool_hidden.data(), chain.hidden(), pool_hidden.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost));
   const auto route_row = chain.plan().route_row.download();
   std::vector<float> hidden(want_hidden.size());
-  for (size_t r = 0; r < route_row.size(); ++r)
+  for (size_t r = 0; r < route_row.size(); ++r) {
+    ASSERT_GE(route_row[r], 0);
+    ASSERT_LT(route_row[r], chain.plan().padded_rows);
     for (int64_t i = 0; i < p.intermediate; ++i)
       hidden[r * p.intermediate + i] = formats::bf16_to_float(pool_hidden[route_row[r] * p.intermediate + i]);
+  }
   EXPECT_LT(testing::relative_l2_error(hidden, want_hidden), testing::kBf16LayerL2) << "GEMM1";
   EXPECT_LT(testing::worst_token_error(hidden, want_hidden, p.intermediate), testing::kBf16LayerWorstToken) << "GEMM1";
   // The rest from the device's own hidden rows: where the host's double sums and the device's fp32 ones

@@ -48,8 +48,9 @@ __device__ __forceinline__ int scale_exponent(uint32_t amax) {
 // inputs: a block of subnormals has scale 2^-127 and its elements must survive the multiplication.
 using ptx::mul_rn;
 
-// Two E4M3 codes (lo in bits 0-7) as cvt.rn.satfinite gives them: a NaN may come out as 0x7F or 0xFF.
-__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+// Two E4M3 codes (lo in bits 0-7) as cvt.rn.satfinite gives them: a NaN may come out as 0x7F or 0xFF,
+// so callers pass the codes through canonical_nan_codes.
+__device__ __forceinline__ uint32_t e4m3x2_raw(float lo, float hi) {
   return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
 }
 
@@ -87,8 +88,8 @@ __device__ __forceinline__ uint2 e4m3x8(uint4 raw, float inv_scale) {
   for (int i = 0; i < 2; ++i) {
     const float x0 = __uint_as_float(words[2 * i] << 16), x1 = __uint_as_float(words[2 * i] & 0xFFFF0000u);
     const float x2 = __uint_as_float(words[2 * i + 1] << 16), x3 = __uint_as_float(words[2 * i + 1] & 0xFFFF0000u);
-    codes[i] = canonical_nan_codes(e4m3x2(mul_rn(x0, inv_scale), mul_rn(x1, inv_scale)) |
-                                   e4m3x2(mul_rn(x2, inv_scale), mul_rn(x3, inv_scale)) << 16);
+    codes[i] = canonical_nan_codes(e4m3x2_raw(mul_rn(x0, inv_scale), mul_rn(x1, inv_scale)) |
+                                   e4m3x2_raw(mul_rn(x2, inv_scale), mul_rn(x3, inv_scale)) << 16);
   }
   return make_uint2(codes[0], codes[1]);
 }

@@ -210,6 +210,7 @@ TEST(QuantizeKernel, EdgeCasesMatchHost) {
   x[9 * 32 + 2] = 0x7F81;
   x[9 * 32 + 3] = 0x7F80;
   x[9 * 32 + 4] = 0xFF80;
+  x[9 * 32 + 5] = 0x4300;  // 128, the MX block's largest finite value, in the chunk with the NaNs
   std::fill(block(10), block(11), uint16_t(0x7FC0));  // only NaN and Inf
   x[10 * 32 + 7] = 0xFF80;
   std::fill(block(12), block(13), uint16_t(0x0001));                       // smallest subnormal and big values
@@ -223,6 +224,8 @@ TEST(QuantizeKernel, EdgeCasesMatchHost) {
   x[19 * 32] = 0x0070;                                                     // subnormal amax, 1.75 * 2^-127
   std::fill(block(20), block(21), uint16_t(0x0071));                       // subnormal, just above 1.75 * 2^-127
   std::fill(block(24), block(28), uint16_t(0x7F80));                       // a 128-block of +Inf
+  x[28 * 32 + 1] = 0x7FC0;  // a NaN beside its 128-block's largest finite value, 128 (the chunk's other
+  x[28 * 32 + 2] = 0x4300;  // values, and the block's, from [-1, 1])
   check_against_host(x, rows, cols);
 }
 
@@ -351,9 +354,11 @@ TEST(QuantizeKernel, TransposedQuantizerIsTheHostsQuantizerOfTheTranspose) {
         x[r * cols + c] = uint16_t((x[r * cols + c] & 0x807Fu) | e << 7);
     }
   for (int64_t r = 256; r < 384; ++r) x[r * cols + 9] = uint16_t(0x0001 + r % 0x7F);  // a block of subnormals
-  x[5 * cols + 7] = 0x7FC0;                                                           // NaN
-  x[6 * cols + 8] = 0xFFC0;                                                           // -NaN
-  x[200 * cols + 130] = 0xFF80;                                                       // -Inf
+  for (int64_t r = 0; r < 128; ++r) x[r * cols + 7] = uint16_t((x[r * cols + 7] & 0x807Fu) | 100u << 7);
+  x[4 * cols + 7] = uint16_t(101u << 7);                    // its block's largest value, beside the NaN
+  x[5 * cols + 7] = 0x7FC0;                                 // NaN
+  x[6 * cols + 8] = 0xFFC0;                                 // -NaN
+  x[200 * cols + 130] = 0xFF80;                             // -Inf
   for (int64_t r = 128; r < 256; ++r) x[r * cols + 3] = 0;  // column 3's second block all zeros
   std::vector<float> transposed(size_t(rows * cols));
   for (int64_t r = 0; r < rows; ++r)
