@@ -23,37 +23,44 @@ PFN_cuMemGetAddressRange_v3020 address_range_query() {
   return query;
 }
 
-}  // namespace
-
-void require_device_memory(const void* ptr, int64_t bytes, int alignment, int device, const std::string& what) {
+// require_device_memory's checks; `name()` spells what is checked and is called only for an error, so
+// that the checks on every forward build no string.
+template <class Name>
+void check_device_memory(const void* ptr, int64_t bytes, int alignment, int device, const Name& name) {
   if (bytes <= 0) return;
-  POUNCE_REQUIRE(ptr != nullptr, what, " is a null pointer");
-  POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(ptr) % alignment == 0, what, " at ", ptr, " is not ", alignment,
+  POUNCE_REQUIRE(ptr != nullptr, name(), " is a null pointer");
+  POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(ptr) % alignment == 0, name(), " at ", ptr, " is not ", alignment,
                  "-byte aligned");
   cudaPointerAttributes attributes{};
   const cudaError_t status = cudaPointerGetAttributes(&attributes, ptr);
   if (status != cudaSuccess) {
     cudaGetLastError();  // not sticky: clear it so the caller's next check does not see it
-    POUNCE_FAIL(what, " at ", ptr, " is not a CUDA pointer (", cudaGetErrorString(status), ")");
+    POUNCE_FAIL(name(), " at ", ptr, " is not a CUDA pointer (", cudaGetErrorString(status), ")");
   }
-  POUNCE_REQUIRE(attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged, what, " at ", ptr,
-                 " is ", attributes.type == cudaMemoryTypeHost ? "pinned host memory" : "not CUDA memory",
+  POUNCE_REQUIRE(attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged, name(), " at ",
+                 ptr, " is ", attributes.type == cudaMemoryTypeHost ? "pinned host memory" : "not CUDA memory",
                  ": it must be device memory of GPU ", device);
-  POUNCE_REQUIRE(attributes.type == cudaMemoryTypeManaged || attributes.device == device, what, " lives on GPU ",
+  POUNCE_REQUIRE(attributes.type == cudaMemoryTypeManaged || attributes.device == device, name(), " lives on GPU ",
                  attributes.device, ", not on GPU ", device);
   if (const auto query = address_range_query()) {
     CUdeviceptr base = 0;
     size_t size = 0;
     if (query(&base, &size, CUdeviceptr(reinterpret_cast<uintptr_t>(ptr))) == CUDA_SUCCESS) {
       const uint64_t available = base + size - reinterpret_cast<uintptr_t>(ptr);
-      POUNCE_REQUIRE(available >= uint64_t(bytes), what, " needs ", bytes, " bytes, but its allocation ends ",
+      POUNCE_REQUIRE(available >= uint64_t(bytes), name(), " needs ", bytes, " bytes, but its allocation ends ",
                      available, " bytes after ", ptr);
     }
   }
 }
 
+}  // namespace
+
+void require_device_memory(const void* ptr, int64_t bytes, int alignment, int device, const std::string& what) {
+  check_device_memory(ptr, bytes, alignment, device, [&] { return what; });
+}
+
 void require_device_tensor(const void* ptr, int64_t bytes, int device, const char* tensor, int rank) {
-  require_device_memory(ptr, bytes, 16, device, "rank " + std::to_string(rank) + "'s " + tensor);
+  check_device_memory(ptr, bytes, 16, device, [&] { return "rank " + std::to_string(rank) + "'s " + tensor; });
 }
 
 }  // namespace pounce

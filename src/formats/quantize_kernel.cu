@@ -260,10 +260,6 @@ __global__ void __launch_bounds__(kTransposeThreads)
   scales[rb * cols + cb * kB + c] = exp2_int(e);
 }
 
-}  // namespace
-
-namespace {
-
 // What both dequantizers check and do once their shape is known to be whole blocks.
 template <bool kMx>
 void launch_dequantize(const char* name, const uint8_t* q, const void* scales, int64_t rows, int64_t cols,
