@@ -37,9 +37,14 @@ constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;  // 64: one wgmm
 static_assert(kStoreBoxRows == kRowsPerConsumer, "a store box is one consumer's rows high");
 constexpr int kTileSlots = 2;      // the producer may run one tile ahead of the consumers
 constexpr int kDoneLagSlices = 4;  // a tile's completion counter is released this many K slices into the next
-// setmaxnreg: 128 x 56 + 256 x 224 = 64512 of the SM's 65536 registers.
-constexpr uint32_t kProducerRegisters = 56;
-constexpr uint32_t kConsumerRegisters = 224;
+// setmaxnreg: 128 x 56 + 256 x 224 = 64512 of the SM's 65536 registers, or (E4M3 kinds) 128 x 40 +
+// 256 x 232: their consumers hold 192 accumulator registers and ran ~1 % faster with the 8 more (fewer
+// values recomputed per K slice); the fused layer's producer warpgroup, with more to do than a TMA
+// thread, spilled at 40.
+struct RegisterSplit {
+  uint32_t producer, consumer;
+};
+inline constexpr RegisterSplit kRegisters{56, 224}, kFp8Registers{40, 232};
 
 // Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue, (E4M3) one
 // per consumer warpgroup for its turn to issue wgmmas, and one for both consumers at the end of an
@@ -554,11 +559,10 @@ __device__ __forceinline__ void skip_fp8_stages(Storage& s, int k_blocks, uint32
 }
 
 // For stage `stage`, whose data the caller has waited for (full): takes this consumer's turn, issues the
-// slice's four m64n128k32 wgmmas into `part` (one commit group: the caller waits for it) and passes the
-// turn. A descriptor's start address (16-byte units, low bits) is moved by adding to it; it cannot carry
-// into the other fields, shared-memory addresses being below 2^18.
+// slice's wgmmas into `part` (one commit group: the caller waits for it) and passes the turn. `a_low`,
+// `b_low`: the descriptors' low words at stage 0 (the stages lie kStageUnits apart).
 template <class Storage>
-__device__ __forceinline__ void issue_fp8_slice(Storage& s, float (&part)[64], uint64_t a_desc, uint64_t b_desc,
+__device__ __forceinline__ void issue_fp8_slice(Storage& s, float (&part)[64], uint32_t a_low, uint32_t b_low,
                                                 uint32_t stage, IssueTurns& turns, int consumer) {
   constexpr uint32_t kStageUnits = sizeof(s.a[0]) / 16;
   static_assert(sizeof(s.a[0]) == sizeof(s.b[0]), "A and B stages advance together");
@@ -568,7 +572,7 @@ __device__ __forceinline__ void issue_fp8_slice(Storage& s, float (&part)[64], u
   ptx::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Storage::kSliceK / 32; ++kk)  // 32 bytes (2 units) of K per wgmma
-    ptx::wgmma_m64n128k32_e4m3(part, a_desc + stage_units + 2 * kk, b_desc + stage_units + 2 * kk, kk > 0);
+    ptx::wgmma_m64n128k32_e4m3(part, a_low + stage_units + 2 * kk, b_low + stage_units + 2 * kk, kk > 0);
   ptx::wgmma_commit_group();
   turns.pass(consumer);
 }
@@ -577,12 +581,21 @@ __device__ __forceinline__ void issue_fp8_slice(Storage& s, float (&part)[64], u
 // one H200 it was 2-9 % faster from 16 slices up (K >= 2048) and 9 % slower at 6.
 inline constexpr int kFp8PipelinedSlices = 12;
 
+// A slice's two scales for this thread's rows (row and row + 8): A row scale x B block scale, powers of
+// two, so the products are exact.
+struct SliceScales {
+  float lo, hi;
+};
+
 // One E4M3 tile's mainloop. A K slice is one scale block of both operands: its four m64n128k32 wgmmas
 // sum into a partial accumulator, which is then added to `acc` times (A row scale x B block scale) in
 // fp32. Promoting every 128 of K keeps the error independent of K: the tensor cores' FP8 sums carry fewer
 // bits than fp32. From kFp8PipelinedSlices slices on, two partial accumulators alternate (64 + 2 x 64
 // registers: the consumers' setmaxnreg budget, which ptxas honours since no wait traps). `skip`: this
 // consumer's rows are all padding: it releases each stage unread, still taking its turns.
+// NOTES: the consumers are bound by their own instruction issue here (64 FMAs a slice, two warps of each
+// scheduler), so the loop keeps per-slice bookkeeping to 32-bit adds, and reads a slice's scales before
+// issuing its wgmmas so that the loads' latency passes under the issue.
 __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, float (&acc)[64], int k_blocks, bool skip,
                                                  uint32_t& stage, uint32_t& phase, uint32_t*& pending_done,
                                                  IssueTurns& turns, const WaitSite& pipe_site, int consumer,
@@ -592,73 +605,79 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
   const int row = consumer * kRowsPerConsumer + (thread / 32) * 16 + lane / 4;
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-  // Stage 0's matrix descriptors and scale addresses, computed once (issue_fp8_slice moves them).
-  const uint64_t a_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128);
-  const uint64_t b_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
-  const uint32_t a_scale = ptx::smem_addr(&s.a_scale[0][row]), b_scale = ptx::smem_addr(&s.b_scale[0]);
   if (skip) return skip_fp8_stages(s, k_blocks, stage, phase, pending_done, turns, pipe_site, consumer, thread);
+  // Stage 0's descriptor low words and scale addresses, computed once.
+  const uint32_t a_low = ptx::wgmma_desc_low_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128);
+  const uint32_t b_low = ptx::wgmma_desc_low_k_major_sw128(ptx::smem_addr(s.b[0]));
+  const uint32_t a_scale = ptx::smem_addr(&s.a_scale[0][row]), b_scale = ptx::smem_addr(&s.b_scale[0]);
+  // Once the stage is full. The stage is released (empty) after the promotion's wait, which orders these
+  // reads before the refill.
+  const auto read_scales = [&](uint32_t at) {
+    const float slice_b_scale = ptx::ld_shared_f32(b_scale + at * sizeof(float));
+    const uint32_t a_at = a_scale + at * sizeof(s.a_scale[0]);
+    return SliceScales{ptx::ld_shared_f32(a_at) * slice_b_scale,
+                       ptx::ld_shared_f32(a_at + 8 * sizeof(float)) * slice_b_scale};
+  };
+  const auto promote = [&](const float(&part)[64], SliceScales scales) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i % 4 < 2 ? scales.lo : scales.hi, acc[i]);
+  };
   if (k_blocks < kFp8PipelinedSlices) {
     // Short K: one partial accumulator, each slice's wgmmas waited for before scaling it.
     float part[64];
     for (int kb = 0; kb < k_blocks; ++kb) {
       mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-      issue_fp8_slice(s, part, a_desc, b_desc, stage, turns, consumer);
-      // Powers of two: the products are exact.
-      const float slice_b_scale = ptx::ld_shared_f32(b_scale + stage * sizeof(float));
-      const float scale_lo = ptx::ld_shared_f32(a_scale + stage * sizeof(s.a_scale[0])) * slice_b_scale;
-      const float scale_hi =
-          ptx::ld_shared_f32(a_scale + stage * sizeof(s.a_scale[0]) + 8 * sizeof(float)) * slice_b_scale;
+      const SliceScales scales = read_scales(stage);
+      issue_fp8_slice(s, part, a_low, b_low, stage, turns, consumer);
       ptx::wgmma_wait_group<0>();
       ptx::fence_registers(part);
       ptx::mbarrier_arrive(&s.empty[stage]);  // every thread read the stage's scales
       if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
-#pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i % 4 < 2 ? scale_lo : scale_hi, acc[i]);
+      promote(part, scales);
       if (++stage == Fp8Stages::kStages) stage = 0, phase ^= 1;
     }
     return;
   }
   // Slices alternate between two partial accumulators: a consumer issues slice k + 1 (in its turn) before
   // it scales slice k, so its own wgmmas stay queued while it scales.
+  struct Issued {
+    uint32_t stage;
+    SliceScales scales;
+  };
   const auto issue = [&](float(&part)[64]) {
     mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-    issue_fp8_slice(s, part, a_desc, b_desc, stage, turns, consumer);
-    const uint32_t issued = stage;
+    const Issued issued{stage, read_scales(stage)};
+    issue_fp8_slice(s, part, a_low, b_low, stage, turns, consumer);
     if (++stage == Fp8Stages::kStages) stage = 0, phase ^= 1;
     return issued;
   };
-  // After the wait that completed the slice in `part` (stage `at`, slice kb of the tile).
-  const auto finish = [&](float(&part)[64], uint32_t at, int kb) {
+  // After the wait that completed the slice in `part` (slice kb of the tile).
+  const auto finish = [&](float(&part)[64], const Issued& slice, int kb) {
     ptx::fence_registers(part);
-    // Powers of two: the products are exact.
-    const float slice_b_scale = ptx::ld_shared_f32(b_scale + at * sizeof(float));
-    const float scale_lo = ptx::ld_shared_f32(a_scale + at * sizeof(s.a_scale[0])) * slice_b_scale;
-    const float scale_hi = ptx::ld_shared_f32(a_scale + at * sizeof(s.a_scale[0]) + 8 * sizeof(float)) * slice_b_scale;
-    ptx::mbarrier_arrive(&s.empty[at]);  // every thread read the stage's scales
+    ptx::mbarrier_arrive(&s.empty[slice.stage]);  // every thread read the stage's scales
     if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i % 4 < 2 ? scale_lo : scale_hi, acc[i]);
+    promote(part, slice.scales);
   };
   float even[64], odd[64];
-  uint32_t even_at = issue(even), odd_at = 0;
+  Issued even_slice = issue(even), odd_slice{};
   int kb = 0;
   for (; kb + 2 < k_blocks; kb += 2) {
-    odd_at = issue(odd);
+    odd_slice = issue(odd);
     ptx::wgmma_wait_group<1>();
-    finish(even, even_at, kb);
-    even_at = issue(even);
+    finish(even, even_slice, kb);
+    even_slice = issue(even);
     ptx::wgmma_wait_group<1>();
-    finish(odd, odd_at, kb + 1);
+    finish(odd, odd_slice, kb + 1);
   }
   if (kb + 1 < k_blocks) {  // an even number of slices: the last two
-    odd_at = issue(odd);
+    odd_slice = issue(odd);
     ptx::wgmma_wait_group<1>();
-    finish(even, even_at, kb);
+    finish(even, even_slice, kb);
     ptx::wgmma_wait_group<0>();
-    finish(odd, odd_at, kb + 1);
+    finish(odd, odd_slice, kb + 1);
   } else {
     ptx::wgmma_wait_group<0>();
-    finish(even, even_at, kb);
+    finish(even, even_slice, kb);
   }
 }
 
@@ -676,8 +695,8 @@ __device__ __forceinline__ void run_fp8_column_scale_mainloop(SharedStorage<Fp8C
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
   if (skip) return skip_fp8_stages(s, k_blocks, stage, phase, pending_done, turns, pipe_site, consumer, thread);
-  const uint64_t a_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128);
-  const uint64_t b_desc = ptx::wgmma_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
+  const uint32_t a_low = ptx::wgmma_desc_low_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128);
+  const uint32_t b_low = ptx::wgmma_desc_low_k_major_sw128(ptx::smem_addr(s.b[0]));
   // This thread's 32 columns' scales: 16-byte groups lane % 4 + 4 i (column_scale_slot); chunk j of the
   // fragment holds columns 8 j + 2 (lane % 4) + {0, 1} (store_tile).
   const uint32_t a_scale = ptx::smem_addr(&s.a_scale[0][row]),
@@ -690,7 +709,7 @@ __device__ __forceinline__ void run_fp8_column_scale_mainloop(SharedStorage<Fp8C
     float4 b[8];  // columns of chunks 2 i and 2 i + 1
 #pragma unroll
     for (int i = 0; i < 8; ++i) b[i] = ptx::ld_shared_v4_f32(b_at + 4 * i * sizeof(float4));
-    issue_fp8_slice(s, part, a_desc, b_desc, stage, turns, consumer);
+    issue_fp8_slice(s, part, a_low, b_low, stage, turns, consumer);
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(part);
     ptx::mbarrier_arrive(&s.empty[stage]);  // every thread read the stage's scales
@@ -806,9 +825,9 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
 // ---- the CTA ----------------------------------------------------------------------------------------
 
 // Runs the GEMM role of one CTA (all kThreads threads) until the tile source runs dry, then the consumer
-// threads (256) call then_consumers(). That follow-up
-// work runs inside the consumers' branch, so ptxas compiles it with their kConsumerRegisters registers;
-// code after this call is also reached by the producer warpgroup and gets only kProducerRegisters.
+// threads (256) call then_consumers(). That follow-up work runs inside the consumers' branch, so ptxas
+// compiles it with their registers; code after this call is also reached by the producer warpgroup and
+// gets only the producer's.
 template <class Tiles, class ThenConsumers>
 __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pipe_site,
                              ThenConsumers&& then_consumers) {
@@ -828,9 +847,10 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
   }
   __syncthreads();
 
+  constexpr RegisterSplit kSplit = Stages::kScales ? kFp8Registers : kRegisters;
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    ptx::setmaxnreg_dec<kProducerRegisters>();
+    ptx::setmaxnreg_dec<kSplit.producer>();
     if (threadIdx.x == 0) {
       for (int g = 0; g < 2; ++g) {
         ptx::prefetch_tensormap(tiles.operands(g).a);
@@ -841,7 +861,7 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
       if (threadIdx.x / 32 == 1) run_scale_loader(s, tiles, pipe_site);
     }
   } else {
-    ptx::setmaxnreg_inc<kConsumerRegisters>();
+    ptx::setmaxnreg_inc<kSplit.consumer>();
     run_consumer<Tiles::kKind>(s, tiles, pipe_site, warpgroup - 1);
     then_consumers();
   }

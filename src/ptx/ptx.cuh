@@ -299,7 +299,7 @@ __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threa
 // Shared-memory matrix descriptor for a K-major bf16 tile stored with the 128-byte swizzle, as TMA
 // writes it: rows of 128 bytes (64 bf16 of K), 8-row core groups 1024 bytes apart. The tile base must be
 // 1024-byte aligned; stepping K by 16 elements adds 32 bytes to the start address.
-__device__ __forceinline__ uint64_t wgmma_desc_k_major_sw128(uint32_t smem_address) {
+__host__ __device__ constexpr uint64_t wgmma_desc_k_major_sw128(uint32_t smem_address) {
   constexpr uint64_t kStrideBytes = 1024;         // between 8-row core matrix groups
   return uint64_t((smem_address & 0x3FFFF) >> 4)  // start address, 16-byte units
          | (uint64_t(1) << 16)                    // leading-dimension offset: unused for swizzled K-major
@@ -371,20 +371,36 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
       : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(int(kTransA)), "n"(int(kTransB)));
 }
 
+// The low word of a K-major, 128-byte-swizzled descriptor (wgmma_desc_k_major_sw128): the start address in
+// 16-byte units and the unused leading-dimension offset. Its high word is kDescHighKMajorSw128 whatever the
+// address, so a loop can keep and step the low word alone (32-bit arithmetic, no carries into the high word:
+// shared-memory addresses are below 2^18).
+inline constexpr uint32_t kDescHighKMajorSw128 = uint32_t(wgmma_desc_k_major_sw128(0) >> 32);
+__device__ __forceinline__ uint32_t wgmma_desc_low_k_major_sw128(uint32_t smem_address) {
+  return uint32_t(wgmma_desc_k_major_sw128(smem_address));
+}
+
 // D[64 x 128] (+)= A[64 x 32] . B[128 x 32]^T: E4M3 operands from shared memory, both K-major (FP8 wgmma
 // has no transposed form), 128-byte swizzle; fp32 accumulators, 64 per thread in the wgmma fragment
-// layout. accumulate = false overwrites D.
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
-                                                      bool accumulate) {
+// layout. accumulate = false overwrites D. `a_low`, `b_low`: the descriptors' low words
+// (wgmma_desc_low_k_major_sw128).
+// NOTES: built inside the asm from 32-bit words, a descriptor costs its moves to uniform registers; as
+// 64-bit values stepped in C++ the descriptors cost ~8 more instructions per wgmma (64-bit adds and
+// moves), which the FP8 mainloop's consumers, bound by their own instruction issue, paid on every slice.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint32_t a_low, uint32_t b_low, bool accumulate) {
   asm volatile(
       "{\n"
+      ".reg .b32 high;\n"
+      ".reg .b64 da, db;\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {\n"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
-      "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "
-      "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1;\n"
+      "mov.b32 high, %67;\n"
+      "mov.b64 da, {%64, high};\n"
+      "mov.b64 db, {%65, high};\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
+      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
+      "%57, %58, %59, %60, %61, %62, %63}, da, db, p, 1, 1;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
         "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
@@ -394,7 +410,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t d
         "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
         "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
         "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));
+      : "r"(a_low), "r"(b_low), "r"(int(accumulate)), "n"(kDescHighKMajorSw128));
 }
 
 }  // namespace pounce::ptx
