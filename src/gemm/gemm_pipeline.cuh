@@ -37,14 +37,16 @@ constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;  // 64: one wgmm
 static_assert(kStoreBoxRows == kRowsPerConsumer, "a store box is one consumer's rows high");
 constexpr int kTileSlots = 2;      // the producer may run one tile ahead of the consumers
 constexpr int kDoneLagSlices = 4;  // a tile's completion counter is released this many K slices into the next
-// setmaxnreg: 128 x 56 + 256 x 224 = 64512 of the SM's 65536 registers, or (E4M3 kinds) 128 x 40 +
-// 256 x 232: their consumers hold 192 accumulator registers and ran ~1 % faster with the 8 more (fewer
-// values recomputed per K slice); the fused layer's producer warpgroup, with more to do than a TMA
-// thread, spilled at 40.
+// setmaxnreg, producer warpgroup and consumers: 128 x 56 + 256 x 224 = 64512 of the SM's 65536 registers
+// (BF16 kinds), or 128 x 40 + 256 x 232 = 64512 (E4M3 kinds). The forward E4M3 consumers hold 192
+// accumulator registers and ran ~1 % faster with the 8 more (fewer values recomputed per K slice); the
+// k-grouped E4M3 kind runs with the same split. The E4M3 kinds' tile source is the stand-alone grouped
+// GEMM's queue (a TMA thread and the scale loader); the fused layer's producer warpgroup, with more to do,
+// spilled at 40, so a fused tile source of an E4M3 kind would need its own split.
 struct RegisterSplit {
   uint32_t producer, consumer;
 };
-inline constexpr RegisterSplit kRegisters{56, 224}, kFp8Registers{40, 232};
+inline constexpr RegisterSplit kBf16Registers{56, 224}, kFp8Registers{40, 232};
 
 // Hardware named barriers; 0 is __syncthreads. One per consumer warpgroup for its epilogue, (E4M3) one
 // per consumer warpgroup for its turn to issue wgmmas, and one for both consumers at the end of an
@@ -610,8 +612,8 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
   const uint32_t a_low = ptx::wgmma_desc_low_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128);
   const uint32_t b_low = ptx::wgmma_desc_low_k_major_sw128(ptx::smem_addr(s.b[0]));
   const uint32_t a_scale = ptx::smem_addr(&s.a_scale[0][row]), b_scale = ptx::smem_addr(&s.b_scale[0]);
-  // Once the stage is full. The stage is released (empty) after the promotion's wait, which orders these
-  // reads before the refill.
+  // Once the stage is full. Each thread's own arrival on the stage's empty barrier (a release, after its
+  // wgmma wait) orders these reads before the refill.
   const auto read_scales = [&](uint32_t at) {
     const float slice_b_scale = ptx::ld_shared_f32(b_scale + at * sizeof(float));
     const uint32_t a_at = a_scale + at * sizeof(s.a_scale[0]);
@@ -847,7 +849,7 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
   }
   __syncthreads();
 
-  constexpr RegisterSplit kSplit = Stages::kScales ? kFp8Registers : kRegisters;
+  constexpr RegisterSplit kSplit = Stages::kScales ? kFp8Registers : kBf16Registers;
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kSplit.producer>();

@@ -372,10 +372,13 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
 }
 
 // The low word of a K-major, 128-byte-swizzled descriptor (wgmma_desc_k_major_sw128): the start address in
-// 16-byte units and the unused leading-dimension offset. Its high word is kDescHighKMajorSw128 whatever the
-// address, so a loop can keep and step the low word alone (32-bit arithmetic, no carries into the high word:
-// shared-memory addresses are below 2^18).
+// 16-byte units (bits 0-13) and the unused leading-dimension offset. Its high word is kDescHighKMajorSw128
+// whatever the address, so a loop can keep and step the low word alone: a stepped start address is
+// still a shared-memory address (below 2^18), so it fits its 14 bits and carries into no other field.
 inline constexpr uint32_t kDescHighKMajorSw128 = uint32_t(wgmma_desc_k_major_sw128(0) >> 32);
+static_assert((uint64_t(kDescHighKMajorSw128) << 32 | uint32_t(wgmma_desc_k_major_sw128(0x3FFF0))) ==
+                  wgmma_desc_k_major_sw128(0x3FFF0),
+              "the high word does not depend on the address");
 __device__ __forceinline__ uint32_t wgmma_desc_low_k_major_sw128(uint32_t smem_address) {
   return uint32_t(wgmma_desc_k_major_sw128(smem_address));
 }
