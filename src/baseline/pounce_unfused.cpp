@@ -97,10 +97,13 @@ gemm::GroupedGemmArgs PounceUnfusedMoe::fp8_gemm_args(Gemm which) const {
 void PounceUnfusedMoe::run_fp8_step(Fp8Step step, const __nv_bfloat16* x, cudaStream_t stream) {
   POUNCE_REQUIRE(has_fp8_weights_ && has_routing_, "PounceUnfusedMoe: call set_routing and quantize_weights_fp8 first");
   const int64_t rows = plan_.padded_rows;
+  // The GEMMs read A's scales K block-major over their a_rows (gemm::Fp8Operands).
+  const formats::ScaleLayout a_scales{capacity_rows_};
   switch (step) {
     case Fp8Step::kQuantizeTokens:
       formats::quantize_1x128_gather_device(reinterpret_cast<const uint16_t*>(x), plan_.row_token.data(), rows,
-                                            dims_.hidden, pool_fp8_.values.data(), pool_fp8_.scales.data(), stream);
+                                            dims_.hidden, pool_fp8_.values.data(), pool_fp8_.scales.data(), stream,
+                                            a_scales);
       break;
     case Fp8Step::kGateUp:
       gemm_.run(fp8_gemm_args(Gemm::kGateUp), stream);
@@ -109,7 +112,7 @@ void PounceUnfusedMoe::run_fp8_step(Fp8Step step, const __nv_bfloat16* x, cudaSt
       // Padding rows of the hidden buffer hold whatever GEMM1 left there (it skips them); their codes only
       // feed padding rows of GEMM2's output, which the combine never reads.
       formats::quantize_1x128_device(reinterpret_cast<const uint16_t*>(hidden_.data()), rows, dims_.intermediate,
-                                     hidden_fp8_.values.data(), hidden_fp8_.scales.data(), stream);
+                                     hidden_fp8_.values.data(), hidden_fp8_.scales.data(), stream, a_scales);
       break;
     case Fp8Step::kDown:
       gemm_.run(fp8_gemm_args(Gemm::kDown), stream);

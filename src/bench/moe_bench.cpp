@@ -193,12 +193,13 @@ Json bench_fp8_gemms(const MoeModelShape& s, baseline::PounceUnfusedMoe& unfused
     Quantized out{DeviceBuffer<uint8_t>(r * c), DeviceBuffer<float>(weights ? r / 128 * (c / 128) : r * (c / 128)),
                   DeviceBuffer<__nv_bfloat16>(r * c)};
     const auto* bits = reinterpret_cast<const uint16_t*>(x);
+    const formats::ScaleLayout layout{weights ? 0 : r};  // activations: K block-major, as the GEMM reads them
     if (weights)
       formats::quantize_128x128_device(bits, r, c, out.q.data(), out.scale.data(), stream);
     else
-      formats::quantize_1x128_device(bits, r, c, out.q.data(), out.scale.data(), stream);
+      formats::quantize_1x128_device(bits, r, c, out.q.data(), out.scale.data(), stream, layout);
     formats::dequantize_blockwise_device(out.q.data(), out.scale.data(), r, c, weights ? 128 : 1,
-                                         reinterpret_cast<uint16_t*>(out.exact.data()), stream);
+                                         reinterpret_cast<uint16_t*>(out.exact.data()), stream, layout);
     return out;
   };
   const Quantized x8 = quantize(unfused.pool(), rows, H, false), w13_8 = quantize(w13, E * 2 * I, H, true),

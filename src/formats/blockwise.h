@@ -46,8 +46,9 @@ struct Fp8Rows1x128 {
 };
 Fp8Rows1x128 quantize_1x128(std::span<const float> x, int64_t rows, int64_t cols);
 std::vector<float> dequantize(const Fp8Rows1x128& q);
-// q's scales K block-major, [cols / 128, rows]: how the k-grouped FP8 GEMM reads its operands' scales
-// (one K block's lie together), and how quantize_1x128_transposed_device writes them.
+// q's scales K block-major, [cols / 128, rows] (one K block's lie together): how the FP8 GEMMs read their
+// row-scaled operands' scales, and how quantize_1x128_transposed_device (and the 1 x 128 quantizers with a
+// K block-major ScaleLayout) write them.
 std::vector<float> scales_k_block_major(const Fp8Rows1x128& q);
 
 // 128x128 blocks (weights). rows and cols must be multiples of 128.

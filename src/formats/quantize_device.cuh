@@ -107,13 +107,24 @@ __device__ __forceinline__ int block_scale_exponent(uint32_t amax) {
 template <bool kMx>
 using ScaleT = std::conditional_t<kMx, uint8_t, float>;  // E8M0 codes, or fp32 powers of two
 
+// Where block `block` (the flat index of a row-major [rows, blocks_per_row] matrix of blocks) keeps its
+// scale: that index (row-major), or K block-major [blocks_per_row, block_major_rows] (formats::ScaleLayout).
+struct ScaleSlots {
+  int64_t blocks_per_row = 1;
+  int64_t block_major_rows = 0;  // 0: row-major
+  __device__ __forceinline__ int64_t operator()(int64_t block) const {
+    if (block_major_rows == 0) return block;
+    return block % blocks_per_row * block_major_rows + block / blocks_per_row;
+  }
+};
+
 // One 16-byte chunk (8 bf16, index `chunk` of a row-major matrix of whole blocks) quantized within its
 // block (1 x 128, or 1 x 32 for MX), whose chunks are consecutive lanes (an aligned group): codes to chunk
-// `chunk` of out, the block's scale to its slot of scales ([rows, cols / block]). Every lane of the warp
-// calls it (the block's amax is a shuffle); inactive lanes only skip the stores.
+// `chunk` of out, the block's scale to its slot of scales (`slots`). Every lane of the warp calls it (the
+// block's amax is a shuffle); inactive lanes only skip the stores.
 template <bool kMx>
-__device__ __forceinline__ void quantize_chunk(uint4 raw, int64_t chunk, bool active, uint8_t* out,
-                                               ScaleT<kMx>* scales) {
+__device__ __forceinline__ void quantize_chunk(uint4 raw, int64_t chunk, bool active, uint8_t* out, ScaleT<kMx>* scales,
+                                               ScaleSlots slots = {}) {
   constexpr int kLanes = (kMx ? kMxBlock : kActivationBlock) / 8;  // 4 or 16
   const int e = block_scale_exponent<kMx, kLanes>(finite_amax_bits(raw));
   const uint2 codes = e4m3x8(raw, exp2_int(-e));  // e >= -127 keeps the inverse scale <= 2^127
@@ -121,9 +132,9 @@ __device__ __forceinline__ void quantize_chunk(uint4 raw, int64_t chunk, bool ac
   reinterpret_cast<uint2*>(out)[chunk] = codes;
   if (chunk % kLanes == 0) {
     if constexpr (kMx)
-      scales[chunk / kLanes] = uint8_t(e + kE8M0Bias);
+      scales[slots(chunk / kLanes)] = uint8_t(e + kE8M0Bias);
     else
-      scales[chunk / kLanes] = exp2_int(e);
+      scales[slots(chunk / kLanes)] = exp2_int(e);
   }
 }
 

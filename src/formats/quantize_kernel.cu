@@ -5,10 +5,10 @@
 // contiguous bytes and writes 256 (fully coalesced), and all of a thread's loads are issued before any
 // math to keep several in flight. cols is a multiple of the block, so a block never straddles two rows
 // and the flat index of a block is also the index of its scale in the row-major [rows, cols / block]
-// scale array: no row/column arithmetic. A 128-block is 16 consecutive lanes (half a warp), a 32-block
-// 4 lanes; shuffles with xor offsets below that count stay inside the block. Every lane takes part in
-// the shuffles (no early exit before them); chunks past the end only skip their loads and stores, and
-// since n is a multiple of the block, a block is either wholly in or wholly out.
+// scale array (K block-major scales take one division per block, in the lane that stores the scale). A 128-block is 16
+// consecutive lanes (half a warp), a 32-block 4 lanes; shuffles with xor offsets below that count stay inside the
+// block. Every lane takes part in the shuffles (no early exit before them); chunks past the end only skip their loads
+// and stores, and since n is a multiple of the block, a block is either wholly in or wholly out.
 //
 // NOTES: bit-exactness with the host reference (formats/blockwise.cpp), written independently:
 // - amax on the bf16 bits: for non-negative values the integer order is the value order, and NaN/Inf
@@ -53,7 +53,7 @@ constexpr int kChunksPerThread = 4;  // loads in flight per thread: 4 gave ~15% 
 template <bool kMx>
 __global__ void __launch_bounds__(kThreadsPerCta)
     quantize_kernel(const uint16_t* __restrict__ x, const int32_t* __restrict__ source_row, int64_t cols, int64_t n,
-                    uint8_t* __restrict__ out, ScaleT<kMx>* __restrict__ scales) {
+                    uint8_t* __restrict__ out, ScaleT<kMx>* __restrict__ scales, ScaleSlots slots) {
   // All loads first, so each thread has kChunksPerThread 16-byte loads in flight.
   int64_t first[kChunksPerThread];
   uint4 raw[kChunksPerThread];
@@ -69,15 +69,23 @@ __global__ void __launch_bounds__(kThreadsPerCta)
   }
 #pragma unroll
   for (int c = 0; c < kChunksPerThread; ++c)  // an inactive chunk lies past the end
-    quantize_chunk<kMx>(raw[c], first[c] / kElemsPerThread, first[c] < n, out, scales);
+    quantize_chunk<kMx>(raw[c], first[c] / kElemsPerThread, first[c] < n, out, scales, slots);
+}
+
+// A 1 x 128 scale layout for [rows, cols]: refused unless row-major or block-major over at least `rows`.
+ScaleSlots slots_of(const char* name, ScaleLayout layout, int64_t rows, int64_t cols) {
+  POUNCE_REQUIRE(layout.block_major_rows == 0 || layout.block_major_rows >= rows, name, ": K block-major scales of ",
+                 layout.block_major_rows, " rows cannot hold ", rows, " rows");
+  return {cols / kActivationBlock, layout.block_major_rows};
 }
 
 template <bool kMx>
 void launch(const char* name, const uint16_t* x, const int32_t* source_row, int64_t rows, int64_t cols, uint8_t* out,
-            ScaleT<kMx>* scales, cudaStream_t stream) {
+            ScaleT<kMx>* scales, cudaStream_t stream, ScaleLayout layout = {}) {
   constexpr int kBlock = kMx ? kMxBlock : kActivationBlock;
   POUNCE_REQUIRE(rows >= 0 && cols >= 0, name, ": shape [", rows, ", ", cols, "] has a negative extent");
   POUNCE_REQUIRE(cols % kBlock == 0, name, ": cols = ", cols, " is not a multiple of ", kBlock);
+  const ScaleSlots slots = kMx ? ScaleSlots{} : slots_of(name, layout, rows, cols);
   require_countable(name, rows, cols);
   const int64_t n = rows * cols;
   if (n == 0) return;
@@ -93,7 +101,7 @@ void launch(const char* name, const uint16_t* x, const int32_t* source_row, int6
   const int64_t per_cta = int64_t(kThreadsPerCta) * kElemsPerThread * kChunksPerThread;
   const int64_t ctas = (n + per_cta - 1) / per_cta;
   POUNCE_REQUIRE(ctas <= INT_MAX, name, ": ", rows, " x ", cols, " elements need more than 2^31 - 1 CTAs");
-  quantize_kernel<kMx><<<unsigned(ctas), kThreadsPerCta, 0, stream>>>(x, source_row, cols, n, out, scales);
+  quantize_kernel<kMx><<<unsigned(ctas), kThreadsPerCta, 0, stream>>>(x, source_row, cols, n, out, scales, slots);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -139,16 +147,17 @@ __device__ __forceinline__ float e8m0_value(uint8_t code) {
 
 // One thread per 8 elements: E4M3 -> float (exact) times the block's power-of-two scale (exact unless
 // subnormal) -> bf16 (exact for 4 significant bits; the host reference rounds the same two steps). kMx:
-// E8M0 scales, one per 32 elements of a row; else fp32 ones per 1 x 128 (block_rows 1) or 128 x 128 block.
+// E8M0 scales, one per 32 elements of a row; else fp32 ones per 1 x 128 (block_rows 1, at `slots`) or
+// 128 x 128 block.
 template <bool kMx>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ q, const void* __restrict__ scales, int64_t rows,
-                                  int64_t cols, int block_rows, uint16_t* __restrict__ out) {
+                                  int64_t cols, int block_rows, ScaleSlots slots, uint16_t* __restrict__ out) {
   const int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kElemsPerThread;
   if (first >= rows * cols) return;
   const int64_t row = first / cols, col = first % cols;
-  const float scale =
-      kMx ? e8m0_value(static_cast<const uint8_t*>(scales)[row * (cols / kMxBlock) + col / kMxBlock])
-          : static_cast<const float*>(scales)[(row / block_rows) * (cols / kActivationBlock) + col / kActivationBlock];
+  const float scale = kMx ? e8m0_value(static_cast<const uint8_t*>(scales)[row * (cols / kMxBlock) + col / kMxBlock])
+                          : static_cast<const float*>(
+                                scales)[slots((row / block_rows) * (cols / kActivationBlock) + col / kActivationBlock)];
   const uint2 codes = *reinterpret_cast<const uint2*>(q + first);
   const uint32_t words[2] = {codes.x, codes.y};
   uint32_t bf16x2[4];
@@ -263,7 +272,7 @@ __global__ void __launch_bounds__(kTransposeThreads)
 // What both dequantizers check and do once their shape is known to be whole blocks.
 template <bool kMx>
 void launch_dequantize(const char* name, const uint8_t* q, const void* scales, int64_t rows, int64_t cols,
-                       int block_rows, uint16_t* out_bf16, cudaStream_t stream) {
+                       int block_rows, uint16_t* out_bf16, cudaStream_t stream, ScaleSlots slots = {}) {
   require_countable(name, rows, cols);
   if (rows == 0 || cols == 0) return;
   POUNCE_REQUIRE(q != nullptr && scales != nullptr && out_bf16 != nullptr, name, ": q, scales and out must be set");
@@ -272,20 +281,24 @@ void launch_dequantize(const char* name, const uint8_t* q, const void* scales, i
   const int64_t threads = rows * cols / kElemsPerThread;
   const int64_t ctas = (threads + kThreadsPerCta - 1) / kThreadsPerCta;
   POUNCE_REQUIRE(ctas <= INT_MAX, name, ": ", rows, " x ", cols, " elements need more than 2^31 - 1 CTAs");
-  dequantize_kernel<kMx><<<unsigned(ctas), kThreadsPerCta, 0, stream>>>(q, scales, rows, cols, block_rows, out_bf16);
+  dequantize_kernel<kMx>
+      <<<unsigned(ctas), kThreadsPerCta, 0, stream>>>(q, scales, rows, cols, block_rows, slots, out_bf16);
   CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
 void dequantize_blockwise_device(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, int block_rows,
-                                 uint16_t* out_bf16, cudaStream_t stream) {
+                                 uint16_t* out_bf16, cudaStream_t stream, ScaleLayout layout) {
   constexpr const char* name = "dequantize_blockwise_device";
   POUNCE_REQUIRE(block_rows == 1 || block_rows == kWeightBlock, name, ": block_rows = ", block_rows,
                  " (1 for 1 x 128 blocks, 128 for 128 x 128)");
   POUNCE_REQUIRE(rows >= 0 && cols >= 0 && cols % kActivationBlock == 0 && rows % block_rows == 0, name, ": shape [",
                  rows, ", ", cols, "] is not made of whole ", block_rows, " x 128 blocks");
-  launch_dequantize<false>(name, q, scales, rows, cols, block_rows, out_bf16, stream);
+  POUNCE_REQUIRE(block_rows == 1 || layout.block_major_rows == 0, name,
+                 ": K block-major scales are for 1 x 128 blocks (block_rows 1)");
+  launch_dequantize<false>(name, q, scales, rows, cols, block_rows, out_bf16, stream,
+                           slots_of(name, layout, rows, cols));
 }
 
 void dequantize_mxfp8_device(const uint8_t* q, const uint8_t* scales, int64_t rows, int64_t cols, uint16_t* out_bf16,
@@ -355,14 +368,14 @@ void quantize_1x128_transposed_device(const uint16_t* x_bf16, int64_t rows, int6
 }
 
 void quantize_1x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,
-                           cudaStream_t stream) {
-  launch<false>("quantize_1x128_device", x_bf16, nullptr, rows, cols, out, scales, stream);
+                           cudaStream_t stream, ScaleLayout layout) {
+  launch<false>("quantize_1x128_device", x_bf16, nullptr, rows, cols, out, scales, stream, layout);
 }
 
 void quantize_1x128_gather_device(const uint16_t* x_bf16, const int32_t* source_row, int64_t rows, int64_t cols,
-                                  uint8_t* out, float* scales, cudaStream_t stream) {
+                                  uint8_t* out, float* scales, cudaStream_t stream, ScaleLayout layout) {
   POUNCE_REQUIRE(rows == 0 || source_row != nullptr, "quantize_1x128_gather_device: source_row is null");
-  launch<false>("quantize_1x128_gather_device", x_bf16, source_row, rows, cols, out, scales, stream);
+  launch<false>("quantize_1x128_gather_device", x_bf16, source_row, rows, cols, out, scales, stream, layout);
 }
 
 void quantize_mxfp8_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, uint8_t* scales,

@@ -14,14 +14,23 @@
 
 namespace pounce::formats {
 
-// out: [rows, cols] E4M3; scales: [rows, cols / 128] fp32 powers of two ("ceil" rule). cols % 128 == 0.
+// Where the 1 x 128 quantizers put the scale of block b (of 128 columns) of row r.
+struct ScaleLayout {
+  // 0: row-major [rows, cols / 128], at r * (cols / 128) + b. Otherwise K block-major
+  // [cols / 128, block_major_rows], at b * block_major_rows + r (at least rows; slots of rows past `rows`
+  // are left as they were): one block's scales of all rows lie together, as the FP8 grouped GEMM reads
+  // its A operand's (gemm::Fp8Operands).
+  int64_t block_major_rows = 0;
+};
+
+// out: [rows, cols] E4M3; scales ("ceil" rule, fp32 powers of two) laid out as `layout` says. cols % 128 == 0.
 void quantize_1x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, float* scales,
-                           cudaStream_t stream);
+                           cudaStream_t stream, ScaleLayout layout = {});
 
 // The same for a gather, as dispatch moves tokens into expert order: output row r quantizes row
 // source_row[r] of x (device [rows]); a negative entry gives a row of zeros with scale 1 (padding rows).
 void quantize_1x128_gather_device(const uint16_t* x_bf16, const int32_t* source_row, int64_t rows, int64_t cols,
-                                  uint8_t* out, float* scales, cudaStream_t stream);
+                                  uint8_t* out, float* scales, cudaStream_t stream, ScaleLayout layout = {});
 
 // The weight gradients' operands, quantized along the tokens (the k-grouped GEMM reads them K-major, K
 // being the rows): out [cols, rows] E4M3 is x transposed, each of its rows quantized 1 x 128 (so 128
@@ -43,10 +52,10 @@ void quantize_128x128_device(const uint16_t* x_bf16, int64_t rows, int64_t cols,
 void transpose_128x128_device(const uint8_t* q, const float* scales, int64_t matrices, int64_t rows, int64_t cols,
                               uint8_t* out, float* out_scales, cudaStream_t stream);
 // The inverse of the two blockwise quantizers: bf16 out [rows, cols] = e4m3 q * its block's scale, rounded
-// as the host's float product converted to bf16 (exact unless the product is subnormal). block_rows 1: scales [rows,
-// cols / 128] (1 x 128 blocks); 128: scales [rows / 128, cols / 128] (128 x 128 blocks).
+// as the host's float product converted to bf16 (exact unless the product is subnormal). block_rows 1: 1 x 128
+// blocks, scales laid out as `layout` says; 128: scales [rows / 128, cols / 128] (128 x 128 blocks).
 void dequantize_blockwise_device(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, int block_rows,
-                                 uint16_t* out_bf16, cudaStream_t stream);
+                                 uint16_t* out_bf16, cudaStream_t stream, ScaleLayout layout = {});
 
 // out: [rows, cols] E4M3; scales: [rows, cols / 32] E8M0 (OCP MX rule). cols % 32 == 0.
 void quantize_mxfp8_device(const uint16_t* x_bf16, int64_t rows, int64_t cols, uint8_t* out, uint8_t* scales,

@@ -74,6 +74,16 @@ std::vector<uint8_t> as_bytes(const std::vector<T>& v) {
   return bytes;
 }
 
+// q's scales K block-major over `stride` >= q.rows rows, as bytes ([cols / 128, stride]): the slots of
+// rows past q.rows hold the poison (a quantizer must leave them alone).
+std::vector<uint8_t> k_block_major_bytes(const Fp8Rows1x128& q, int64_t stride) {
+  const std::vector<float> packed = scales_k_block_major(q);
+  std::vector<uint8_t> bytes(size_t(stride * (q.cols / kActivationBlock)) * sizeof(float), kPoison);
+  for (int64_t b = 0; b < q.cols / kActivationBlock; ++b)
+    std::memcpy(bytes.data() + b * stride * sizeof(float), packed.data() + b * q.rows, size_t(q.rows) * sizeof(float));
+  return bytes;
+}
+
 // A device dequantizer (`run` writes bf16 [rows, cols] to its argument) against the host's dequantized
 // values, bit for bit (NaN for NaN).
 template <typename Run>
@@ -97,11 +107,11 @@ void check_dequantized(const char* what, Run run, int64_t cols, const std::vecto
 
 // The blockwise device dequantizer on what a device quantizer wrote.
 void check_dequantized(const GuardedBuffer& q, const GuardedBuffer& scales, int64_t rows, int64_t cols, int block_rows,
-                       const std::vector<float>& want, cudaStream_t stream) {
+                       const std::vector<float>& want, cudaStream_t stream, ScaleLayout layout = {}) {
   check_dequantized(
       block_rows == 1 ? "1x128" : "128x128",
       [&](uint16_t* out) {
-        dequantize_blockwise_device(q.as<uint8_t>(), scales.as<float>(), rows, cols, block_rows, out, stream);
+        dequantize_blockwise_device(q.as<uint8_t>(), scales.as<float>(), rows, cols, block_rows, out, stream, layout);
       },
       cols, want, stream);
 }
@@ -128,6 +138,19 @@ void check_against_host(const std::vector<uint16_t>& x, int64_t rows, int64_t co
     expect_bytes_equal(d_out.download(), want.data, "1x128 data", cols);
     expect_bytes_equal(d_scales.download(), as_bytes(want.scales), "1x128 scales", cols / kActivationBlock * 4);
     check_dequantized(d_out, d_scales, rows, cols, 1, dequantize(want), stream);
+
+    // K block-major scales (the FP8 GEMM's A operand) over more rows than x has.
+    const int64_t stride = rows + 5;
+    GuardedBuffer d_block_major(size_t(stride * (cols / kActivationBlock)) * sizeof(float));
+    d_out.poison();
+    d_block_major.poison();
+    quantize_1x128_device(d_x.as<uint16_t>(), rows, cols, d_out.as<uint8_t>(), d_block_major.as<float>(), stream,
+                          ScaleLayout{stride});
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    expect_bytes_equal(d_out.download(), want.data, "1x128 data (K block-major scales)", cols);
+    expect_bytes_equal(d_block_major.download(), k_block_major_bytes(want, stride), "1x128 scales, K block-major",
+                       stride * int64_t(sizeof(float)));
+    check_dequantized(d_out, d_block_major, rows, cols, 1, dequantize(want), stream, ScaleLayout{stride});
   }
   if (cols % kWeightBlock == 0 && rows % kWeightBlock == 0) {
     const Fp8Blocks128x128 want = quantize_128x128(xf, rows, cols);
@@ -280,6 +303,16 @@ TEST(QuantizeKernel, GatherMatchesHostOnTheGatheredRows) {
   CUDA_CHECK(cudaDeviceSynchronize());
   expect_bytes_equal(d_out.download(), want.data, "gathered 1x128 data", cols);
   expect_bytes_equal(d_scales.download(), as_bytes(want.scales), "gathered 1x128 scales", cols / 128 * 4);
+
+  // K block-major scales, as the FP8 grouped GEMM reads the gathered rows' (its a_rows = rows).
+  d_out.poison();
+  d_scales.poison();
+  quantize_1x128_gather_device(d_x.as<uint16_t>(), d_source.data(), rows, cols, d_out.as<uint8_t>(),
+                               d_scales.as<float>(), nullptr, ScaleLayout{rows});
+  CUDA_CHECK(cudaDeviceSynchronize());
+  expect_bytes_equal(d_out.download(), want.data, "gathered 1x128 data (K block-major scales)", cols);
+  expect_bytes_equal(d_scales.download(), k_block_major_bytes(want, rows), "gathered 1x128 scales, K block-major",
+                     rows * 4);
 }
 
 // Weights in the data gradients' orientation: three stacked [256, 384] matrices, each block with a scale
@@ -412,6 +445,15 @@ TEST(QuantizeKernel, RejectsBadArguments) {
   EXPECT_NO_THROW(quantize_mxfp8_device(nullptr, 4, 0, nullptr, nullptr, nullptr));
   EXPECT_NO_THROW(quantize_128x128_device(nullptr, 0, 256, nullptr, nullptr, nullptr));
   EXPECT_THROW(quantize_1x128_gather_device(x, nullptr, 1, 128, out, d_scales.as<float>(), nullptr), Error);
+  // K block-major scales need a slot for every row; 128 x 128 blocks have no such layout.
+  testing::expect_error([&] { quantize_1x128_device(x, 4, 128, out, d_scales.as<float>(), nullptr, ScaleLayout{3}); },
+                        "K block-major scales of 3 rows cannot hold 4 rows");
+  testing::expect_error(
+      [&] {
+        dequantize_blockwise_device(out, d_scales.as<float>(), 128, 128, 128, d_x.as<uint16_t>(), nullptr,
+                                    ScaleLayout{128});
+      },
+      "K block-major scales are for 1 x 128 blocks");
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 

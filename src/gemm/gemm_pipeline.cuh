@@ -203,12 +203,13 @@ struct GemmOperands {
   // kSwiGLU only, optional: bf16 [rows, n] (store box) that also receives the tile before SwiGLU, at
   // TileInfo::keep_row: the gate/up rows a training forward keeps for the backward.
   const CUtensorMap* keep;
-  // E4M3 kinds only: fp32 power-of-two scales of A, [rows, k / 128] (1 x 128 blocks of each row), and of
-  // B, [experts * n / 128, k / 128] (128 x 128 blocks); kWeightGradFp8: see below.
+  // E4M3 kinds only: fp32 power-of-two scales of A, [k / 128, a_scale_stride] (1 x 128 blocks of each row,
+  // K block-major: one slice's scales of all rows lie together), and of B, [experts * n / 128, k / 128]
+  // (128 x 128 blocks); kWeightGradFp8: see below.
   const float* a_scale;
   const float* b_scale;
-  // kWeightGradFp8: the scale arrays are [rows / 128, m] and [rows / 128, n] (K block-major: one slice's
-  // scales lie together), these being m and n; a tile's slices start at its expert's first row.
+  // kWeightGradFp8: the scale arrays are [rows / 128, m] and [rows / 128, n] (K block-major too), these
+  // being m and n; a tile's slices start at its expert's first row.
   int32_t a_scale_stride, b_scale_stride;
 };
 
@@ -299,40 +300,37 @@ __device__ __forceinline__ TileInfo take_tile(Storage& s, uint32_t& slot, uint32
 
 // E4M3 tiles: one warp copies each K slice's scales (the tile's 128 A-row scales, and its B block's or its
 // 128 B columns') into the stage, asynchronously, and each lane arrives on the stage's full barrier once
-// its copies landed.
+// its copies landed. Both kinds read A's scales K block-major: a slice's 128 row scales are one 16-byte
+// piece per lane (gathered from a row-major array, 128 strided 4-byte loads cost 3-8 % of the FP8 GEMM).
 // NOTES: the consumers then read their scales from shared memory beside the operands. Loaded by the
 // consumers from global memory instead, one slice ahead, each slice's MMAs sat behind the loads' latency
 // (the register that carried the next slice's scale had to be ready before the wgmma wait).
 template <class Tiles, class Storage>
 __device__ void run_scale_loader(Storage& s, const Tiles& tiles, const WaitSite& pipe_site) {
+  static_assert(kBlockM == 32 * 4, "a slice's A scales are one 16-byte piece per lane");
   const int lane = threadIdx.x % 32;
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
   for (;;) {
     const TileInfo tile = take_tile(s, slot, slot_phase, pipe_site);
     if (!tile.valid) return;
     const GemmOperands& op = tiles.operands(tile.gemm);
-    // Row scales: A [rows, k / 128] and B [experts * n / 128, k / 128]; a slice is one column of both.
-    // Column scales (k-grouped): A [rows / 128, m] and B [rows / 128, n], a slice one row of both (16
-    // bytes per lane of A's; B's in 8-byte pairs, to their slots in fragment order), the tile's K from its
-    // expert's first row (the operands' column) on.
-    const float* a_scale = Storage::kColumnScales
-                               ? op.a_scale + int64_t(tile.a.col / 128) * op.a_scale_stride + tile.a.row + 4 * lane
-                               : op.a_scale + (int64_t(tile.a.row) + lane) * tile.k_blocks;  // rows lane + 32 i
+    // A [k / 128, a_scale_stride]: a slice is one row, 16 bytes per lane; the k-grouped tile's K starts at
+    // its expert's first row (the operands' column). Row scales: B [experts * n / 128, k / 128], a slice one
+    // column. Column scales (k-grouped): B [rows / 128, n], a slice one row (in 8-byte pairs, to their
+    // slots in fragment order).
+    const float* a_scale = op.a_scale + int64_t(tile.a.col / 128) * op.a_scale_stride + tile.a.row + 4 * lane;
     const float* b_scale = Storage::kColumnScales
                                ? op.b_scale + int64_t(tile.a.col / 128) * op.b_scale_stride + tile.b.row + 4 * lane
                                : op.b_scale + int64_t(tile.b.row / Fp8Stages::kTileN) * tile.k_blocks;
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
       mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
+      ptx::cp_async<16>(&s.a_scale[stage][4 * lane], a_scale + int64_t(kb) * op.a_scale_stride);
       if constexpr (Storage::kColumnScales) {
-        ptx::cp_async<16>(&s.a_scale[stage][4 * lane], a_scale + int64_t(kb) * op.a_scale_stride);
         ptx::cp_async<8>(&s.b_scale[stage][column_scale_slot(4 * lane)], b_scale + int64_t(kb) * op.b_scale_stride);
         ptx::cp_async<8>(&s.b_scale[stage][column_scale_slot(4 * lane + 2)],
                          b_scale + int64_t(kb) * op.b_scale_stride + 2);
-      } else {
-#pragma unroll
-        for (int i = 0; i < kBlockM / 32; ++i)
-          ptx::cp_async<4>(&s.a_scale[stage][lane + 32 * i], a_scale + int64_t(32 * i) * tile.k_blocks + kb);
-        if (lane == 0) ptx::cp_async<4>(&s.b_scale[stage], b_scale + kb);
+      } else if (lane == 0) {
+        ptx::cp_async<4>(&s.b_scale[stage], b_scale + kb);
       }
       ptx::cp_async_mbarrier_arrive(&s.full[stage]);
       if (++stage == Storage::kStages) stage = 0, phase ^= 1;

@@ -30,7 +30,7 @@ struct KernelParams {
   const float* row_scale;
   const float* a_scale;  // FP8 only
   const float* b_scale;
-  int32_t a_scale_stride, b_scale_stride;  // FP8 k-grouped: m and n (GemmOperands)
+  int32_t a_scale_stride, b_scale_stride;  // FP8 (GemmOperands): m-grouped a_rows; k-grouped m and n
   Epilogue epilogue;
   const uint32_t* m_block_ready;
   uint32_t ready_target;
@@ -199,6 +199,8 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
     POUNCE_REQUIRE(args.n % 128 == 0 && args.k % 128 == 0, "grouped GEMM: FP8 needs n and k in whole 128-blocks of ",
                    "its scales; n = ", args.n, ", k = ", args.k);
     POUNCE_REQUIRE(args.b_major == Major::kK, "grouped GEMM: FP8 weights must be K-major");
+    POUNCE_REQUIRE(reinterpret_cast<uintptr_t>(args.fp8.a_scale) % 16 == 0,
+                   "grouped GEMM: fp8.a_scale must be 16-byte aligned (K block-major, [k / 128, a_rows])");
   }
   POUNCE_REQUIRE(args.a_rows >= 0 && args.a_rows % kBlockM == 0 && args.a_rows <= INT32_MAX,
                  "grouped GEMM: a_rows = ", args.a_rows, " must be a multiple of ", kBlockM, " that fits int32");
@@ -224,6 +226,7 @@ void GroupedGemm::run(const GroupedGemmArgs& args, cudaStream_t stream) {
   params.row_scale = args.row_scale;
   params.a_scale = args.fp8.a_scale;
   params.b_scale = args.fp8.b_scale;
+  params.a_scale_stride = int32_t(args.a_rows);
   params.epilogue = args.epilogue;
   params.m_block_ready = args.m_block_ready;
   params.ready_target = args.ready_target;

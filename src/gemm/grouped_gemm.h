@@ -61,10 +61,12 @@ struct GemmTuning {
 };
 
 // E4M3 operands of an FP8 GEMM, K-major (as a and b with b_major kK), each with its fp32 power-of-two
-// block scales; the bf16 a and b stay null.
+// block scales; the bf16 a and b stay null. A's scales are K block-major (one 128-wide K block's scales
+// of all rows lie together, so a tile's 128 row scales of a slice are 512 contiguous bytes): what
+// formats::quantize_1x128_device writes with ScaleLayout{a_rows}.
 struct Fp8Operands {
   const uint8_t* a = nullptr;      // [a_rows, k]
-  const float* a_scale = nullptr;  // [a_rows, k / 128]: 1 x 128 blocks
+  const float* a_scale = nullptr;  // [k / 128, a_rows]: 1 x 128 blocks, K block-major; 16-byte aligned
   const uint8_t* b = nullptr;      // [experts, n, k]
   const float* b_scale = nullptr;  // [experts * n / 128, k / 128]: 128 x 128 blocks
 };

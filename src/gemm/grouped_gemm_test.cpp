@@ -668,8 +668,9 @@ DeviceFp8Operands quantize_operands(std::mt19937_64& rng, Problem& p) {
   const formats::Fp8Blocks128x128 qb = formats::quantize_128x128(p.b, b_rows, p.k);
   p.a = formats::dequantize(qa);  // NaN padding rows stay NaN
   p.b = formats::dequantize(qb);
-  return {DeviceBuffer<uint8_t>(qa.data), DeviceBuffer<uint8_t>(qb.data), DeviceBuffer<float>(qa.scales),
-          DeviceBuffer<float>(qb.scales)};
+  // A's scales K block-major, [k / 128, a_rows], as the GEMM reads them.
+  return {DeviceBuffer<uint8_t>(qa.data), DeviceBuffer<uint8_t>(qb.data),
+          DeviceBuffer<float>(formats::scales_k_block_major(qa)), DeviceBuffer<float>(qb.scales)};
 }
 
 GroupedGemmArgs fp8_args(const Problem& p, const DeviceProblem& d, const DeviceFp8Operands& q) {
@@ -761,6 +762,9 @@ TEST(Fp8GroupedGemm, RejectsBadOperandsByName) {
   args = fp8_args(p, d, q);
   args.b_major = Major::kMN;
   rejects(args, "FP8 weights must be K-major");
+  args = fp8_args(p, d, q);
+  args.fp8.a_scale = q.a_scale.data() + 1;  // the scale loader copies 16-byte pieces
+  rejects(args, "fp8.a_scale must be 16-byte aligned");
 }
 
 TEST(GroupedGemm, RejectsUnsupportedShapesByName) {

@@ -331,8 +331,11 @@ TEST(BackwardKernels, QuantizedRowsAreTheQuantizersBits) {
   backward::swiglu_backward_rows(
       bf16(d_h13), bf16(d_da), row_weight.data(), d_token.data(), rows, I, reinterpret_cast<__nv_bfloat16*>(dgu.data()),
       reinterpret_cast<__nv_bfloat16*>(wa.data()), route_dot.data(), nullptr, dgu_fused.rows());
-  formats::quantize_1x128_device(dy_rows.data(), rows, H, dy_after.data.data(), dy_after.scales.data(), nullptr);
-  formats::quantize_1x128_device(dgu.data(), rows, 2 * I, dgu_after.data.data(), dgu_after.scales.data(), nullptr);
+  const formats::ScaleLayout k_block_major{rows};  // as the FP8 data-gradient GEMMs read them
+  formats::quantize_1x128_device(dy_rows.data(), rows, H, dy_after.data.data(), dy_after.scales.data(), nullptr,
+                                 k_block_major);
+  formats::quantize_1x128_device(dgu.data(), rows, 2 * I, dgu_after.data.data(), dgu_after.scales.data(), nullptr,
+                                 k_block_major);
   CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(dy_fused.data.download(), dy_after.data.download());
   EXPECT_EQ(dy_fused.scales.download(), dy_after.scales.download());

@@ -24,6 +24,12 @@ __global__ void set_plan_inputs_kernel(const int32_t** ids_table, int32_t* token
 }
 
 using formats::quantize_device::quantize_chunk;  // bit for bit quantize_1x128_device's, chunk by chunk
+using formats::quantize_device::ScaleSlots;
+
+// Fp8Rows' scales for rows of `vecs` chunks: K block-major over `rows`.
+__device__ __forceinline__ ScaleSlots fp8_row_slots(int64_t rows, int64_t vecs) {
+  return {vecs * 8 / formats::kActivationBlock, rows};
+}
 
 // The vector loop runs the same trip count on every thread (chunks past the row only skip their
 // stores), so that the FP8 quantizer's shuffles see whole warps: vecs is a multiple of 16 then.
@@ -48,7 +54,8 @@ __global__ void gather_kernel(const RouteSources sources, const int32_t* row_sou
           dy_rows[r * vecs + v] = dy_value;
         }
       }
-      if (dy_fp8.data != nullptr) quantize_chunk<false>(dy_value, r * vecs + v, active, dy_fp8.data, dy_fp8.scales);
+      if (dy_fp8.data != nullptr)
+        quantize_chunk<false>(dy_value, r * vecs + v, active, dy_fp8.data, dy_fp8.scales, fp8_row_slots(rows, vecs));
     }
   }
 }
@@ -71,9 +78,10 @@ __global__ void scatter_kernel(const uint4* dx_rows, const float* route_dot, con
 // (read back from L2). NOTES: __syncwarp orders the lanes' stores of the row before the other lanes'
 // loads of it.
 __device__ __forceinline__ void quantize_row(const uint4* row, int64_t first_chunk, int64_t vecs, Fp8Rows out,
-                                             int lane) {
+                                             ScaleSlots slots, int lane) {
   __syncwarp();
-  for (int64_t v = lane; v < vecs; v += 32) quantize_chunk<false>(row[v], first_chunk + v, true, out.data, out.scales);
+  for (int64_t v = lane; v < vecs; v += 32)
+    quantize_chunk<false>(row[v], first_chunk + v, true, out.data, out.scales, slots);
 }
 
 // One warp per row (moe/backward/swiglu_backward.cuh), each lane owning groups of 8 intermediate columns:
@@ -84,17 +92,18 @@ __global__ void swiglu_backward_kernel(const uint4* __restrict__ h13, const uint
                                        float* __restrict__ route_dot, Fp8Rows dgu_fp8) {
   constexpr int kWarps = kThreads / 32;
   const int lane = threadIdx.x % 32;
+  const ScaleSlots slots = fp8_row_slots(rows, groups * 2);
   for (int64_t r = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; r < rows; r += int64_t(gridDim.x) * kWarps) {
     if (row_token[r] < 0) {  // padding: zeros, whatever h13 holds there
       swiglu_backward_padding_row(groups, dgu + r * groups * 2, wa + r * groups, lane);
       if (lane == 0) route_dot[r] = 0.0f;
-      if (dgu_fp8.data != nullptr) quantize_row(dgu + r * groups * 2, r * groups * 2, groups * 2, dgu_fp8, lane);
+      if (dgu_fp8.data != nullptr) quantize_row(dgu + r * groups * 2, r * groups * 2, groups * 2, dgu_fp8, slots, lane);
       continue;
     }
     const float dot = swiglu_backward_row(h13 + r * groups * 2, da + r * groups, row_weight[r], groups,
                                           dgu + r * groups * 2, wa + r * groups, lane);
     if (lane == 0) route_dot[r] = dot;
-    if (dgu_fp8.data != nullptr) quantize_row(dgu + r * groups * 2, r * groups * 2, groups * 2, dgu_fp8, lane);
+    if (dgu_fp8.data != nullptr) quantize_row(dgu + r * groups * 2, r * groups * 2, groups * 2, dgu_fp8, slots, lane);
   }
 }
 

@@ -35,7 +35,8 @@ struct RouteTargets {
 };
 
 // Rows quantized to E4M3 as they are written (the FP8 data gradients' A operands): data [rows, cols] and
-// 1 x 128 power-of-two scales [rows, cols / 128], bit for bit quantize_1x128_device of the bf16 rows
+// 1 x 128 power-of-two scales K block-major [cols / 128, rows] (as the FP8 grouped GEMM reads them, its
+// a_rows being these rows), bit for bit quantize_1x128_device of the bf16 rows with ScaleLayout{rows}
 // (formats/quantize_kernel.h). cols must be a multiple of 128. Null: none.
 struct Fp8Rows {
   uint8_t* data = nullptr;
