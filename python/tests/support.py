@@ -42,6 +42,21 @@ def reference_moe(x, topk_ids, topk_weights, w13, w2):
     return y
 
 
+def reference_route_outputs(x, topk_ids, w13, w2):
+    """Each route's expert output before its router weight, [T, k, H] fp32 (no autograd)."""
+    with torch.no_grad():
+        x, w13, w2 = x.float(), w13.float(), w2.float()
+        gate, up = pounce.split_w13(w13)
+        out = torch.zeros(*topk_ids.shape, x.shape[-1], device=x.device)
+        for e in range(w13.shape[0]):
+            tokens, slot = (topk_ids == e).nonzero(as_tuple=True)
+            if tokens.numel() == 0:
+                continue
+            xe = x[tokens]
+            out[tokens, slot] = (torch.nn.functional.silu(xe @ gate[e].T) * (xe @ up[e].T)) @ w2[e].T
+        return out
+
+
 def random_routing(tokens, experts, topk, *, pattern="uniform", generator=None, device="cpu"):
     """topk_ids [T, k] int32 (distinct experts per token) and topk_weights [T, k] fp32.
     pattern: "uniform"; "skewed" (most routes to the first experts, the last ones empty); "zero-weights"
