@@ -5,10 +5,11 @@
 // contiguous bytes and writes 256 (fully coalesced), and all of a thread's loads are issued before any
 // math to keep several in flight. cols is a multiple of the block, so a block never straddles two rows
 // and the flat index of a block is also the index of its scale in the row-major [rows, cols / block]
-// scale array (K block-major scales take one division per block, in the lane that stores the scale). A 128-block is 16
-// consecutive lanes (half a warp), a 32-block 4 lanes; shuffles with xor offsets below that count stay inside the
-// block. Every lane takes part in the shuffles (no early exit before them); chunks past the end only skip their loads
-// and stores, and since n is a multiple of the block, a block is either wholly in or wholly out.
+// scale array (K block-major scales cost one division per block, in the lane that stores the scale).
+// A 128-block is 16 consecutive lanes (half a warp), a 32-block 4 lanes; shuffles with xor offsets below
+// that count stay inside the block. Every lane takes part in the shuffles (no early exit before them);
+// chunks past the end only skip their loads and stores, and since n is a multiple of the block, a block
+// is either wholly in or wholly out.
 //
 // NOTES: bit-exactness with the host reference (formats/blockwise.cpp), written independently:
 // - amax on the bf16 bits: for non-negative values the integer order is the value order, and NaN/Inf
