@@ -42,6 +42,19 @@ inline std::vector<float> random_bf16_values(std::mt19937_64& rng, size_t n, flo
   return v;
 }
 
+// Scales each block_rows x 128 block of v [rows, cols] by 2^e, e uniform in [-3, 3] (exact in bf16), so
+// blockwise FP8 scales differ from block to block: a scale applied to the wrong block, or laid out wrongly,
+// then fails a comparison.
+inline void spread_blocks(std::mt19937_64& rng, std::vector<float>& v, int64_t rows, int64_t cols, int64_t block_rows) {
+  std::uniform_int_distribution<int> e(-3, 3);
+  for (int64_t br = 0; br < rows / block_rows; ++br)
+    for (int64_t bc = 0; bc < cols / 128; ++bc) {
+      const int s = e(rng);
+      for (int64_t r = br * block_rows; r < (br + 1) * block_rows; ++r)
+        for (int64_t c = bc * 128; c < (bc + 1) * 128; ++c) v[r * cols + c] = std::ldexp(v[r * cols + c], s);
+    }
+}
+
 inline std::vector<uint16_t> to_bf16_bits(std::span<const float> v) {
   std::vector<uint16_t> bits(v.size());
   for (size_t i = 0; i < v.size(); ++i) bits[i] = formats::bf16_from_float(v[i]);

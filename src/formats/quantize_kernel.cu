@@ -75,8 +75,9 @@ __global__ void __launch_bounds__(kThreadsPerCta)
 
 // A 1 x 128 scale layout for [rows, cols]: refused unless row-major or block-major over at least `rows`.
 ScaleSlots slots_of(const char* name, ScaleLayout layout, int64_t rows, int64_t cols) {
-  POUNCE_REQUIRE(layout.block_major_rows == 0 || layout.block_major_rows >= rows, name, ": K block-major scales of ",
-                 layout.block_major_rows, " rows cannot hold ", rows, " rows");
+  POUNCE_REQUIRE(layout.block_major_rows == 0 || layout.block_major_rows >= rows, name,
+                 ": ScaleLayout::block_major_rows = ", layout.block_major_rows,
+                 " must be 0 (row-major scales) or at least rows = ", rows);
   return {cols / kActivationBlock, layout.block_major_rows};
 }
 

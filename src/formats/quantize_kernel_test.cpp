@@ -447,7 +447,7 @@ TEST(QuantizeKernel, RejectsBadArguments) {
   EXPECT_THROW(quantize_1x128_gather_device(x, nullptr, 1, 128, out, d_scales.as<float>(), nullptr), Error);
   // K block-major scales need a slot for every row; 128 x 128 blocks have no such layout.
   testing::expect_error([&] { quantize_1x128_device(x, 4, 128, out, d_scales.as<float>(), nullptr, ScaleLayout{3}); },
-                        "K block-major scales of 3 rows cannot hold 4 rows");
+                        "ScaleLayout::block_major_rows = 3 must be 0 (row-major scales) or at least rows = 4");
   testing::expect_error(
       [&] {
         dequantize_blockwise_device(out, d_scales.as<float>(), 128, 128, 128, d_x.as<uint16_t>(), nullptr,

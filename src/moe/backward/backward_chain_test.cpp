@@ -73,9 +73,9 @@ struct Problem {
     auto w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
     auto w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
     if (spread_blocks) {
-      spread(rng, dy, T, H, 1);
-      spread(rng, w13, E * 2 * I, H, 128);
-      spread(rng, w2, E * H, I, 128);
+      testing::spread_blocks(rng, dy, T, H, 1);
+      testing::spread_blocks(rng, w13, E * 2 * I, H, 128);
+      testing::spread_blocks(rng, w2, E * H, I, 128);
     }
     const auto ids = reference::synthetic_topk_ids(c.pattern, T, c.experts, c.topk, rng);
     auto weights = reference::synthetic_topk_weights(T, c.topk, rng);
@@ -95,16 +95,6 @@ struct Problem {
     in = {bf16(d_x),  d_ids.data(), d_weights.data(), T, bf16(d_dy), reinterpret_cast<__nv_bfloat16*>(d_dx.data()),
           d_dw.data()};
     out = {bf16(d_w13), bf16(d_w2), dw13.data(), dw2.data(), WeightGradOutput::kF32};
-  }
-  // Scales each block_rows x 128 block of v [rows, cols] by 2^e, e uniform in [-3, 3] (exact in bf16).
-  static void spread(std::mt19937_64& rng, std::vector<float>& v, int64_t rows, int64_t cols, int64_t block_rows) {
-    std::uniform_int_distribution<int> e(-3, 3);
-    for (int64_t br = 0; br < rows / block_rows; ++br)
-      for (int64_t bc = 0; bc < cols / 128; ++bc) {
-        const int s = e(rng);
-        for (int64_t r = br * block_rows; r < (br + 1) * block_rows; ++r)
-          for (int64_t c = bc * 128; c < (bc + 1) * 128; ++c) v[r * cols + c] = std::ldexp(v[r * cols + c], s);
-      }
   }
   static EpConfig config(const Case& c) {
     return {.ranks = 1,
@@ -294,9 +284,9 @@ TEST(BackwardKernels, QuantizedRowsAreTheQuantizersBits) {
   const int64_t T = 37, H = 384, I = 256, k = 2, rows = 64;
   auto x = testing::random_bf16_values(rng, T * H), dy = testing::random_bf16_values(rng, T * H);
   auto h13 = testing::random_bf16_values(rng, rows * 2 * I), da = testing::random_bf16_values(rng, rows * I);
-  Problem::spread(rng, dy, T, H, 1);
-  Problem::spread(rng, h13, rows, 2 * I, 1);
-  Problem::spread(rng, da, rows, I, 1);
+  testing::spread_blocks(rng, dy, T, H, 1);
+  testing::spread_blocks(rng, h13, rows, 2 * I, 1);
+  testing::spread_blocks(rng, da, rows, I, 1);
   const auto weights = reference::synthetic_topk_weights(T, k, rng);
   std::vector<int32_t> source(rows, 0), token(rows), slot(rows);
   for (int64_t r = 0; r < rows; ++r) {
