@@ -25,8 +25,8 @@ def _ceil_to(n: int, m: int) -> int:
 
 class Layer:
     """The fused layer of one MoE on one GPU; what the ops `pounce::moe_forward` and `pounce::moe_backward`
-    run on. The C++ object is made on the first forward, on the GPU of its inputs, with room for
-    `max_tokens` tokens (default: that forward's). On one GPU a later forward with more tokens replaces it
+    run on. The C++ object is made on the first forward, on the GPU of its inputs, with room for forwards
+    of `max_tokens` tokens (this process's; with `virtual_ranks`, split over them; default: that forward's). On one GPU a later forward with more tokens replaces it
     with a larger one; across GPUs (`group`) every rank must keep the same size, so there a larger forward
     is an error that asks for `max_tokens`.
 
@@ -156,9 +156,12 @@ class Layer:
                     f"pounce: this rank has {tokens} tokens, above the {self._sized_for} the layer was made "
                     "for; across GPUs every rank keeps the same size: pass max_tokens to the MoE"
                 )
-            size = self.max_tokens or self._group_max(tokens, device)
-            if need > size:
-                raise Error(f"pounce: this rank has {tokens} tokens, above max_tokens = {size}")
+            # Every rank takes part in the reduction, so a rank over max_tokens fails on all of them
+            # together (alone, it would leave the others waiting in the collectives of _create).
+            largest = self._group_max(tokens, device)
+            size = self.max_tokens or largest
+            if largest > size:
+                raise Error(f"pounce: a rank has {largest} tokens, above max_tokens = {size}")
         self._create(size, device)
 
     def _set_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:

@@ -89,10 +89,11 @@ class MoE(nn.Module):
     tokens) and close() together. virtual_ranks=P: all P ranks on this GPU, for testing; the module then
     holds all E experts and each forward's tokens are split over the ranks in order.
 
-    The fused layer is made on the first forward, on x's GPU, sized for max_tokens tokens per rank
-    (default: that forward's count). On one GPU a forward with more tokens makes a larger one; across GPUs
-    every rank keeps the first size, so pass max_tokens when the count varies. Make it before CUDA graph
-    capture (one forward with the largest count).
+    The fused layer is made on the first forward, on x's GPU, sized for forwards of up to max_tokens
+    tokens each (the tokens this process passes; with virtual_ranks, split over them; default: that
+    forward's count). On one GPU a forward with more tokens makes a larger one; across GPUs every rank
+    keeps the first size, so pass max_tokens when the count varies. Make it before CUDA graph capture (one
+    forward with the largest count).
 
     Device errors (routing ids out of range or repeated within a token; a wait that gave up) end the
     kernel and are raised as pounce.Error by the next forward, or by check_device_errors(). options: a dict

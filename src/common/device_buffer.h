@@ -17,8 +17,20 @@ template <typename T>
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t count) : count_(count) {
-    if (count_ > 0) CUDA_CHECK(cudaMalloc(&data_, count_ * sizeof(T)));
+  // A failed allocation throws naming its size, and clears the runtime's last error, which a later
+  // launch check (cudaGetLastError) would otherwise report as its own failure.
+  explicit DeviceBuffer(size_t count) {
+    if (count == 0) return;
+    POUNCE_REQUIRE(count <= SIZE_MAX / sizeof(T), "device allocation of ", count, " elements of ", sizeof(T),
+                   " bytes overflows size_t");
+    const size_t bytes = count * sizeof(T);
+    if (const cudaError_t status = cudaMalloc(&data_, bytes); status != cudaSuccess) {
+      data_ = nullptr;
+      (void)cudaGetLastError();
+      POUNCE_FAIL("device allocation of ", bytes, " bytes (", (bytes >> 30) + ((bytes & ((1ull << 30) - 1)) != 0),
+                  " GiB rounded up) failed: ", cudaGetErrorName(status), " (", cudaGetErrorString(status), ")");
+    }
+    count_ = count;
   }
   explicit DeviceBuffer(std::span<const T> host) : DeviceBuffer(host.size()) { upload(host); }
   explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(std::span<const T>(host)) {}

@@ -193,7 +193,8 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   const int64_t minibatch_rows = options.minibatch_rows > 0
                                      ? options.minibatch_rows
                                      : planner::minibatch_rows_for({.compute_sms = gemm_ctas}, config.intermediate);
-  const int64_t bpm = ceil_div(minibatch_rows, kBlockM);
+  // A minibatch past every m-block of the capacity is all of them (and fits the kernel's int32).
+  const int64_t bpm = std::min(ceil_div(minibatch_rows, kBlockM), std::max<int64_t>(capacity_.max_m_blocks, 1));
   // Ring: at least two minibatches (the tile queue's deadlock-freedom needs it) or everything.
   const int64_t min_ring = std::min(2 * bpm, capacity_.max_m_blocks);
   // One rank: by default the ring holds every m-block, as the unfused chain's buffers do, and nothing
@@ -413,7 +414,14 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream, boo
       const int64_t rows = std::max<int64_t>(L * capacity_.max_padded_rows, kBlockM);
       POUNCE_REQUIRE(rows <= INT32_MAX, "FusedMoe::forward: the kept gate/up rows of ", L, " ranks (", rows,
                      ") exceed what a tensor map addresses (2^31)");
-      gate_up_kept_ = DeviceBuffer<__nv_bfloat16>(rows * 2 * config_.intermediate);
+      try {
+        gate_up_kept_ = DeviceBuffer<__nv_bfloat16>(rows * 2 * config_.intermediate);
+      } catch (const Error& e) {
+        POUNCE_FAIL("FusedMoe::forward: the gate/up rows kept for the backward (", rows,
+                    " rows: the capacity, sized for every route of ", config_.max_tokens_per_rank,
+                    " tokens on each of ", config_.ranks, " ranks landing here) do not fit: ", e.what(),
+                    "; a smaller max_tokens_per_rank shrinks them");
+      }
       maps_.gate_up_kept = gemm::make_bf16_tensor_map(gate_up_kept_.data(), 2 * config_.intermediate, rows,
                                                       gemm::kStoreBoxCols, gemm::kStoreBoxRows);
     }
@@ -628,17 +636,23 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
                    "FusedMoe::backward: the first backward from a kept forward allocates its rows, which a CUDA graph "
                    "capture cannot: run one before capturing");
     auto s = std::make_unique<FusedBackwardState>();
-    s->counters = DeviceBuffer<uint32_t>(L * layout.words());
-    s->epoch = DeviceBuffer<uint32_t>(1);
-    s->peer_words = DeviceBuffer<uint32_t>(P * (T + P));
-    s->dy_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
-    s->da = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
-    s->dgu = DeviceBuffer<__nv_bfloat16>(ring_rows * 2 * I);
-    s->wa = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
-    s->dx_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
-    s->segment_dots = DeviceBuffer<float>(ring_rows * backward::segments_per_row(I / 8));
-    s->row_weight = DeviceBuffer<float>(ring_rows);
-    if (P > 1) s->x_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);  // in place the forward's ring has them
+    try {
+      s->counters = DeviceBuffer<uint32_t>(L * layout.words());
+      s->epoch = DeviceBuffer<uint32_t>(1);
+      s->peer_words = DeviceBuffer<uint32_t>(P * (T + P));
+      s->dy_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
+      s->da = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
+      s->dgu = DeviceBuffer<__nv_bfloat16>(ring_rows * 2 * I);
+      s->wa = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
+      s->dx_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
+      s->segment_dots = DeviceBuffer<float>(ring_rows * backward::segments_per_row(I / 8));
+      s->row_weight = DeviceBuffer<float>(ring_rows);
+      if (P > 1) s->x_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);  // in place the forward's ring has them
+    } catch (const Error& e) {
+      POUNCE_FAIL("FusedMoe::backward: the fused backward's row buffers (", ring_rows,
+                  " rows: every m-block of the capacity, sized for every route of ", T, " tokens on each of ", P,
+                  " ranks landing on this one) do not fit: ", e.what(), "; a smaller max_tokens_per_rank shrinks them");
+    }
     for (auto* words : {&s->counters, &s->epoch, &s->peer_words}) words->fill_bytes(0);
     s->dy_rows.fill_bytes(0);  // padding rows feed the first GEMM before their S item zeroes them
     fused_backward_ = std::move(s);

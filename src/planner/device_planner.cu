@@ -36,7 +36,9 @@ DevicePlanner::DevicePlanner(const EpConfig& config, int64_t minibatch_rows) : c
   POUNCE_REQUIRE(config.local_experts() <= kMaxLocalExperts, "device planner: ", config.local_experts(),
                  " local experts per rank; at most ", kMaxLocalExperts, " are supported");
   POUNCE_REQUIRE(minibatch_rows > 0, "device planner: minibatch_rows = ", minibatch_rows, ", must be positive");
-  blocks_per_minibatch_ = int32_t((minibatch_rows + kBlockM - 1) / kBlockM);
+  // A minibatch past every m-block of the capacity is all of them (and fits int32).
+  blocks_per_minibatch_ =
+      int32_t(std::min((minibatch_rows + kBlockM - 1) / kBlockM, std::max<int64_t>(capacity_.max_m_blocks, 1)));
   chunks_per_rank_ = int32_t(std::max<int64_t>(1, (config.max_tokens_per_rank + kChunkTokens - 1) / kChunkTokens));
   chunk_counts_ = DeviceBuffer<int32_t>(int64_t(config.ranks) * chunks_per_rank_ * config.local_experts());
   expert_routes_ = DeviceBuffer<int32_t>(config.local_experts());

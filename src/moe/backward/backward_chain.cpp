@@ -21,7 +21,12 @@ void BackwardChain::allocate(DeviceBuffer<T>& buffer, int64_t count, const char*
   POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone, "MoE backward: the first backward that needs its ", what,
                  " allocates them, which a CUDA graph capture cannot: run one backward of the same kind (from a kept "
                  "forward, or replaying its forward) before capturing");
-  buffer = DeviceBuffer<T>(count);
+  try {
+    buffer = DeviceBuffer<T>(count);
+  } catch (const Error& e) {
+    POUNCE_FAIL("MoE backward: its ", what, " (", rows_, " rows of capacity) do not fit: ", e.what(),
+                "; a smaller max_tokens_per_rank shrinks them");
+  }
 }
 
 BackwardChain::BackwardChain(const EpConfig& config, std::span<__nv_bfloat16* const> slots)
