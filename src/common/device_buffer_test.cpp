@@ -16,8 +16,9 @@ using ::testing::ThrowsMessage;
 // 2^50 floats (4 PiB) fail on any GPU, and without one: either way the error names the size, and the
 // runtime's last error is left clear for the next launch check.
 TEST(DeviceBuffer, FailedAllocationNamesItsSize) {
-  EXPECT_THAT([] { DeviceBuffer<float> buffer(size_t(1) << 50); },
-              ThrowsMessage<Error>(HasSubstr("device allocation of 4503599627370496 bytes (4194304 GiB rounded up) failed")));
+  EXPECT_THAT(
+      [] { DeviceBuffer<float> buffer(size_t(1) << 50); },
+      ThrowsMessage<Error>(HasSubstr("device allocation of 4503599627370496 bytes (4194304 GiB rounded up) failed")));
   int devices = 0;
   if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) {
     EXPECT_EQ(cudaGetLastError(), cudaSuccess);
