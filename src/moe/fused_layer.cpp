@@ -126,16 +126,22 @@ FusedLayer::~FusedLayer() = default;
 
 // Every rank must run the same layer: a mismatch would size buffers differently and read past them.
 void FusedLayer::check_same_config_on_every_rank(const EpConfig& c, const FusedMoeOptions& o, ncclComm_t comm) {
+  // The options setup() checks are here too: one rank refusing alone would leave the others waiting in
+  // the window's collectives.
   const std::vector<int64_t> mine = {c.ranks,          c.experts,
                                      c.topk,           c.hidden,
                                      c.intermediate,   c.max_tokens_per_rank,
                                      o.minibatch_rows, o.ring_blocks,
-                                     o.ring_bytes,     o.fp8_data_gradients};
+                                     o.ring_bytes,     o.fp8_data_gradients,
+                                     o.ctas_per_rank,  o.comm_ctas,
+                                     o.engine_rows,    int64_t(o.wait_timeout_ns)};
   const char* names[] = {"ranks",          "experts",
                          "topk",           "hidden",
                          "intermediate",   "max_tokens_per_rank",
                          "minibatch_rows", "ring_blocks",
-                         "ring_bytes",     "fp8_data_gradients"};
+                         "ring_bytes",     "fp8_data_gradients",
+                         "ctas_per_rank",  "comm_ctas",
+                         "engine_rows",    "wait_timeout_ns"};
   const size_t n = mine.size();
   DeviceBuffer<int64_t> send(mine), all(n * c.ranks);
   NCCL_CHECK(ncclAllGather(send.data(), all.data(), n, ncclInt64, comm, nullptr));
