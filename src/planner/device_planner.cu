@@ -52,6 +52,14 @@ DevicePlanner::DevicePlanner(const EpConfig& config, int64_t minibatch_rows) : c
   sizes_ = DeviceBuffer<DeviceScheduleSizes>(1);
 }
 
+int64_t DevicePlanner::device_bytes() const {
+  int64_t bytes = int64_t(sizes_.bytes());
+  for (const DeviceBuffer<int32_t>* b : {&chunk_counts_, &expert_routes_, &expert_offsets_, &row_source_rank_,
+                                         &row_token_, &row_k_, &minibatch_starts_, &route_row_})
+    bytes += int64_t(b->bytes());
+  return bytes;
+}
+
 void DevicePlanner::plan(int rank, const int32_t* const* topk_ids, const int32_t* tokens, cudaStream_t stream) {
   POUNCE_REQUIRE(rank >= 0 && rank < config_.ranks, "device planner: rank = ", rank, " is outside [0, ", config_.ranks,
                  ")");

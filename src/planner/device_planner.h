@@ -58,6 +58,8 @@ class DevicePlanner {
   const int32_t* route_row() const { return route_row_.data(); }
   const DeviceScheduleSizes* sizes() const { return sizes_.data(); }
   const Capacity& capacity() const { return capacity_; }
+  // Bytes of its device buffers (all sized at construction).
+  int64_t device_bytes() const;
 
  private:
   EpConfig config_;

@@ -231,7 +231,7 @@ void BackwardChain::finish(std::span<const BackwardSource> sources, cudaStream_t
 }
 
 int64_t BackwardChain::device_bytes() const {
-  int64_t bytes = 0;
+  int64_t bytes = planner_.device_bytes() + int64_t(ids_table_.bytes() + token_count_.bytes());
   for (size_t b :
        {x_rows_.bytes(), dy_rows_.bytes(), h13_.bytes(), da_.bytes(), dgu_.bytes(), wa_.bytes(), dx_rows_.bytes(),
         row_weight_.bytes(), route_dot_.bytes(), dw_scratch_.bytes(), dy_fp8_.bytes(), dgu_fp8_.bytes(),
