@@ -27,34 +27,24 @@ def library_skip_reason():
     return None
 
 
-def reference_moe(x, topk_ids, topk_weights, w13, w2):
-    """The MoE of pounce.moe in fp32 eager PyTorch (differentiable), one expert at a time."""
-    x, topk_weights, w13, w2 = x.float(), topk_weights.float(), w13.float(), w2.float()
+def reference_route_outputs(x, topk_ids, w13, w2):
+    """Each route's expert output before its router weight, [T, k, H] fp32 (differentiable), one expert at
+    a time."""
+    x, w13, w2 = x.float(), w13.float(), w2.float()
     gate, up = pounce.split_w13(w13)
-    y = torch.zeros_like(x)
+    out = torch.zeros(*topk_ids.shape, x.shape[-1], device=x.device)
     for e in range(w13.shape[0]):
         tokens, slot = (topk_ids == e).nonzero(as_tuple=True)
         if tokens.numel() == 0:
             continue
         xe = x[tokens]
-        h = torch.nn.functional.silu(xe @ gate[e].T) * (xe @ up[e].T)
-        y = y.index_add(0, tokens, topk_weights[tokens, slot, None] * (h @ w2[e].T))
-    return y
+        out = out.index_put((tokens, slot), (torch.nn.functional.silu(xe @ gate[e].T) * (xe @ up[e].T)) @ w2[e].T)
+    return out
 
 
-def reference_route_outputs(x, topk_ids, w13, w2):
-    """Each route's expert output before its router weight, [T, k, H] fp32 (no autograd)."""
-    with torch.no_grad():
-        x, w13, w2 = x.float(), w13.float(), w2.float()
-        gate, up = pounce.split_w13(w13)
-        out = torch.zeros(*topk_ids.shape, x.shape[-1], device=x.device)
-        for e in range(w13.shape[0]):
-            tokens, slot = (topk_ids == e).nonzero(as_tuple=True)
-            if tokens.numel() == 0:
-                continue
-            xe = x[tokens]
-            out[tokens, slot] = (torch.nn.functional.silu(xe @ gate[e].T) * (xe @ up[e].T)) @ w2[e].T
-        return out
+def reference_moe(x, topk_ids, topk_weights, w13, w2):
+    """The MoE of pounce.moe in fp32 eager PyTorch (differentiable): the routes' outputs weighted and summed."""
+    return (topk_weights.float()[..., None] * reference_route_outputs(x, topk_ids, w13, w2)).sum(1)
 
 
 def random_routing(tokens, experts, topk, *, pattern="uniform", generator=None, device="cpu"):

@@ -28,7 +28,7 @@ using formats::quantize_device::ScaleSlots;
 
 // Fp8Rows' scales for rows of `vecs` chunks: K block-major over `rows`.
 __device__ __forceinline__ ScaleSlots fp8_row_slots(int64_t rows, int64_t vecs) {
-  return {vecs * 8 / formats::kActivationBlock, rows};
+  return {vecs * kVec / formats::kActivationBlock, rows};
 }
 
 // The vector loop runs the same trip count on every thread (chunks past the row only skip their
@@ -37,6 +37,7 @@ __global__ void gather_kernel(const RouteSources sources, const int32_t* row_sou
                               const int32_t* row_k, int64_t rows, int64_t vecs, int64_t topk, uint4* x_rows,
                               bool gather_x, uint4* dy_rows, float* row_weight, Fp8Rows dy_fp8) {
   const uint4 zero = make_uint4(0, 0, 0, 0);
+  const ScaleSlots dy_slots = fp8_row_slots(rows, vecs);
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int32_t t = row_token[r], s = t >= 0 ? row_source_rank[r] : 0;
     const uint4* x = reinterpret_cast<const uint4*>(sources.x[s]);
@@ -55,7 +56,7 @@ __global__ void gather_kernel(const RouteSources sources, const int32_t* row_sou
         }
       }
       if (dy_fp8.data != nullptr)
-        quantize_chunk<false>(dy_value, r * vecs + v, active, dy_fp8.data, dy_fp8.scales, fp8_row_slots(rows, vecs));
+        quantize_chunk<false>(dy_value, r * vecs + v, active, dy_fp8.data, dy_fp8.scales, dy_slots);
     }
   }
 }
