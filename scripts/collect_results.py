@@ -32,6 +32,19 @@ def test_summary(log):
     return summary
 
 
+def run_identity(outdir, doc):
+    """GPU, commit and date: from the benchmark's JSON, else (a tests-only run) from build.log."""
+    if "bench_uniform" in doc:
+        env = doc["bench_uniform"]["environment"]
+        return {"gpu": env["gpu"], "git_commit": env["git_commit"], "date": env["date"]}
+    log = (outdir / "build.log").read_text()
+    gpu = re.search(r"^\|\s+\d+\s+(NVIDIA [\w ]+?)\s{2,}", log, re.M)
+    commit = re.search(r"^commit (\w+)", log, re.M)
+    date = re.search(r"^(\w{3} \w{3} +\d+ [\d:]+ \d{4})", log, re.M)
+    return {"gpu": gpu.group(1) if gpu else "unknown", "git_commit": commit.group(1) if commit else "unknown",
+            "date": date.group(1) if date else "unknown"}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("outdir", type=pathlib.Path)
@@ -44,8 +57,7 @@ def main():
         path = args.outdir / f"{name}.json"
         if path.exists():
             doc[name.replace("-", "_")] = json.loads(path.read_text())
-    env = doc["bench_uniform"]["environment"]
-    doc = {"gpu": env["gpu"], "git_commit": env["git_commit"], "date": env["date"], **doc}
+    doc = {**run_identity(args.outdir, doc), **doc}
     doc["tests"] = {}
     for suite in ["pounce_tests_gpu", "pounce_experiment_tests"]:
         path = args.outdir / f"{suite}.log"
