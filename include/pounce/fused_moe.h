@@ -65,6 +65,13 @@ struct FusedMoeOptions {
   // The two weight-gradient GEMMs in E4M3, their operands (the route rows) quantized along the tokens
   // (docs/backward.md#fp8-data-gradients). Needs H and I multiples of 128; any backward path.
   bool fp8_weight_gradients = false;
+  // The forward in E4M3 (docs/fused_moe.md#the-e4m3-forward): inside the kernel each rank quantizes its
+  // tokens (1 x 128 blocks, power-of-two scales), dispatch moves the E4M3 rows and their scales, GEMM1 +
+  // SwiGLU and GEMM2 run the FP8 grouped GEMM on weight copies that refresh_fp8_weights() quantizes
+  // (128 x 128 blocks), and the hidden rows are quantized between the two GEMMs; combine and the sums stay
+  // bf16. Needs H and I multiples of 128 and virtual ranks (one GPU); a training forward keeps its gate/up
+  // rows as the BF16 one does, and its backward runs the chain (not with fused_backward).
+  bool fp8_forward = false;
 };
 
 // This rank's experts, bf16, in device memory on the layer's GPU, 16-byte aligned.
@@ -146,10 +153,11 @@ class FusedMoe {
     backward(std::span(&forward_input, 1), std::span(&grads, 1), mode, stream);
   }
 
-  // With FusedMoeOptions::fp8_data_gradients: quantizes the weights of set_weights into the E4M3 copies
-  // the backward's data gradients read, on `stream`. Call it after set_weights and after every update of
-  // the weights' values (the layer cannot see updates in place); a backward refuses to run before the
-  // first call after set_weights. The first call allocates the copies: make it before capturing a graph.
+  // With FusedMoeOptions::fp8_forward or fp8_data_gradients: quantizes the weights of set_weights into the
+  // E4M3 copies the forward's GEMMs (fp8_forward) and the backward's data gradients read, on `stream`.
+  // Call it after set_weights and after every update of the weights' values (the layer cannot see updates
+  // in place); a forward or backward refuses to run before the first call after set_weights. The first
+  // call allocates the backward's copies: make it before capturing a graph.
   void refresh_fp8_weights(cudaStream_t stream);
 
   // After the stream has synchronized: throws pounce::Error describing a failure inside the kernel (bad

@@ -385,7 +385,9 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                      {}});
   // The unfused chain in FP8 (E4M3, blockwise scales; weights quantized once, outside the timing), against
   // the BF16 chain's output within the FP8 band.
-  DeviceBuffer<__nv_bfloat16> y_fp8(H % 128 == 0 && I % 128 == 0 ? T * H : 0);
+  // The fused layer's E4M3 forward likewise (tokens and hidden rows quantized inside its kernel).
+  DeviceBuffer<__nv_bfloat16> y_fp8(H % 128 == 0 && I % 128 == 0 ? T * H : 0), y_fused_fp8(y_fp8.size());
+  std::optional<FusedMoe> fused_fp8;
   if (y_fp8.size() > 0) {
     unfused.quantize_weights_fp8(stream);
     Output output = forward_output(y_fp8.data());
@@ -394,18 +396,38 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     forward.push_back(
         {"pounce_unfused fp8", Role::kPounce,
          [&](int rep) { unfused.forward_fp8(x[rep % kSets].data(), d_weights.data(), y_fp8.data(), stream); }, output});
+    FusedMoeOptions fp8_options;
+    fp8_options.fp8_forward = true;
+    fused_fp8.emplace(one_rank, fp8_options);
+    fused_fp8->set_weights({w13.data(), w2.data()});
+    fused_fp8->refresh_fp8_weights(stream);
+    Output fused_output = forward_output(y_fused_fp8.data());
+    fused_output.max_relative_l2 = kFp8MaxRelativeL2;
+    fused_output.max_worst_row = kFp8MaxWorstToken;
+    forward.push_back({"pounce_fused fp8", Role::kPounce,
+                       [&](int rep) { fused_forward(*fused_fp8, rep % kSets, y_fused_fp8.data()); }, fused_output});
   }
   forward.push_back({"pounce_fused", Role::kFused, [&](int rep) { fused_forward(fused, rep % kSets, y_fused.data()); },
                      forward_output(y_fused.data())});
   forward.push_back(dense_reference);
   result["forward"] = compare(s.name, "forward", s.forward_flops(), forward, o, dense_tflops, report, stream);
-  double unfused_ms = 0, fp8_ms = 0;
+  double unfused_ms = 0, fp8_ms = 0, fused_ms = 0, fused_fp8_ms = 0;
   for (const Json& row : result["forward"]) {
     const std::string impl = row["impl"];
-    if (impl == "pounce_unfused" || impl == "pounce_fused" || impl == "pounce_unfused fp8")
+    if (impl == "pounce_unfused" || impl == "pounce_fused" || impl == "pounce_unfused fp8" ||
+        impl == "pounce_fused fp8")
       result["relative_l2_difference"]["y_" + impl + "_vs_cublas"] = row["check"]["relative_l2"];
-    if (impl == "pounce_unfused") unfused_ms = row["timing"].at("median_ms").get<double>();
-    if (impl == "pounce_unfused fp8") fp8_ms = row["timing"].at("median_ms").get<double>();
+    const double ms = row["timing"].at("median_ms").get<double>();
+    if (impl == "pounce_unfused") unfused_ms = ms;
+    if (impl == "pounce_unfused fp8") fp8_ms = ms;
+    if (impl == "pounce_fused") fused_ms = ms;
+    if (impl == "pounce_fused fp8") fused_fp8_ms = ms;
+  }
+  if (fused_fp8_ms > 0) {
+    result["fused_fp8"] = {{"fused_bf16_over_fp8", fused_ms / fused_fp8_ms},
+                           {"unfused_fp8_over_fused_fp8", fp8_ms / fused_fp8_ms}};
+    std::printf("  fused FP8 forward: %.3f ms against %.3f fused BF16 (%.2fx) and %.3f unfused FP8 (%.2fx)\n",
+                fused_fp8_ms, fused_ms, fused_ms / fused_fp8_ms, fp8_ms, fp8_ms / fused_fp8_ms);
   }
   if (fp8_ms > 0) {
     // What the FP8 chain's quantization passes cost (interleaved): gathering and quantizing the tokens in

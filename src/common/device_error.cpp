@@ -60,6 +60,10 @@ static std::string likely_cause(const DeviceErrorRecord& r) {
       out << "rank " << r.rank << " waited for the expert outputs of its token " << r.index
           << ", which never all came back: a rank holding one of its experts stalled or failed in this forward";
       break;
+    case WaitTarget::kTokensQuantized:
+      out << "rank " << r.index << " never quantized its tokens for this forward: it stalled or failed, or "
+          << "does not run the E4M3 forward (every rank must build the layer with the same fp8_forward)";
+      break;
     case WaitTarget::kMBlockReady:
       out << "rank " << r.rank << "'s experts waited for token rows that never arrived: a source rank, or this "
           << "rank's communication CTAs, stalled or failed in this forward";
@@ -68,6 +72,7 @@ static std::string likely_cause(const DeviceErrorRecord& r) {
     case WaitTarget::kGemm1Done:
     case WaitTarget::kGemm2Done:
     case WaitTarget::kSwigluDone:
+    case WaitTarget::kHiddenQuantized:
       out << "rank " << r.rank << "'s pipeline stopped: token rows it waits for never arrived (a source rank, or "
           << "this rank's communication CTAs, stalled or failed in this forward), or one of its GEMM CTAs stopped";
       break;
@@ -108,6 +113,14 @@ std::string DeviceErrorSlot::describe() const {
       break;
     case WaitTarget::kSwigluDone:
       out << "m-block " << r.index << " SwiGLU-backward counter stayed at " << r.observed
+          << ", expected >= " << r.expected;
+      break;
+    case WaitTarget::kHiddenQuantized:
+      out << "m-block " << r.index << " hidden-row quantization counter stayed at " << r.observed
+          << ", expected >= " << r.expected;
+      break;
+    case WaitTarget::kTokensQuantized:
+      out << "rank " << r.index << "'s count of CTAs done quantizing its tokens stayed at " << r.observed
           << ", expected >= " << r.expected;
       break;
     case WaitTarget::kRingSlotFree:

@@ -33,28 +33,30 @@ enum class DeviceRole : uint32_t {
 
 // What the reporter was waiting for, or checking.
 enum class WaitTarget : uint32_t {
-  kMBlockReady = 0,      // readiness counter of an m-block (index = m-block)
-  kStageFull = 1,        // TMA data of a pipeline stage (index = stage)
-  kStageEmpty = 2,       // consumers releasing a pipeline stage (index = stage)
-  kTileInfo = 3,         // producer publishing the next tile (index = slot)
-  kTileInfoFree = 4,     // consumers releasing a tile slot (index = slot)
-  kRowsInBounds = 5,     // not a wait: expert_offsets[E] (observed) > buffer rows (expected)
-  kExpertIdInRange = 6,  // topk_ids[token = index][k = position] = observed, not in [0, expected)
-  kDistinctExperts = 7,  // token index lists expert observed at k = expected and k = position
-  kTokenCount = 8,       // a rank's token count (observed) outside [0, expected]
-  kGemm1Done = 9,        // GEMM1 completion counter of m-block index
-  kGemm2Done = 10,       // GEMM2 completion counter of m-block index
-  kRingSlotFree = 11,    // combine of the m-block that last used the ring slot of m-block index
-  kTokenArrivals = 12,   // combine arrivals of token index
-  kRankBarrier = 13,     // arrivals at barrier index among one rank's CTAs
-  kStartFlag = 14,       // start flag of rank index (the previous forward finished there)
-  kCopyLanded = 15,      // a bulk copy into copy-engine slot index never landed
-  kKeptForward = 16,     // not a wait: the kept rows are forward number observed's (0: the latest forward
-                         // kept none), the latest is number expected; index 1 when the kept forward's inputs
-                         // are the backward's
-  kSwigluDone = 17,      // the fused backward's SwiGLU-backward counter of m-block index
-  kOffsetsAligned = 18,  // not a wait: a grouped GEMM's expert_offsets[index] = observed is not a multiple of
-                         // expected (128), or lies below the offset before it (or below 0)
+  kMBlockReady = 0,       // readiness counter of an m-block (index = m-block)
+  kStageFull = 1,         // TMA data of a pipeline stage (index = stage)
+  kStageEmpty = 2,        // consumers releasing a pipeline stage (index = stage)
+  kTileInfo = 3,          // producer publishing the next tile (index = slot)
+  kTileInfoFree = 4,      // consumers releasing a tile slot (index = slot)
+  kRowsInBounds = 5,      // not a wait: expert_offsets[E] (observed) > buffer rows (expected)
+  kExpertIdInRange = 6,   // topk_ids[token = index][k = position] = observed, not in [0, expected)
+  kDistinctExperts = 7,   // token index lists expert observed at k = expected and k = position
+  kTokenCount = 8,        // a rank's token count (observed) outside [0, expected]
+  kGemm1Done = 9,         // GEMM1 completion counter of m-block index
+  kGemm2Done = 10,        // GEMM2 completion counter of m-block index
+  kRingSlotFree = 11,     // combine of the m-block that last used the ring slot of m-block index
+  kTokenArrivals = 12,    // combine arrivals of token index
+  kRankBarrier = 13,      // arrivals at barrier index among one rank's CTAs
+  kStartFlag = 14,        // start flag of rank index (the previous forward finished there)
+  kCopyLanded = 15,       // a bulk copy into copy-engine slot index never landed
+  kKeptForward = 16,      // not a wait: the kept rows are forward number observed's (0: the latest forward
+                          // kept none), the latest is number expected; index 1 when the kept forward's inputs
+                          // are the backward's
+  kSwigluDone = 17,       // the fused backward's SwiGLU-backward counter of m-block index
+  kOffsetsAligned = 18,   // not a wait: a grouped GEMM's expert_offsets[index] = observed is not a multiple of
+                          // expected (128), or lies below the offset before it (or below 0)
+  kHiddenQuantized = 19,  // the E4M3 forward's counter of m-block index's hidden rows quantized for GEMM2
+  kTokensQuantized = 20,  // the E4M3 forward's count of rank index's CTAs that quantized their tokens
 };
 
 struct DeviceErrorRecord {

@@ -40,9 +40,8 @@ constexpr int kDoneLagSlices = 4;  // a tile's completion counter is released th
 // setmaxnreg, producer warpgroup and consumers: 128 x 56 + 256 x 224 = 64512 of the SM's 65536 registers
 // (BF16 kinds), or 128 x 40 + 256 x 232 = 64512 (E4M3 kinds). The forward E4M3 consumers hold 192
 // accumulator registers and ran ~1 % faster with the 8 more (fewer values recomputed per K slice); the
-// k-grouped E4M3 kind runs with the same split. The E4M3 kinds' tile source is the stand-alone grouped
-// GEMM's queue (a TMA thread and the scale loader); the fused layer's producer warpgroup, with more to do,
-// spilled at 40, so a fused tile source of an E4M3 kind would need its own split.
+// k-grouped E4M3 kind runs with the same split. The fused E4M3 forward's producer, with a queue to decode
+// and counters to wait for, spilled at 40: its tile source asks for the BF16 split (kRegisters).
 struct RegisterSplit {
   uint32_t producer, consumer;
 };
@@ -175,7 +174,10 @@ __device__ __forceinline__ SharedStorage<Stages>& shared_storage(uint8_t* smem_r
 //                              them for TMA; false when there are no more tiles or a wait gave up.
 //   const GemmOperands& operands(int gemm) const
 //   const TimelineSink& timeline() const      where the CTA's spans go (common/timeline.cuh)
-// and, when its queue holds kElementwiseTile items (bf16 stages),
+//   static constexpr RegisterSplit kRegisters   optional: the producer / consumer registers (default: the
+//                              stage format's, kBf16Registers or kFp8Registers)
+// and, when its queue holds kElementwiseTile items (stage A and B are raw bytes to them; E4M3 stages are
+// the same size as BF16 ones, and their scale loader only arrives for the item's slices),
 //   void load_elementwise(const TileInfo& tile, int slice, void* a, void* b, uint64_t* full) const
 //                              run by the producer thread: fills stage A and B of the item's slice
 //                              (asynchronous copies counted on `full`, expect-tx included)
@@ -313,6 +315,14 @@ __device__ void run_scale_loader(Storage& s, const Tiles& tiles, const WaitSite&
   for (;;) {
     const TileInfo tile = take_tile(s, slot, slot_phase, pipe_site);
     if (!tile.valid) return;
+    if (tile.gemm == kElementwiseTile) {  // no scales: each lane's arrival completes the stage's count
+      for (int kb = 0; kb < tile.k_blocks; ++kb) {
+        mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
+        ptx::mbarrier_arrive(&s.full[stage]);
+        if (++stage == Storage::kStages) stage = 0, phase ^= 1;
+      }
+      continue;
+    }
     const GemmOperands& op = tiles.operands(tile.gemm);
     // A [k / 128, a_scale_stride]: a slice is one row, 16 bytes per lane; the k-grouped tile's K starts at
     // its expert's first row (the operands' column). Row scales: B [experts * n / 128, k / 128], a slice one
@@ -824,6 +834,14 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
 
 // ---- the CTA ----------------------------------------------------------------------------------------
 
+template <class Tiles>
+constexpr RegisterSplit register_split() {
+  if constexpr (requires { Tiles::kRegisters; })
+    return Tiles::kRegisters;
+  else
+    return StagesOf<Tiles::kKind>::kScales ? kFp8Registers : kBf16Registers;
+}
+
 // Runs the GEMM role of one CTA (all kThreads threads) until the tile source runs dry, then the consumer
 // threads (256) call then_consumers(). That follow-up work runs inside the consumers' branch, so ptxas
 // compiles it with their registers; code after this call is also reached by the producer warpgroup and
@@ -847,7 +865,7 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
   }
   __syncthreads();
 
-  constexpr RegisterSplit kSplit = Stages::kScales ? kFp8Registers : kBf16Registers;
+  constexpr RegisterSplit kSplit = register_split<Tiles>();
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kSplit.producer>();

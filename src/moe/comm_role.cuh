@@ -37,6 +37,46 @@ __device__ inline void pull_row_weight(const FusedParams& p, const RankState& rs
   p.bwd.row_weight[ring_row(p, lr, b, r)] = p.bwd.topk_weights[rs.row_source_rank[row]][route];
 }
 
+// Where dispatch copies row r of m-block b from, and to: the source rank's token row, bf16 or (kFp8, the
+// E4M3 forward's kernel: p.fp8) its quantized bytes.
+template <bool kFp8>
+__device__ inline const void* dispatch_source(const FusedParams& p, const RankState& rs, int32_t b, int r) {
+  const int64_t row = int64_t(b) * kBlockM + r;
+  const int32_t rank = rs.row_source_rank[row];
+  if (rank < 0) return nullptr;  // padding
+  const int64_t at = int64_t(rs.row_token[row]) * p.hidden;
+  if constexpr (kFp8)
+    return p.peers.x_fp8[rank] + at;
+  else
+    return p.peers.x[rank] + at;
+}
+template <bool kFp8>
+__device__ inline void* dispatch_destination(const FusedParams& p, int lr, int32_t b, int r) {
+  const int64_t at = ring_row(p, lr, b, r) * p.hidden;
+  if constexpr (kFp8)
+    return p.fp8_rows.x_ring + at;
+  else
+    return p.x_ring + at;
+}
+
+// E4M3 forward, all threads of the CTA: the scales of rows [first, first + rows) of m-block b, row-major
+// at the source rank, into the ring's K block-major scales. Consecutive threads read one row's scales
+// (contiguous over NVLink) and scatter them locally. Ordered for the item's release like its rows (the
+// CTA barrier that follows).
+template <int kThreads>
+__device__ inline void pull_row_scales(const FusedParams& p, const RankState& rs, int lr, int32_t b, int first,
+                                       int rows) {
+  const int blocks = p.hidden / 128;
+  for (int i = threadIdx.x; i < rows * blocks; i += kThreads) {
+    const int r = first + i / blocks, block = i % blocks;
+    const int64_t row = int64_t(b) * kBlockM + r;
+    const int32_t rank = rs.row_source_rank[row];
+    if (rank < 0) continue;
+    p.fp8_rows.x_ring_scale[block * p.fp8_rows.ring_rows + ring_row(p, lr, b, r)] =
+        p.peers.x_scale[rank][int64_t(rs.row_token[row]) * blocks + block];
+  }
+}
+
 // Shared memory of a communication CTA.
 struct CommShared {
   CopyEngine::Shared engine;
@@ -50,10 +90,9 @@ struct CommShared {
 // copy engine is retired: its shared memory is free after a CTA barrier). Thread 0
 // takes items and waits; all threads resolve the item's 128 row addresses into shared memory, then
 // move the rows together (moe/row_mover.cuh), and thread 0 releases the item.
-template <int kThreads>
+template <int kThreads, bool kFp8>
 __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs, int lr, CommShared& cs) {
   const planner::DeviceScheduleSizes sizes = *rs.sizes;
-  const uint32_t row_bytes = uint32_t(p.hidden) * 2;
   const bool pull_x = p.backward && p.bwd.x_rows != nullptr;
   const int64_t items = (p.in_place ? 1 : pull_x ? 3 : 2) * int64_t(sizes.m_blocks);  // in place: D(b) only
   const int64_t opening = opening_blocks(sizes.m_blocks, p.blocks_per_minibatch);
@@ -104,8 +143,8 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
         src = p.bwd.x_source[rank] + int64_t(rs.row_token[row]) * p.hidden;
         dst = p.bwd.x_rows + ring_row(p, lr, b, r) * p.hidden;
       } else if (rank >= 0 && !item.combine) {
-        src = p.peers.x[rank] + int64_t(rs.row_token[row]) * p.hidden;
-        dst = p.x_ring + ring_row(p, lr, b, r) * p.hidden;
+        src = dispatch_source<kFp8>(p, rs, b, r);
+        dst = dispatch_destination<kFp8>(p, lr, b, r);
         if (p.backward) pull_row_weight(p, rs, lr, b, r);
       } else if (rank >= 0) {
         src = p.out_ring + ring_row(p, lr, b, r) * p.hidden;
@@ -115,7 +154,13 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
       cs.dst[r] = dst;
     }
     __syncthreads();
-    move_rows<kThreads>(engine, cs.src, cs.dst, row_bytes, p.engine_rows);
+    // E4M3 rows are H bytes (dispatch of the E4M3 forward), bf16 ones 2H.
+    const bool fp8_rows = kFp8 && !item.combine;
+    move_rows<kThreads>(engine, cs.src, cs.dst, uint32_t(p.hidden) * (fp8_rows ? 1 : 2), p.engine_rows);
+    if (fp8_rows) {
+      pull_row_scales<kThreads>(p, rs, lr, b, 0, kBlockM);
+      __syncthreads();  // every thread's scales before thread 0's release
+    }
     if (threadIdx.x == 0) {
       if (item.x_rows) {
         // Nothing in this kernel reads them: its end orders them before the weight gradients.
@@ -139,36 +184,55 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
   }
 }
 
+// E4M3 forward, thread 0: waits until every rank has quantized its tokens for this forward (each CTA of a
+// rank counts itself in that rank's x_ready once its share is written). Everything this rank pulls later
+// is ordered after it (the CTA barrier behind it, then the dispatched counters).
+__device__ inline bool wait_for_quantized_tokens(const FusedParams& p, const RankState& rs) {
+  const WaitSite site{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank};
+  for (int r = 0; r < p.ranks; ++r)
+    if (!counter_wait_bounded<Scope::kSystem>(p.peers.x_ready[r], epoch(p) * uint32_t(p.ctas_per_rank), site,
+                                              WaitTarget::kTokensQuantized, r))
+      return false;
+  return true;
+}
+
 // The opening: right after planning every CTA of the rank, communication and GEMM alike, pulls pieces
 // of the first minibatch's m-blocks (kPieceRows rows each, a row per warp: copy_rows_by_warps).
 // The first GEMM wave needs every m-block of that minibatch; moved whole by the few communication CTAs
-// (~40 us an m-block at H 7168) they landed 50-140 us after planning. Nothing here waits: the first
-// minibatch's ring slots have no earlier tenant in this forward, and the start handshake has made every
-// rank's x readable. Ends with a CTA barrier after a proxy fence: the roles that follow write this
-// shared memory through the async proxy (TMA, bulk copies).
-template <int kThreads>
-__device__ inline void pull_opening(const FusedParams& p, const RankState& rs, int lr, int cta, CommShared& cs) {
+// (~40 us an m-block at H 7168) they landed 50-140 us after planning. Nothing here waits but the E4M3
+// forward's readiness of the quantized tokens: the first minibatch's ring slots have no earlier tenant
+// in this forward, and the start handshake has made every rank's x readable. Ends with a CTA barrier
+// after a proxy fence: the roles that follow write this shared memory through the async proxy (TMA,
+// bulk copies). False when a wait gave up (the CTA leaves the kernel).
+template <int kThreads, bool kFp8>
+__device__ inline bool pull_opening(const FusedParams& p, const RankState& rs, int lr, int cta, CommShared& cs) {
   static_assert(kPieceRows <= kThreads, "one thread resolves each row of a piece");
+  if constexpr (kFp8) {
+    if (threadIdx.x == 0) cs.go = wait_for_quantized_tokens(p, rs);
+    __syncthreads();
+    if (!cs.go) return false;
+  }
   const int32_t pieces = opening_blocks(rs.sizes->m_blocks, p.blocks_per_minibatch) * kPiecesPerBlock;
-  const uint32_t row_bytes = uint32_t(p.hidden) * 2;
+  const uint32_t row_bytes = uint32_t(p.hidden) * (kFp8 ? 1 : 2);
   const bool stalled = p.stall_rank == rs.rank;  // fault injection: this rank moves no rows
   for (int32_t q = stalled ? pieces : cta; q < pieces; q += p.ctas_per_rank) {
     const int32_t b = q / kPiecesPerBlock;
+    const int first = (q % kPiecesPerBlock) * kPieceRows;
     if (threadIdx.x < kPieceRows) {
-      const int r = (q % kPiecesPerBlock) * kPieceRows + threadIdx.x;
-      const int64_t row = int64_t(b) * kBlockM + r;
-      const int32_t rank = rs.row_source_rank[row];
-      cs.src[threadIdx.x] = rank >= 0 ? p.peers.x[rank] + int64_t(rs.row_token[row]) * p.hidden : nullptr;
-      cs.dst[threadIdx.x] = p.x_ring + ring_row(p, lr, b, r) * p.hidden;
-      if (p.backward && rank >= 0) pull_row_weight(p, rs, lr, b, r);
+      const int r = first + threadIdx.x;
+      cs.src[threadIdx.x] = dispatch_source<kFp8>(p, rs, b, r);
+      cs.dst[threadIdx.x] = dispatch_destination<kFp8>(p, lr, b, r);
+      if (p.backward && cs.src[threadIdx.x] != nullptr) pull_row_weight(p, rs, lr, b, r);
     }
     __syncthreads();
     copy_rows_by_warps<kThreads>(cs.src, cs.dst, kPieceRows, row_bytes, /*first_warp=*/0);
+    if constexpr (kFp8) pull_row_scales<kThreads>(p, rs, lr, b, first, kPieceRows);
     __syncthreads();  // every thread's stores (and its table reads) done
     if (threadIdx.x == 0) ptx::red_release_gpu_add(&rs.dispatched[b], 1);  // cumulative over the barrier
   }
   ptx::fence_proxy_async_shared();
   __syncthreads();
+  return true;
 }
 
 }  // namespace pounce::moe

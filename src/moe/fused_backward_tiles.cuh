@@ -60,7 +60,7 @@ class FusedBackwardTiles : public RankTiles {
                        : tile.gemm == kElementwiseItem
                            ? counter_wait_bounded(&rs_.gemm1_done[m_block], e * p_.steps.gemm1_done, site,
                                                   WaitTarget::kGemm1Done, m_block)
-                           : counter_wait_bounded(&rs_.swiglu_done[m_block], e * p_.steps.swiglu_done, site,
+                           : counter_wait_bounded(&rs_.elementwise_done[m_block], e * p_.steps.elementwise_done, site,
                                                   WaitTarget::kSwigluDone, m_block);
     if (!ready) return false;
     // NOTES: A rows written by other CTAs (bulk copies, the S items' stores), acquired above through the
@@ -159,7 +159,7 @@ class FusedBackwardTiles : public RankTiles {
         __threadfence();
       else
         ptx::fence_acq_rel_sys();
-      ptx::red_release_gpu_add(&rs_.swiglu_done[tile.m_block], 1);
+      ptx::red_release_gpu_add(&rs_.elementwise_done[tile.m_block], 1);
     }
   }
 

@@ -8,16 +8,24 @@
 //           compute CTAs: GEMM1 + SwiGLU and GEMM2 tiles (moe/fused_tiles.cuh), then weighted sums.
 //           In place (one rank, ring holding every m-block) communication CTAs only dispatch, then
 //           take GEMM tiles too.
-// The fused backward is the same kernel with the directions swapped (p.backward, kBackward): dispatch
-// pulls dy rows, the compute CTAs run the data-gradient GEMMs with the SwiGLU backward between them
-// (moe/fused_backward_tiles.cuh), combine pushes the dx rows back, and the sums add them unweighted.
+// The fused backward is the same kernel with the directions swapped (p.backward, FusedBackwardTiles):
+// dispatch pulls dy rows, the compute CTAs run the data-gradient GEMMs with the SwiGLU backward between
+// them (moe/fused_backward_tiles.cuh), combine pushes the dx rows back, and the sums add them unweighted.
+// The E4M3 forward (p.fp8, FusedFp8Tiles) starts with every rank quantizing its own tokens; dispatch
+// moves the E4M3 rows and their scales, and the compute CTAs run the FP8 GEMMs with the hidden rows'
+// quantization between them (moe/fused_fp8_tiles.cuh).
+#include <algorithm>
+#include <type_traits>
+
 #include "common/cooperative_launch.h"
 #include "common/cuda_check.h"
 #include "common/require.h"
+#include "formats/quantize_device.cuh"
 #include "gemm/gemm_pipeline.cuh"
 #include "moe/comm_role.cuh"
 #include "moe/copy_engine.cuh"
 #include "moe/fused_backward_tiles.cuh"
+#include "moe/fused_fp8_tiles.cuh"
 #include "moe/fused_kernel.h"
 #include "moe/fused_tiles.cuh"
 #include "moe/rank_sync.cuh"
@@ -30,7 +38,6 @@ namespace {
 namespace steps = planner::steps;
 constexpr int kThreads = gemm::pipeline::kThreads;
 constexpr int kWarps = kThreads / 32;
-static_assert(sizeof(CommShared) + 1024 <= gemm::pipeline::kSharedBytes, "comm CTA state exceeds shared memory");
 // The parameters pass by value (__grid_constant__): above the classic 4 KB, within the 32764 bytes
 // CUDA 12.1+ allows every architecture.
 static_assert(sizeof(FusedParams) + sizeof(FusedMaps) <= 32764, "kernel parameters exceed the launch limit");
@@ -42,7 +49,15 @@ struct PlannerShared {
   int32_t warp_sums[32];
   int32_t running[kWarps][steps::kMaxLocalExperts];
 };
-static_assert(sizeof(PlannerShared) + 1024 <= gemm::pipeline::kSharedBytes, "planner tables exceed shared memory");
+
+// Dynamic shared memory of a launch whose compute CTAs take Tiles: the GEMM pipeline's, or more where a
+// communication CTA's or the planner's state needs it.
+template <class Tiles>
+constexpr size_t kKernelSharedBytes = std::max({gemm::pipeline::kSharedBytesOf<Tiles::kKind>, sizeof(CommShared) + 1024,
+                                                sizeof(PlannerShared) + 1024});
+static_assert(kKernelSharedBytes<FusedTiles> <= 232448 && kKernelSharedBytes<FusedFp8Tiles> <= 232448 &&
+                  kKernelSharedBytes<FusedBackwardTiles> <= 232448,
+              "shared memory exceeds the sm_90 per-block limit");
 
 // True while no CTA has reported an error. All threads of the CTA call it.
 __device__ bool nobody_reported(const FusedParams& p, int32_t* ok_flag) {
@@ -64,13 +79,46 @@ __device__ void top_up_unused_counters(const FusedParams& p, const RankState& rs
     rs.gemm1_done[b] += p.steps.gemm1_done;
     rs.gemm2_done[b] += p.steps.gemm2_done;
     rs.combined[b] += p.steps.combined;
-    if (rs.swiglu_done != nullptr) rs.swiglu_done[b] += p.steps.swiglu_done;
+    if (rs.elementwise_done != nullptr) rs.elementwise_done[b] += p.steps.elementwise_done;
   }
   uint32_t* arrivals = p.peers.arrivals[rs.rank];
   for (int64_t t = rs.tokens + worker; t < p.max_tokens; t += workers) arrivals[t] += p.steps.arrivals;
 }
 
+// The E4M3 forward, all threads of every CTA of the rank, first thing: this rank's tokens quantized 1 x 128
+// (bit for bit the stand-alone quantizer) into its x_fp8 and row-major x_scale, a share per CTA, each CTA
+// then counted in the rank's x_ready, which every rank's pulls wait for (wait_for_quantized_tokens).
+// Nobody reads the previous forward's rows any more: that forward ended here only after every route of
+// this rank's tokens came back, each pulled before it was computed.
+__device__ void quantize_tokens(const FusedParams& p, const RankState& rs, int cta) {
+  constexpr int kUnroll = 4;                                 // 16-byte loads in flight per lane
+  const int64_t chunks = int64_t(rs.tokens) * p.hidden / 8;  // whole 16-chunk blocks: H % 128 == 0
+  const int64_t warp = int64_t(cta) * kWarps + threadIdx.x / 32, warps = int64_t(p.ctas_per_rank) * kWarps;
+  const int lane = threadIdx.x % 32;
+  const uint4* x = reinterpret_cast<const uint4*>(rs.x);
+  for (int64_t base = warp * 32 * kUnroll; base < chunks; base += warps * 32 * kUnroll) {
+    uint4 raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = base + u * 32 + lane;
+      raw[u] = c < chunks ? __ldg(x + c) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = base + u * 32 + lane;  // a block's 16 chunks are all in range or all past it
+      formats::quantize_device::quantize_chunk<false>(raw[u], c, c < chunks, p.peers.x_fp8[rs.rank],
+                                                      p.peers.x_scale[rs.rank]);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ptx::fence_acq_rel_sys();  // the CTA's rows and scales (cumulative over the barrier) before the count
+    ptx::red_relaxed_sys_add(p.peers.x_ready[rs.rank], 1);
+  }
+}
+
 // Returns false when the forward must stop (a wait gave up, or the routing is invalid).
+template <bool kFp8>
 __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t* smem, int32_t* ok_flag) {
   PlannerShared& ps = *reinterpret_cast<PlannerShared*>(smem);
   const steps::Routing r{rs.topk_table, p.peers.token_counts[rs.rank], p.ranks,         p.experts,
@@ -80,6 +128,7 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
       rs.chunk_counts,     rs.expert_routes, rs.expert_offsets, rs.row_source_rank,     rs.row_token, rs.row_k,
       rs.minibatch_starts, rs.sizes,         p.capacity_rows,   p.blocks_per_minibatch, rs.route_row};
 
+  if constexpr (kFp8) quantize_tokens(p, rs, cta);
   if (cta == 0 && threadIdx.x == 0) {
     for (int w = kGemmTicket; w < kControlWords; ++w) rs.control[w] = 0;
     for (int s = 0; s < p.ranks; ++s) rs.topk_table[s] = p.peers.topk_ids[s];
@@ -127,7 +176,7 @@ __global__ void check_kept_forward(const uint32_t* epoch_word, const uint64_t* k
 // The backward's number, one kernel ahead of it in stream order.
 __global__ void begin_backward(uint32_t* epoch_word) { ++*epoch_word; }
 
-template <bool kBackward>
+template <class Tiles>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ FusedParams p, const __grid_constant__ FusedMaps maps) {
   extern __shared__ uint8_t smem_raw[];
@@ -136,11 +185,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lr = blockIdx.x / p.ctas_per_rank, cta = blockIdx.x % p.ctas_per_rank;
   const RankState& rs = p.rank_state[lr];
 
+  constexpr bool kFp8 = std::is_same_v<Tiles, FusedFp8Tiles>;
   const timeline::Stamp started = timeline::now();
-  if (!plan(p, rs, cta, smem, &ok_flag)) return;
+  if (!plan<kFp8>(p, rs, cta, smem, &ok_flag)) return;
   const timeline::Stamp planned = timeline::now();
   if (threadIdx.x == 0) timeline::record(p.timeline, TimelineSpan::kPlan, started);
-  pull_opening<kThreads>(p, rs, lr, cta, *reinterpret_cast<CommShared*>(smem));
+  if (!pull_opening<kThreads, kFp8>(p, rs, lr, cta, *reinterpret_cast<CommShared*>(smem))) return;
   if (threadIdx.x == 0) timeline::record(p.timeline, TimelineSpan::kOpening, planned);
   // Each warpgroup's first thread records when its own warp ran out of tokens to sum.
   const auto sums = [&] {
@@ -150,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   if (cta < p.comm_ctas) {
-    run_comm_items<kThreads>(p, rs, lr, *reinterpret_cast<CommShared*>(smem));
+    run_comm_items<kThreads, kFp8>(p, rs, lr, *reinterpret_cast<CommShared*>(smem));
     if (!p.in_place) return sums();
     // In place the queue held only dispatch items: every row is in, so this CTA joins the GEMM tiles.
     // The row tables were written through the generic proxy; TMA writes this shared memory next.
@@ -158,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
   }
   __shared__ gemm::pipeline::GemmOperands tile_operands[2];
-  std::conditional_t<kBackward, FusedBackwardTiles, FusedTiles> tiles(p, rs, lr, maps, tile_operands);
+  Tiles tiles(p, rs, lr, maps, tile_operands);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, gemm::pipeline::pipeline_timeout_ns(p.wait_timeout_ns),
                            rs.rank};
   gemm::pipeline::run_gemm_cta(smem_raw, tiles, pipe_site, sums);
@@ -170,17 +220,20 @@ void launch_fused_moe(const FusedParams& p, const FusedMaps& maps, cudaStream_t 
   begin_forward<<<1, 1, 0, stream>>>(const_cast<uint32_t*>(p.epoch_word), p.kept_record, p.keep_gate_up,
                                      p.kept_fingerprint);
   CUDA_CHECK_LAUNCH();
-  launch_cooperative(fused_moe_kernel<false>, p.launch_ranks * p.ctas_per_rank, kThreads, gemm::pipeline::kSharedBytes,
-                     stream, p, maps);
+  const int ctas = p.launch_ranks * p.ctas_per_rank;
+  if (p.fp8)
+    launch_cooperative(fused_moe_kernel<FusedFp8Tiles>, ctas, kThreads, kKernelSharedBytes<FusedFp8Tiles>, stream, p,
+                       maps);
+  else
+    launch_cooperative(fused_moe_kernel<FusedTiles>, ctas, kThreads, kKernelSharedBytes<FusedTiles>, stream, p, maps);
 }
 
 void launch_fused_moe_backward(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream) {
   POUNCE_REQUIRE(p.backward, "launch_fused_moe_backward: the parameters are a forward's");
   begin_backward<<<1, 1, 0, stream>>>(const_cast<uint32_t*>(p.epoch_word));
   CUDA_CHECK_LAUNCH();
-  static_assert(gemm::pipeline::kSharedBytesOf<FusedBackwardTiles::kKind> == gemm::pipeline::kSharedBytes);
-  launch_cooperative(fused_moe_kernel<true>, p.launch_ranks * p.ctas_per_rank, kThreads, gemm::pipeline::kSharedBytes,
-                     stream, p, maps);
+  launch_cooperative(fused_moe_kernel<FusedBackwardTiles>, p.launch_ranks * p.ctas_per_rank, kThreads,
+                     kKernelSharedBytes<FusedBackwardTiles>, stream, p, maps);
 }
 
 void launch_check_kept_forward(const FusedParams& p, uint64_t fingerprint, cudaStream_t stream) {

@@ -18,10 +18,16 @@ struct FusedMaps {             // CUtensorMap is 64-byte aligned
   CUtensorMap gate_up_kept;    // GEMM1 before SwiGLU [launch ranks * capacity rows, 2I], store box (training)
   CUtensorMap w13[kMaxRanks];  // [launch rank]: GEMM1 B [E/P * 2I, H]
   CUtensorMap w2[kMaxRanks];   // [launch rank]: GEMM2 B [E/P * H, I]
+  // The E4M3 forward's (Fp8Rows), box 128 bytes x 128 rows; its Q items load the bf16 hidden rows
+  // through h_ring_load.
+  CUtensorMap x_ring_fp8;          // GEMM1 A [ring rows, H]
+  CUtensorMap hidden_fp8;          // GEMM2 A [ring rows, I]
+  CUtensorMap w13_fp8[kMaxRanks];  // GEMM1 B [E/P * 2I, H]
+  CUtensorMap w2_fp8[kMaxRanks];   // GEMM2 B [E/P * H, I]
 };
 
 // One cooperative launch of p.launch_ranks * p.ctas_per_rank CTAs (one per SM; the launch fails rather
-// than run CTAs that are not co-resident, which the kernel's barriers need).
+// than run CTAs that are not co-resident, which the kernel's barriers need). p.fp8: the E4M3 forward.
 void launch_fused_moe(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream);
 
 // The fused backward's data path, one cooperative launch (p.backward set; its maps: x_ring the dy rows,

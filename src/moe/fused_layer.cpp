@@ -6,6 +6,7 @@
 
 #include "common/device_pointer.h"
 #include "common/gpu.h"
+#include "formats/quantize_kernel.h"
 #include "gemm/grouped_gemm.h"
 #include "gemm/tensor_map.h"
 #include "moe/backward/backward_kernels.h"
@@ -45,7 +46,7 @@ struct CounterLayout {
   int64_t gemm1_done() const { return m_blocks; }
   int64_t gemm2_done() const { return 2 * m_blocks; }
   int64_t combined() const { return 3 * m_blocks; }
-  int64_t swiglu_done() const { return 4 * m_blocks; }  // the fused backward's only
+  int64_t elementwise_done() const { return 4 * m_blocks; }  // the fused backward's only
   int64_t control() const { return 5 * m_blocks; }
   int64_t words() const { return control() + kControlWords; }
 };
@@ -57,15 +58,22 @@ FusedLayer::FusedLayer(const EpConfig& config, const FusedMoeOptions& options) :
   // Virtual ranks: every rank's symmetric buffers in this GPU's memory; x and topk_ids stay the caller's.
   const int P = config.ranks;
   const int64_t T = std::max<int64_t>(config.max_tokens_per_rank, 1);
-  peer_words_ = DeviceBuffer<uint32_t>(P * (T + P));
+  // Per rank: arrivals [T], start flags [P], the E4M3 forward's x_ready.
+  peer_words_ = DeviceBuffer<uint32_t>(P * (T + P + 1));
   token_counts_ = DeviceBuffer<int32_t>(P * P);
   slots_ = DeviceBuffer<__nv_bfloat16>(P * slot_elems_);
   CUDA_CHECK(cudaMemset(peer_words_.data(), 0, peer_words_.bytes()));
+  const int64_t H = config.hidden;
   for (int r = 0; r < P; ++r) {
-    params_.peers.arrivals[r] = peer_words_.data() + r * (T + P);
+    params_.peers.arrivals[r] = peer_words_.data() + r * (T + P + 1);
     params_.peers.start_flags[r] = params_.peers.arrivals[r] + T;
+    params_.peers.x_ready[r] = params_.peers.start_flags[r] + P;
     params_.peers.token_counts[r] = token_counts_.data() + r * P;
     params_.peers.slots[r] = params_.in_place ? nullptr : slots_.data() + r * slot_elems_;
+    if (fp8_forward_) {
+      params_.peers.x_fp8[r] = fp8_forward_->tokens.data() + r * T * H;
+      params_.peers.x_scale[r] = fp8_forward_->token_scales.data() + r * T * (H / 128);
+    }
   }
   params_.peers_on_this_gpu = 1;
 }
@@ -78,6 +86,9 @@ FusedLayer::FusedLayer(const EpConfig& config, ncclComm_t comm, const FusedMoeOp
   NCCL_CHECK(ncclCommCount(comm, &ranks));
   POUNCE_REQUIRE(ranks == config.ranks, "fused MoE: the communicator has ", ranks, " ranks, the config ", config.ranks);
   check_same_config_on_every_rank(config, options, comm);
+  POUNCE_REQUIRE(!options.fp8_forward,
+                 "fused MoE: fp8_forward runs on virtual ranks (one GPU) for now; a layer over "
+                 "NCCL runs the bf16 forward");
   POUNCE_REQUIRE(!options.fp8_data_gradients || config.ranks == 1,
                  "fused MoE: fp8_data_gradients runs in the backward chain, which a layer across GPUs does not use");
   setup(config, options, /*launch_ranks=*/1, /*first_rank=*/rank);
@@ -134,14 +145,16 @@ void FusedLayer::check_same_config_on_every_rank(const EpConfig& c, const FusedM
                                      o.minibatch_rows, o.ring_blocks,
                                      o.ring_bytes,     o.fp8_data_gradients,
                                      o.ctas_per_rank,  o.comm_ctas,
-                                     o.engine_rows,    int64_t(o.wait_timeout_ns)};
+                                     o.engine_rows,    int64_t(o.wait_timeout_ns),
+                                     o.fp8_forward};
   const char* names[] = {"ranks",          "experts",
                          "topk",           "hidden",
                          "intermediate",   "max_tokens_per_rank",
                          "minibatch_rows", "ring_blocks",
                          "ring_bytes",     "fp8_data_gradients",
                          "ctas_per_rank",  "comm_ctas",
-                         "engine_rows",    "wait_timeout_ns"};
+                         "engine_rows",    "wait_timeout_ns",
+                         "fp8_forward"};
   const size_t n = mine.size();
   DeviceBuffer<int64_t> send(mine), all(n * c.ranks);
   NCCL_CHECK(ncclAllGather(send.data(), all.data(), n, ncclInt64, comm, nullptr));
@@ -172,8 +185,10 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   // CTAs all forward.
   POUNCE_REQUIRE(options.ring_blocks >= 0 && options.ring_bytes >= 0, "fused MoE: ring_blocks = ", options.ring_blocks,
                  " and ring_bytes = ", options.ring_bytes, " must not be negative (0: default)");
-  // Bytes of ring per m-block: x, h and out rows.
-  const int64_t block_bytes = kBlockM * (2 * config.hidden + config.intermediate) * 2;
+  // Bytes of ring per m-block: x, h and out rows (E4M3 forward: x and h in E4M3 with their scales too).
+  const int64_t H = config.hidden, I = config.intermediate;
+  const int64_t block_bytes =
+      kBlockM * (options.fp8_forward ? 3 * H + 3 * I + (H + I) / 128 * int64_t(sizeof(float)) : (2 * H + I) * 2);
   const int64_t all_blocks_bytes = capacity_.max_m_blocks * block_bytes;
   // At one rank a ring_bytes budget picks in place whenever that takes no more memory than the bounded
   // ring plus the combine slots it would need.
@@ -245,7 +260,13 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
       " needs H and I multiples of 128 (E4M3 blocks); H = ", config.hidden, ", I = ", config.intermediate);
   POUNCE_REQUIRE(!(options.fp8_data_gradients && options.fused_backward),
                  "fused MoE: fp8_data_gradients runs in the backward chain; fused_backward has no FP8 path yet");
-  p.steps = counter_steps(config);
+  POUNCE_REQUIRE(!options.fp8_forward || (H % 128 == 0 && I % 128 == 0),
+                 "fused MoE: fp8_forward needs H and I multiples of 128 (E4M3 blocks); H = ", H, ", I = ", I);
+  POUNCE_REQUIRE(!(options.fp8_forward && options.fused_backward),
+                 "fused MoE: fp8_forward's backward runs the chain; fused_backward would read the forward's ring "
+                 "rows, which are E4M3 there");
+  p.steps = counter_steps(config, options.fp8_forward);
+  p.fp8 = options.fp8_forward;
   p.stall_rank = -1;
   p.in_place = in_place;
   p.error = errors_.device_sink();
@@ -269,7 +290,9 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   const CounterLayout layout{capacity_.max_m_blocks};
   counters_ = DeviceBuffer<uint32_t>(L * layout.words());
   const int64_t ring_rows = L * ring * kBlockM;
-  x_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.hidden);
+  // The E4M3 forward keeps its x rows in Fp8Rows: a one-block stand-in keeps x_ring's descriptor valid.
+  const int64_t x_ring_rows = options.fp8_forward ? kBlockM : ring_rows;
+  x_ring_ = DeviceBuffer<__nv_bfloat16>(x_ring_rows * config.hidden);
   h_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.intermediate);
   out_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.hidden);
   x_ring_.fill_bytes(0);  // padding rows are never written: start them at zero
@@ -294,7 +317,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
     rs.gemm1_done = c + layout.gemm1_done();
     rs.gemm2_done = c + layout.gemm2_done();
     rs.combined = c + layout.combined();
-    rs.swiglu_done = nullptr;
+    rs.elementwise_done = options.fp8_forward ? c + layout.elementwise_done() : nullptr;
     rs.control = c + layout.control();
     rs.route_row = route_row_.data();  // one rank only
   }
@@ -306,12 +329,61 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   kept_record_.fill_bytes(0);
   p.kept_record = kept_record_.data();
 
-  const uint64_t H = config.hidden, I = config.intermediate;
   using gemm::kStoreBoxCols, gemm::kStoreBoxRows;
-  maps_.x_ring = gemm::make_bf16_tensor_map(x_ring_.data(), H, ring_rows, kBlockK, kBlockM);
+  maps_.x_ring = gemm::make_bf16_tensor_map(x_ring_.data(), H, x_ring_rows, kBlockK, kBlockM);
   maps_.h_ring_store = gemm::make_bf16_tensor_map(h_ring_.data(), I, ring_rows, kStoreBoxCols, kStoreBoxRows);
   maps_.h_ring_load = gemm::make_bf16_tensor_map(h_ring_.data(), I, ring_rows, kBlockK, kBlockM);
   maps_.out_ring_store = gemm::make_bf16_tensor_map(out_ring_.data(), H, ring_rows, kStoreBoxCols, kStoreBoxRows);
+  if (options.fp8_forward) setup_fp8_forward(ring_rows);
+}
+
+void FusedLayer::setup_fp8_forward(int64_t ring_rows) {
+  const int L = params_.launch_ranks;
+  const int64_t T = std::max<int64_t>(config_.max_tokens_per_rank, 1), H = config_.hidden, I = config_.intermediate,
+                E = config_.local_experts();
+  auto s = std::make_unique<Fp8ForwardState>();
+  try {
+    s->tokens = DeviceBuffer<uint8_t>(L * T * H);
+    s->token_scales = DeviceBuffer<float>(L * T * (H / 128));
+    s->x_ring = DeviceBuffer<uint8_t>(ring_rows * H);
+    s->x_ring_scale = DeviceBuffer<float>(H / 128 * ring_rows);
+    s->hidden = DeviceBuffer<uint8_t>(ring_rows * I);
+    s->hidden_scale = DeviceBuffer<float>(I / 128 * ring_rows);
+    for (int lr = 0; lr < L; ++lr) {
+      s->w13.emplace_back(E * 2 * I * H);
+      s->w13_scale.emplace_back(E * 2 * I / 128 * (H / 128));
+      s->w2.emplace_back(E * H * I);
+      s->w2_scale.emplace_back(E * H / 128 * (I / 128));
+    }
+  } catch (const Error& e) {
+    POUNCE_FAIL("fused MoE: the fp8_forward rows and weight copies do not fit: ", e.what());
+  }
+  // Padding rows are never written: start them at zero (and their scales).
+  for (auto* rows : {&s->x_ring, &s->hidden}) rows->fill_bytes(0);
+  for (auto* scales : {&s->x_ring_scale, &s->hidden_scale}) scales->fill_bytes(0);
+  Fp8Rows& f = params_.fp8_rows;
+  f = {s->x_ring.data(), s->x_ring_scale.data(), s->hidden.data(), s->hidden_scale.data(), ring_rows, {}, {}};
+  maps_.x_ring_fp8 = gemm::make_fp8_tensor_map(s->x_ring.data(), H, ring_rows, 128, kBlockM);
+  maps_.hidden_fp8 = gemm::make_fp8_tensor_map(s->hidden.data(), I, ring_rows, 128, kBlockM);
+  for (int lr = 0; lr < L; ++lr) {
+    f.w13_scale[lr] = s->w13_scale[lr].data();
+    f.w2_scale[lr] = s->w2_scale[lr].data();
+    maps_.w13_fp8[lr] = gemm::make_fp8_tensor_map(s->w13[lr].data(), H, E * 2 * I, 128, kBlockN);
+    maps_.w2_fp8[lr] = gemm::make_fp8_tensor_map(s->w2[lr].data(), I, E * H, 128, kBlockN);
+  }
+  fp8_forward_ = std::move(s);
+}
+
+int64_t FusedLayer::Fp8ForwardState::bytes() const {
+  int64_t total = 0;
+  for (size_t b : {tokens.bytes(), x_ring.bytes(), hidden.bytes(), token_scales.bytes(), x_ring_scale.bytes(),
+                   hidden_scale.bytes()})
+    total += int64_t(b);
+  for (const auto* copies : {&w13, &w2})
+    for (const auto& w : *copies) total += int64_t(w.bytes());
+  for (const auto* copies : {&w13_scale, &w2_scale})
+    for (const auto& w : *copies) total += int64_t(w.bytes());
+  return total;
 }
 
 // After a device error on one GPU: counters start over. Across GPUs the other ranks' words are theirs
@@ -357,7 +429,8 @@ void FusedLayer::set_weights(std::span<const ExpertWeights> ranks) {
 }
 
 void FusedLayer::refresh_fp8_weights(cudaStream_t stream) {
-  POUNCE_REQUIRE(fp8_data_gradients_, "FusedMoe::refresh_fp8_weights: the layer was made without fp8_data_gradients");
+  POUNCE_REQUIRE(fp8_data_gradients_ || fp8_forward_,
+                 "FusedMoe::refresh_fp8_weights: the layer was made without fp8_forward and fp8_data_gradients");
   POUNCE_REQUIRE(has_weights_, "FusedMoe::refresh_fp8_weights: call set_weights first");
   int device = -1;
   CUDA_CHECK(cudaGetDevice(&device));
@@ -365,6 +438,20 @@ void FusedLayer::refresh_fp8_weights(cudaStream_t stream) {
                  ", the current device is ", device, " (cudaSetDevice first)");
   const int L = params_.launch_ranks;
   fp8_fresh_ = false;  // until every rank's copies are refreshed
+  if (fp8_forward_) {
+    const int64_t E = config_.local_experts(), H = config_.hidden, I = config_.intermediate;
+    Fp8ForwardState& s = *fp8_forward_;
+    for (int lr = 0; lr < L; ++lr) {
+      formats::quantize_128x128_device(reinterpret_cast<const uint16_t*>(weights_[lr].w13), E * 2 * I, H,
+                                       s.w13[lr].data(), s.w13_scale[lr].data(), stream);
+      formats::quantize_128x128_device(reinterpret_cast<const uint16_t*>(weights_[lr].w2), E * H, I, s.w2[lr].data(),
+                                       s.w2_scale[lr].data(), stream);
+    }
+  }
+  if (!fp8_data_gradients_) {
+    fp8_fresh_ = true;
+    return;
+  }
   if (fp8_weights_.empty()) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -409,6 +496,9 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream, boo
   POUNCE_REQUIRE(int64_t(ranks.size()) == L, "FusedMoe::forward: got ", ranks.size(), " ranks' tensors, the layer has ",
                  L, L == config_.ranks ? " ranks" : " rank on this GPU");
   for (int lr = 0; lr < L; ++lr) check_io(ranks[lr], params_.first_rank + lr);
+  POUNCE_REQUIRE(!fp8_forward_ || fp8_fresh_,
+                 "FusedMoe::forward: fp8_forward needs refresh_fp8_weights() after set_weights (and after every "
+                 "update of the weights)");
 
   if (keep_for_backward) {
     if (gate_up_kept_.size() == 0) {
@@ -454,6 +544,7 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream, boo
     const int r = params_.first_rank + lr;
     RankState& rs = params_.rank_state[lr];
     rs.tokens = int32_t(io.tokens);
+    rs.x = io.x;
     rs.topk_weights = io.topk_weights;
     rs.y = io.y;
     if (window_) {  // peers read this rank's tokens from its symmetric window
@@ -518,7 +609,7 @@ KeptForward FusedLayer::kept_rows(int lr) const {
           row_token_.data() + lr * rows,
           row_k_.data() + lr * rows,
           config_.ranks == 1 ? route_row_.data() : nullptr,
-          params_.in_place ? x_ring_.data() : nullptr,
+          params_.in_place && !params_.fp8 ? x_ring_.data() : nullptr,  // the E4M3 forward's ring rows are not bf16
           gate_up_kept_.data() + lr * rows * 2 * config_.intermediate};
 }
 
@@ -667,6 +758,7 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
 
   FusedParams p = params_;
   p.backward = 1;
+  p.fp8 = 0;
   p.keep_gate_up = 0;
   p.stall_rank = -1;
   p.ring_blocks = int32_t(M);
@@ -726,7 +818,7 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
     rs.gemm1_done = c + layout.gemm1_done();
     rs.gemm2_done = c + layout.gemm2_done();
     rs.combined = c + layout.combined();
-    rs.swiglu_done = c + layout.swiglu_done();
+    rs.elementwise_done = c + layout.elementwise_done();
     rs.control = c + layout.control();
   }
   FusedMaps maps{};
@@ -796,6 +888,7 @@ int64_t FusedLayer::device_bytes() const {
                    gate_up_kept_.bytes(), peer_words_.bytes(), token_counts_.bytes(), slots_.bytes()})
     bytes += int64_t(b);
   for (const auto& w : fp8_weights_) bytes += w->device_bytes();
+  if (fp8_forward_) bytes += fp8_forward_->bytes();
   return bytes;
 }
 

@@ -125,6 +125,17 @@ class FusedLayer {
   bool fp8_weight_gradients_ = false;  // FusedMoeOptions::fp8_weight_gradients
   std::vector<std::unique_ptr<Fp8TransposedWeights>> fp8_weights_;
   bool fp8_fresh_ = false;
+  // FusedMoeOptions::fp8_forward: the E4M3 rows of the forward (FusedParams::fp8_rows, PeerView::x_fp8)
+  // and each launch rank's E4M3 weight copies, made by setup().
+  struct Fp8ForwardState {
+    DeviceBuffer<uint8_t> tokens, x_ring, hidden;  // tokens: [launch ranks, T_max, H]
+    DeviceBuffer<float> token_scales, x_ring_scale, hidden_scale;
+    std::vector<DeviceBuffer<uint8_t>> w13, w2;  // [launch rank]
+    std::vector<DeviceBuffer<float>> w13_scale, w2_scale;
+    int64_t bytes() const;
+  };
+  std::unique_ptr<Fp8ForwardState> fp8_forward_;
+  void setup_fp8_forward(int64_t ring_rows);
   // The fused backward's own counters, number and peer words (virtual ranks), and its rows: a ring
   // holding every m-block of every launch rank, kept for the weight gradients. Made by the first fused
   // backward.

@@ -10,9 +10,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 
 #include "baseline/cublas_moe.h"
+#include "baseline/pounce_unfused.h"
 #include "bench/device_fill.h"
 #include "comm/nccl_window.h"
 #include "common/device_buffer.h"
@@ -212,6 +214,211 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{6, 101, 128, 128, 12, 4, RoutingPattern::kHalfEmpty},
                       Case{7, 33, 256, 128, 14, 2, RoutingPattern::kOneExpert, kMinRing}),
     testing::NameFromPrintTo());
+
+// ---- the E4M3 forward ----------------------------------------------------------------------------------
+
+// Rank r's outputs from pounce's unfused FP8 chain (baseline::PounceUnfusedMoe::forward_fp8, checked
+// against the host model of the same quantization by its own tests) given every expert's weights: the
+// same quantizers, FP8 GEMM tiles and weighted sums, so the fused E4M3 forward must give its bits.
+std::vector<uint16_t> unfused_fp8_outputs(const Problem& p, int r) {
+  const EpConfig& c = p.config;
+  const DeviceBuffer<uint16_t> w13(testing::to_bf16_bits(p.w13)), w2(testing::to_bf16_bits(p.w2));
+  DeviceBuffer<uint16_t> y(p.tokens[r] * c.hidden);
+  y.fill_bytes(0xFF);
+  baseline::PounceUnfusedMoe chain({.max_tokens = p.tokens[r],
+                                    .hidden = c.hidden,
+                                    .intermediate = c.intermediate,
+                                    .experts = c.experts,
+                                    .topk = c.topk});
+  chain.set_weights(bf16(w13), bf16(w2));
+  chain.quantize_weights_fp8(nullptr);
+  chain.set_routing(p.ids[r], p.tokens[r]);
+  chain.forward_fp8(bf16(p.d_x[r]), p.d_weights[r].data(), bf16(y), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  chain.check_device_errors();
+  return y.download();
+}
+
+// Each token's 128-blocks spread over several binades (so their scales differ and a scale applied to the
+// wrong block fails), and one exact-zero router weight.
+void spread_fp8_inputs(std::mt19937_64& rng, Problem& p) {
+  for (int r = 0; r < p.config.ranks; ++r) {
+    testing::spread_blocks(rng, p.x[r], p.tokens[r], p.config.hidden, 1);
+    p.d_x[r] = DeviceBuffer<uint16_t>(testing::to_bf16_bits(p.x[r]));
+  }
+  if (p.config.topk > 1 && p.tokens[0] > 0) {
+    p.weights[0][0] = 0.0f;
+    p.d_weights[0] = DeviceBuffer<float>(p.weights[0]);
+  }
+}
+
+FusedMoeOptions fp8_options(const Case& c) {
+  FusedMoeOptions options;
+  options.fp8_forward = true;
+  options.comm_ctas = c.comm_ctas;
+  options.ctas_per_rank = c.ctas_per_rank;
+  if (c.ring_blocks == kMinRing) {
+    options.minibatch_rows = 128;
+    options.ring_blocks = 2;
+  } else {
+    options.ring_blocks = c.ring_blocks;
+  }
+  return options;
+}
+
+// Every rank's outputs against the unfused FP8 chain's bits and, within the FP8 band (E4M3 keeps 3
+// fraction bits), the unquantized host layer.
+void expect_fp8_forward(const Problem& p, const std::vector<std::vector<uint16_t>>& got) {
+  const auto unquantized = reference_forward(p);
+  for (int r = 0; r < p.config.ranks; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    if (p.tokens[r] == 0) continue;
+    EXPECT_EQ(got[r], unfused_fp8_outputs(p, r)) << "not the unfused FP8 chain's bits";
+    std::vector<float> values;
+    for (uint16_t b : got[r]) values.push_back(formats::bf16_to_float(b));
+    EXPECT_LT(testing::relative_l2_error(values, unquantized[r].y), 0.1) << "FP8 strayed from the unquantized layer";
+  }
+}
+
+class FusedFp8Test : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FusedFp8Test, HasTheBitsOfTheUnfusedFp8Chain) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const Case c = GetParam();
+  Problem p = make_problem(rng, c);
+  spread_fp8_inputs(rng, p);
+  FusedMoe layer(p.config, fp8_options(c));
+  p.load_weights(layer);
+  layer.refresh_fp8_weights(nullptr);
+  run_and_check(layer, p);
+  const auto first = p.outputs();
+  expect_fp8_forward(p, first);
+  for (int repeat = 0; repeat < 2; ++repeat) {
+    run_and_check(layer, p);
+    EXPECT_EQ(p.outputs(), first) << "repeat " << repeat;
+  }
+}
+
+// H and I multiples of 128 (E4M3 blocks). I = 128 leaves three of an m-block's four Q items without a
+// block to quantize; I = 384 splits three blocks over four.
+INSTANTIATE_TEST_SUITE_P(VirtualRanks, FusedFp8Test,
+                         ::testing::Values(Case{1, 300, 256, 128, 8, 2, RoutingPattern::kUniform},
+                                           Case{1, 700, 512, 384, 16, 6, RoutingPattern::kZipf, kMinRing, 4},
+                                           Case{1, 333, 384, 256, 16, 3, RoutingPattern::kHalfEmpty},
+                                           Case{1, 1, 128, 128, 4, 1, RoutingPattern::kUniform},
+                                           Case{1, 0, 256, 128, 8, 2, RoutingPattern::kUniform},
+                                           Case{2, 129, 512, 256, 16, 4, RoutingPattern::kZipf, kMinRing, 1},
+                                           Case{3, 211, 256, 384, 12, 3, RoutingPattern::kZipf},
+                                           Case{4, 64, 256, 128, 16, 4, RoutingPattern::kHalfEmpty, 0, 3},
+                                           Case{5, 50, 384, 128, 10, 7, RoutingPattern::kUniform, kMinRing},
+                                           Case{8, 257, 256, 128, 16, 4, RoutingPattern::kOneExpert, kMinRing}),
+                         testing::NameFromPrintTo());
+
+// One layer, forwards whose token counts and routings change (the ring and the quantized tokens reused),
+// then a training forward and its backward (the chain's, from the kept gate/up rows of the E4M3 GEMM1)
+// against the bf16 layer's gradients within the FP8 band.
+TEST(FusedMoe, Fp8ForwardAcrossChangingRoutingsAndItsBackward) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const Case shape{3, 150, 256, 256, 12, 4, RoutingPattern::kZipf, kMinRing};
+  Problem p = make_problem(rng, shape);
+  FusedMoe layer(p.config, fp8_options(shape));
+  p.load_weights(layer);
+  layer.refresh_fp8_weights(nullptr);
+  for (const auto& [tokens, pattern] : {std::pair{150, RoutingPattern::kZipf},
+                                        {7, RoutingPattern::kUniform},
+                                        {153, RoutingPattern::kOneExpert},
+                                        {40, RoutingPattern::kHalfEmpty}}) {
+    SCOPED_TRACE("tokens " + std::to_string(tokens));
+    Problem next = make_problem(rng, {3, tokens, 256, 256, 12, 4, pattern, kMinRing});
+    for (int r = 0; r < 3; ++r) {  // the layer's weights stay; the inputs change
+      p.tokens[r] = next.tokens[r];
+      p.x[r] = std::move(next.x[r]), p.ids[r] = std::move(next.ids[r]), p.weights[r] = std::move(next.weights[r]);
+      p.d_x[r] = std::move(next.d_x[r]), p.d_ids[r] = std::move(next.d_ids[r]);
+      p.d_weights[r] = std::move(next.d_weights[r]), p.d_y[r] = std::move(next.d_y[r]);
+    }
+    run_and_check(layer, p);
+    expect_fp8_forward(p, p.outputs());
+  }
+
+  // Training step: the FP8 layer's gradients against the bf16 layer's.
+  FusedMoe bf16_layer(p.config);
+  p.load_weights(bf16_layer);
+  const int P = p.config.ranks;
+  const int64_t H = p.config.hidden, I = p.config.intermediate, E = p.config.local_experts();
+  struct Grads {
+    std::vector<DeviceBuffer<uint16_t>> dx;
+    std::vector<DeviceBuffer<float>> d_weights, dw13, dw2;
+  };
+  std::vector<DeviceBuffer<uint16_t>> dy;
+  for (int r = 0; r < P; ++r) dy.emplace_back(testing::to_bf16_bits(testing::random_bf16_values(rng, p.tokens[r] * H)));
+  const auto train = [&](FusedMoe& l) {
+    Grads g;
+    std::vector<RankGrads> grads(P);
+    for (int r = 0; r < P; ++r) {
+      g.dx.emplace_back(p.tokens[r] * H);
+      g.d_weights.emplace_back(p.tokens[r] * p.config.topk);
+      g.dw13.emplace_back(E * 2 * I * H);
+      g.dw2.emplace_back(E * H * I);
+      g.dx.back().fill_bytes(0xFF);
+      grads[r] = {bf16(dy[r]), bf16(g.dx.back()), g.d_weights.back().data(), g.dw13.back().data(), g.dw2.back().data()};
+    }
+    const auto io = p.io();
+    l.forward(io, nullptr, /*keep_for_backward=*/true);
+    l.backward(io, grads, WeightGradOutput::kF32, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    l.check_device_errors();
+    EXPECT_FALSE(l.last_backward_replayed());
+    return g;
+  };
+  const Grads fp8 = train(layer), want = train(bf16_layer);
+  const auto floats = [](const DeviceBuffer<uint16_t>& b) {
+    std::vector<float> out;
+    for (uint16_t v : b.download()) out.push_back(formats::bf16_to_float(v));
+    return out;
+  };
+  for (int r = 0; r < P; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    if (p.tokens[r] == 0) continue;
+    EXPECT_LT(testing::relative_l2_error(floats(fp8.dx[r]), floats(want.dx[r])), 0.1) << "dx";
+    EXPECT_LT(testing::relative_l2_error(fp8.d_weights[r].download(), want.d_weights[r].download()), 0.1)
+        << "d_topk_weights";
+    EXPECT_LT(testing::relative_l2_error(fp8.dw13[r].download(), want.dw13[r].download()), 0.1) << "dw13";
+    EXPECT_LT(testing::relative_l2_error(fp8.dw2[r].download(), want.dw2[r].download()), 0.1) << "dw2";
+  }
+}
+
+TEST(FusedMoe, Fp8ForwardRefusesWhatItCannotRun) {
+  POUNCE_REQUIRE_HOPPER();
+  const auto fails_with = [](const std::function<void()>& f, const std::string& what) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected one naming " << what;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), HasSubstr(what));
+    }
+  };
+  const EpConfig off_blocks{
+      .ranks = 1, .experts = 4, .topk = 2, .hidden = 192, .intermediate = 128, .max_tokens_per_rank = 16};
+  FusedMoeOptions options;
+  options.fp8_forward = true;
+  fails_with([&] { FusedMoe layer(off_blocks, options); }, "fp8_forward needs H and I multiples of 128");
+  options.fused_backward = true;
+  EpConfig config = off_blocks;
+  config.hidden = 256;
+  fails_with([&] { FusedMoe layer(config, options); }, "fused_backward");
+
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, {1, 16, 256, 128, 4, 2, RoutingPattern::kUniform});
+  FusedMoe layer(p.config, fp8_options({1, 16, 256, 128, 4, 2, RoutingPattern::kUniform}));
+  p.load_weights(layer);
+  fails_with([&] { layer.forward(p.io(), nullptr); }, "refresh_fp8_weights");
+  layer.refresh_fp8_weights(nullptr);
+  run_and_check(layer, p);
+  p.load_weights(layer);  // new weights: the copies are stale until refreshed
+  fails_with([&] { layer.forward(p.io(), nullptr); }, "refresh_fp8_weights");
+}
 
 // Across ranks the default ring holds at least six minibatches (smaller rings cost time: the ring sweep of
 // the benchmark): within the default 1 GiB on model shapes, beyond it when six minibatches need more. A

@@ -37,17 +37,25 @@ inline int balanced_engine_rows(int64_t row_bytes) {
 // What each counter gains per forward. Counters are never reset: forward number `epoch` waits for
 // epoch times these.
 struct CounterSteps {
-  uint32_t dispatched;       // per m-block: its pieces (kPiecesPerBlock)
-  uint32_t gemm1_done;       // per m-block: consumer halves of its GEMM1 tiles
-  uint32_t gemm2_done;       // per m-block: consumer halves of its GEMM2 tiles
-  uint32_t combined;         // per m-block: its one combine item
-  uint32_t arrivals;         // per token: its k combined output rows
-  uint32_t swiglu_done = 0;  // backward, per m-block: consumer halves of its SwiGLU-backward items
+  uint32_t dispatched;            // per m-block: its pieces (kPiecesPerBlock)
+  uint32_t gemm1_done;            // per m-block: consumer halves of its GEMM1 tiles
+  uint32_t gemm2_done;            // per m-block: consumer halves of its GEMM2 tiles
+  uint32_t combined;              // per m-block: its one combine item
+  uint32_t arrivals;              // per token: its k combined output rows
+  uint32_t elementwise_done = 0;  // per m-block: consumer halves of its elementwise items (backward, E4M3 forward)
 };
 
-inline CounterSteps counter_steps(const EpConfig& c) {
-  return {kPiecesPerBlock, uint32_t(gemm::kConsumerWarpgroups * n_blocks(2 * c.intermediate)),
-          uint32_t(gemm::kConsumerWarpgroups * n_blocks(c.hidden)), 1, uint32_t(c.topk)};
+// The E4M3 forward quantizes each m-block's hidden rows for GEMM2 in this many elementwise items (Q
+// items, moe/fused_fp8_tiles.cuh), each a share of the rows' 128-column blocks.
+inline constexpr int kQuantizePieces = 4;
+
+inline CounterSteps counter_steps(const EpConfig& c, bool fp8) {
+  return {kPiecesPerBlock,
+          uint32_t(gemm::kConsumerWarpgroups * n_blocks(2 * c.intermediate)),
+          uint32_t(gemm::kConsumerWarpgroups * n_blocks(c.hidden)),
+          1,
+          uint32_t(c.topk),
+          fp8 ? uint32_t(gemm::kConsumerWarpgroups * kQuantizePieces) : 0u};
 }
 
 // The fused backward's SwiGLU backward runs as this many items per m-block (32 rows each): spread over
@@ -78,6 +86,7 @@ enum ControlWord : int {
 struct RankState {
   int32_t rank;               // global rank id
   int32_t tokens;             // this rank's tokens in this forward
+  const __nv_bfloat16* x;     // [tokens, H]: the E4M3 forward quantizes them into PeerView::x_fp8
   const float* topk_weights;  // [tokens, k]
   __nv_bfloat16* y;           // [tokens, H]
   // Planner outputs and scratch (planner::steps::Outputs).
@@ -85,18 +94,23 @@ struct RankState {
   planner::DeviceScheduleSizes* sizes;
   const int32_t** topk_table;  // [P]: the topk_ids pointers of every rank, for the planner
   // Per-m-block counters [max_m_blocks].
-  uint32_t* dispatched;   // +1 per piece of the m-block in the ring (kPiecesPerBlock per forward)
-  uint32_t* gemm1_done;   // +1 per GEMM1 tile half (2 * n1_blocks per forward)
-  uint32_t* gemm2_done;   // +1 per GEMM2 tile half (2 * n2_blocks per forward)
-  uint32_t* combined;     // +1 when the m-block's rows were pushed out: its ring slot is free
-  uint32_t* swiglu_done;  // backward: +1 per consumer half of the m-block's SwiGLU backward (null forward)
-  uint32_t* control;      // [kControlWords]
-  int32_t* route_row;     // one rank only: [max_tokens, k] the row each of this rank's routes went to
+  uint32_t* dispatched;  // +1 per piece of the m-block in the ring (kPiecesPerBlock per forward)
+  uint32_t* gemm1_done;  // +1 per GEMM1 tile half (2 * n1_blocks per forward)
+  uint32_t* gemm2_done;  // +1 per GEMM2 tile half (2 * n2_blocks per forward)
+  uint32_t* combined;    // +1 when the m-block's rows were pushed out: its ring slot is free
+  // +1 per consumer half of the m-block's elementwise items: the backward's SwiGLU backward, the E4M3
+  // forward's quantization of the hidden rows (null in the BF16 forward).
+  uint32_t* elementwise_done;
+  uint32_t* control;   // [kControlWords]
+  int32_t* route_row;  // one rank only: [max_tokens, k] the row each of this rank's routes went to
 };
 
 // What every rank exposes to the others (symmetric memory), indexed by global rank.
 struct PeerView {
   const __nv_bfloat16* x[kMaxRanks];   // [T_max, H] tokens to pull
+  uint8_t* x_fp8[kMaxRanks];           // E4M3 forward: [T_max, H] the tokens quantized by their rank
+  float* x_scale[kMaxRanks];           // E4M3 forward: [T_max, H / 128] their scales, row-major
+  uint32_t* x_ready[kMaxRanks];        // E4M3 forward: +1 per CTA of the rank once its share is quantized
   const int32_t* topk_ids[kMaxRanks];  // [T_max, k]
   __nv_bfloat16* slots[kMaxRanks];     // [T_max, k, H] combine destination: slot [token, k] of each route
   uint32_t* arrivals[kMaxRanks];       // [T_max] combine arrivals per token (k per forward)
@@ -121,6 +135,21 @@ struct BackwardRows {
   // kernel. Null in place, where the forward's ring holds them.
   const __nv_bfloat16* x_source[kMaxRanks];
   __nv_bfloat16* x_rows;
+};
+
+// What only an E4M3 forward reads and writes (FusedParams::fp8). Each rank quantizes its own tokens
+// (1 x 128 blocks) at the start of the forward, into its PeerView::x_fp8 / x_scale; dispatch moves E4M3
+// rows and their scales into the ring; GEMM1 + SwiGLU writes bf16 hidden rows (h_ring), which the Q items
+// quantize into hidden_fp8 for GEMM2. Ring scales are K block-major over the ring's rows, as the FP8
+// grouped GEMM reads its A operand's.
+struct Fp8Rows {
+  uint8_t* x_ring;                    // [ring rows, H] E4M3
+  float* x_ring_scale;                // [H / 128, ring rows]
+  uint8_t* hidden;                    // [ring rows, I] E4M3
+  float* hidden_scale;                // [I / 128, ring rows]
+  int64_t ring_rows;                  // of the launch: the scale arrays' row stride
+  const float* w13_scale[kMaxRanks];  // [launch rank]: [E/P * 2I / 128, H / 128], 128 x 128 blocks
+  const float* w2_scale[kMaxRanks];   // [launch rank]: [E/P * H / 128, I / 128]
 };
 
 struct FusedParams {
@@ -161,6 +190,8 @@ struct FusedParams {
   // 1: a backward. x_ring holds dy rows, h_ring da = dy W2, out_ring the dx rows; the sums are unweighted.
   int32_t backward;
   BackwardRows bwd;
+  int32_t fp8;  // 1: the E4M3 forward (Fp8Rows)
+  Fp8Rows fp8_rows;
   RankState rank_state[kMaxRanks];  // [launch_ranks]
   PeerView peers;
 };

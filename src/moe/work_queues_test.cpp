@@ -103,52 +103,61 @@ TEST(CommQueue, OpeningIsTheFirstDispatchesAndWaitsForNothing) {
     }
 }
 
-TileQueue make_queue(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2) {
-  return {m_blocks, (m_blocks + bpm - 1) / bpm, bpm, {n1, n2}};
+TileQueue make_queue(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t pieces = 0) {
+  return {m_blocks, (m_blocks + bpm - 1) / bpm, bpm, {n1, n2}, pieces};
 }
 
+// With Q items (the E4M3 forward's quantization of the hidden rows): each once, Q(b) after every GEMM1
+// tile of b and before every GEMM2 tile of b.
 TEST(TileQueue, EveryTileOnceAndGemm2OfAMinibatchBetweenGemm1OfTheNextTwo) {
   for (int32_t m_blocks : {0, 1, 5, 16, 17, 64})
     for (int32_t bpm : {1, 2, 3, 16})
-      for (auto [n1, n2] : {std::pair{1, 1}, {16, 28}, {3, 2}}) {
-        SCOPED_TRACE("M " + std::to_string(m_blocks) + ", minibatch " + std::to_string(bpm) + ", n " +
-                     std::to_string(n1) + "/" + std::to_string(n2));
-        const TileQueue q = make_queue(m_blocks, bpm, n1, n2);
-        std::vector<int64_t> at[2] = {std::vector<int64_t>(int64_t(m_blocks) * n1, -1),
-                                      std::vector<int64_t>(int64_t(m_blocks) * n2, -1)};
-        for (int64_t t = 0; t < q.tiles(); ++t) {
-          GemmTile tile;
-          ASSERT_TRUE(q.tile(t, tile));
-          const int32_t n = tile.gemm == 0 ? n1 : n2;
-          ASSERT_TRUE(tile.gemm == 0 || tile.gemm == 1);
-          ASSERT_TRUE(tile.m_block >= 0 && tile.m_block < m_blocks && tile.n_block >= 0 && tile.n_block < n);
-          int64_t& slot = at[tile.gemm][int64_t(tile.m_block) * n + tile.n_block];
-          ASSERT_EQ(slot, -1) << "tile listed twice";
-          slot = t;
-        }
-        GemmTile past;
-        EXPECT_FALSE(q.tile(q.tiles(), past));
-        auto last_of = [&](int gemm, int32_t minibatch) {
-          int64_t last = -1;
-          const int32_t n = gemm == 0 ? n1 : n2;
-          for (int32_t b = minibatch * bpm; b < std::min(m_blocks, (minibatch + 1) * bpm); ++b)
-            for (int32_t j = 0; j < n; ++j) last = std::max(last, at[gemm][int64_t(b) * n + j]);
-          return last;
-        };
-        auto first_of = [&](int gemm, int32_t minibatch) {
-          int64_t first = INT64_MAX;
-          const int32_t n = gemm == 0 ? n1 : n2;
-          for (int32_t b = minibatch * bpm; b < std::min(m_blocks, (minibatch + 1) * bpm); ++b)
-            for (int32_t j = 0; j < n; ++j) first = std::min(first, at[gemm][int64_t(b) * n + j]);
-          return first;
-        };
-        for (int32_t j = 0; j < q.minibatches; ++j) {
-          EXPECT_LT(last_of(0, j), first_of(1, j)) << "GEMM2 of minibatch " << j << " before its GEMM1";
-          if (j + 2 < q.minibatches) {
-            EXPECT_LT(last_of(1, j), first_of(0, j + 2)) << "GEMM2 of minibatch " << j << " after GEMM1 of " << j + 2;
+      for (auto [n1, n2] : {std::pair{1, 1}, {16, 28}, {3, 2}})
+        for (int32_t pieces : {0, 1, 3}) {
+          SCOPED_TRACE("M " + std::to_string(m_blocks) + ", minibatch " + std::to_string(bpm) + ", n " +
+                       std::to_string(n1) + "/" + std::to_string(n2) + ", pieces " + std::to_string(pieces));
+          const TileQueue q = make_queue(m_blocks, bpm, n1, n2, pieces);
+          ASSERT_EQ(q.tiles(), int64_t(m_blocks) * (n1 + pieces + n2));
+          const int32_t widths[3] = {n1, n2, pieces};
+          std::vector<int64_t> at[3];
+          for (int g = 0; g < 3; ++g) at[g].assign(int64_t(m_blocks) * widths[g], -1);
+          for (int64_t t = 0; t < q.tiles(); ++t) {
+            GemmTile tile;
+            ASSERT_TRUE(q.tile(t, tile));
+            ASSERT_TRUE(tile.gemm == 0 || tile.gemm == 1 || tile.gemm == kElementwiseItem);
+            const int32_t n = widths[tile.gemm];
+            ASSERT_TRUE(tile.m_block >= 0 && tile.m_block < m_blocks && tile.n_block >= 0 && tile.n_block < n);
+            int64_t& slot = at[tile.gemm][int64_t(tile.m_block) * n + tile.n_block];
+            ASSERT_EQ(slot, -1) << "tile listed twice";
+            slot = t;
+          }
+          GemmTile past;
+          EXPECT_FALSE(q.tile(q.tiles(), past));
+          auto span_of = [&](int gemm, int32_t b_begin, int32_t b_end) {
+            int64_t first = INT64_MAX, last = -1;
+            const int32_t n = widths[gemm];
+            for (int32_t b = b_begin; b < std::min(m_blocks, b_end); ++b)
+              for (int32_t j = 0; j < n; ++j)
+                first = std::min(first, at[gemm][int64_t(b) * n + j]),
+                last = std::max(last, at[gemm][int64_t(b) * n + j]);
+            return std::pair{first, last};
+          };
+          const auto of_minibatch = [&](int gemm, int32_t j) { return span_of(gemm, j * bpm, (j + 1) * bpm); };
+          for (int32_t j = 0; j < q.minibatches; ++j) {
+            EXPECT_LT(of_minibatch(0, j).second, of_minibatch(1, j).first)
+                << "GEMM2 of minibatch " << j << " before its GEMM1";
+            if (j + 2 < q.minibatches) {
+              EXPECT_LT(of_minibatch(1, j).second, of_minibatch(0, j + 2).first)
+                  << "GEMM2 of minibatch " << j << " after GEMM1 of " << j + 2;
+            }
+          }
+          for (int32_t b = 0; pieces > 0 && b < m_blocks; ++b) {
+            EXPECT_LT(span_of(0, b, b + 1).second, span_of(kElementwiseItem, b, b + 1).first)
+                << "Q of m-block " << b << " before one of its GEMM1 tiles";
+            EXPECT_LT(span_of(kElementwiseItem, b, b + 1).second, span_of(1, b, b + 1).first)
+                << "GEMM2 of m-block " << b << " before one of its Q items";
           }
         }
-      }
 }
 
 // The backward's queue: every D1 and D2 tile and every S piece once; S(b) after every D1 tile of b, D2(b)
@@ -197,10 +206,10 @@ TEST(BackwardTileQueue, ElementwiseItemsSitAMinibatchAheadOfTheTilesWaitingForTh
 // the M dispatch items, and a comm CTA with nothing left to take becomes a GEMM CTA. Returns false on
 // deadlock.
 bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t ring, int comm_ctas, int gemm_ctas,
-              bool in_place = false) {
-  const TileQueue q = make_queue(m_blocks, bpm, n1, n2);
+              bool in_place = false, int32_t pieces = 0) {
+  const TileQueue q = make_queue(m_blocks, bpm, n1, n2, pieces);
   std::vector<char> pulled(m_blocks), pushed(m_blocks);
-  std::vector<int32_t> gemm1_done(m_blocks), gemm2_done(m_blocks);
+  std::vector<int32_t> gemm1_done(m_blocks), gemm2_done(m_blocks), quantized(m_blocks);
   // The opening: every CTA pulls the first minibatch before taking either queue.
   const int32_t opening = opening_blocks(m_blocks, bpm);
   for (int32_t b = 0; b < opening; ++b) pulled[b] = 1;
@@ -210,7 +219,11 @@ bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t rin
   std::vector<int64_t> comm_holds(comm_ctas, -1);
   std::vector<char> joined(comm_ctas);  // in place: comm CTAs that became GEMM CTAs
   std::vector<std::deque<GemmTile>> gemm_holds(gemm_ctas);
-  auto ready = [&](const GemmTile& t) { return t.gemm == 0 ? pulled[t.m_block] != 0 : gemm1_done[t.m_block] == n1; };
+  auto ready = [&](const GemmTile& t) {
+    if (t.gemm == 0) return pulled[t.m_block] != 0;
+    if (t.gemm == kElementwiseItem) return gemm1_done[t.m_block] == n1;
+    return gemm1_done[t.m_block] == n1 && quantized[t.m_block] == pieces;
+  };
   for (bool progress = true; progress;) {
     progress = false;
     for (int c = 0; c < comm_ctas; ++c) {
@@ -241,7 +254,7 @@ bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t rin
       if (!held.empty() && ready(held.front())) {
         const GemmTile t = held.front();
         held.pop_front();
-        ++(t.gemm == 0 ? gemm1_done : gemm2_done)[t.m_block];
+        ++(t.gemm == 0 ? gemm1_done : t.gemm == 1 ? gemm2_done : quantized)[t.m_block];
         ++finished, progress = true;
       }
     }
@@ -283,12 +296,13 @@ TEST(WorkQueues, NeverDeadlockWithARingOfTwoMinibatches) {
     for (int32_t bpm : {1, 2, 4})
       for (int comm : {1, 3})
         for (int gemm : {1, 2, 5, 40})
-          for (int32_t ring_extra : {0, 1, 100}) {
-            const int32_t ring = std::min(m_blocks, 2 * bpm + ring_extra);
-            EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, ring, comm, gemm))
-                << "M " << m_blocks << ", minibatch " << bpm << ", ring " << ring << ", comm " << comm << ", gemm "
-                << gemm;
-          }
+          for (int32_t ring_extra : {0, 1, 100})
+            for (int32_t pieces : {0, 2}) {
+              const int32_t ring = std::min(m_blocks, 2 * bpm + ring_extra);
+              EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, ring, comm, gemm, false, pieces))
+                  << "M " << m_blocks << ", minibatch " << bpm << ", ring " << ring << ", comm " << comm << ", gemm "
+                  << gemm << ", pieces " << pieces;
+            }
 }
 
 TEST(WorkQueues, NeverDeadlockInPlace) {
@@ -296,8 +310,10 @@ TEST(WorkQueues, NeverDeadlockInPlace) {
     for (int32_t bpm : {1, 2, 4, 64})
       for (int comm : {1, 3})
         for (int gemm : {1, 2, 5, 40})
-          EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, m_blocks, comm, gemm, /*in_place=*/true))
-              << "M " << m_blocks << ", minibatch " << bpm << ", comm " << comm << ", gemm " << gemm;
+          for (int32_t pieces : {0, 2})
+            EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, m_blocks, comm, gemm, /*in_place=*/true, pieces))
+                << "M " << m_blocks << ", minibatch " << bpm << ", comm " << comm << ", gemm " << gemm << ", pieces "
+                << pieces;
 }
 
 TEST(WorkQueues, InPlaceNeedsTheRingToHoldEveryMBlock) {
