@@ -28,7 +28,8 @@ class FusedFp8Tiles : public RankTiles {
   // ops: shared [2], as in FusedTiles.
   __device__ FusedFp8Tiles(const FusedParams& p, const RankState& rs, int lr, const FusedMaps& maps,
                            gemm::pipeline::GemmOperands* ops)
-      : RankTiles(p, rs, lr, 2 * p.intermediate, p.hidden, ops), hidden_load_(&maps.h_ring_load) {
+      : RankTiles(p, rs, lr, 2 * p.intermediate, p.hidden, ops, kFp8TileN), hidden_load_(&maps.h_ring_load) {
+    static_assert(kFp8TileN == gemm::pipeline::Fp8Stages::kTileN, "the counters count the E4M3 kind's tiles");
     if (threadIdx.x == 0) {
       const Fp8Rows& f = p.fp8_rows;
       const int32_t stride = int32_t(f.ring_rows);
@@ -83,7 +84,7 @@ class FusedFp8Tiles : public RankTiles {
     const int32_t k_blocks = (tile.gemm == 0 ? p_.hidden : p_.intermediate) / kScaleBlock;
     info = {tile.gemm,
             {m.ring_row, 0},
-            {m.expert * n + tile.n_block * kBlockN, 0},
+            {m.expert * n + tile.n_block * kFp8TileN, 0},
             m.ring_row,
             0,
             tile.n_block,

@@ -368,8 +368,8 @@ void FusedLayer::setup_fp8_forward(int64_t ring_rows) {
   for (int lr = 0; lr < L; ++lr) {
     f.w13_scale[lr] = s->w13_scale[lr].data();
     f.w2_scale[lr] = s->w2_scale[lr].data();
-    maps_.w13_fp8[lr] = gemm::make_fp8_tensor_map(s->w13[lr].data(), H, E * 2 * I, 128, kBlockN);
-    maps_.w2_fp8[lr] = gemm::make_fp8_tensor_map(s->w2[lr].data(), I, E * H, 128, kBlockN);
+    maps_.w13_fp8[lr] = gemm::make_fp8_tensor_map(s->w13[lr].data(), H, E * 2 * I, 128, kFp8TileN);
+    maps_.w2_fp8[lr] = gemm::make_fp8_tensor_map(s->w2[lr].data(), I, E * H, 128, kFp8TileN);
   }
   fp8_forward_ = std::move(s);
 }

@@ -49,10 +49,15 @@ struct CounterSteps {
 // items, moe/fused_fp8_tiles.cuh), each a share of the rows' 128-column blocks.
 inline constexpr int kQuantizePieces = 4;
 
+// Tile widths: kBlockN columns (BF16), kFp8TileN (E4M3: gemm::pipeline::Fp8Stages::kTileN).
+inline constexpr int kFp8TileN = 128;
+
 inline CounterSteps counter_steps(const EpConfig& c, bool fp8) {
+  const int64_t tile_n = fp8 ? kFp8TileN : kBlockN;
+  const auto tiles = [tile_n](int64_t n) { return uint32_t((n + tile_n - 1) / tile_n); };
   return {kPiecesPerBlock,
-          uint32_t(gemm::kConsumerWarpgroups * n_blocks(2 * c.intermediate)),
-          uint32_t(gemm::kConsumerWarpgroups * n_blocks(c.hidden)),
+          gemm::kConsumerWarpgroups * tiles(2 * c.intermediate),
+          gemm::kConsumerWarpgroups * tiles(c.hidden),
           1,
           uint32_t(c.topk),
           fp8 ? uint32_t(gemm::kConsumerWarpgroups * kQuantizePieces) : 0u};

@@ -16,12 +16,12 @@ class RankTiles {
   __device__ const TimelineSink& timeline() const { return p_.timeline; }
 
  protected:
-  // n1, n2: the two GEMMs' output widths. ops: shared [2] (see FusedTiles).
+  // n1, n2: the two GEMMs' output widths, in tiles of tile_n columns. ops: shared [2] (see FusedTiles).
   __device__ RankTiles(const FusedParams& p, const RankState& rs, int lr, int64_t n1, int64_t n2,
-                       gemm::pipeline::GemmOperands* ops)
+                       gemm::pipeline::GemmOperands* ops, int64_t tile_n = kBlockN)
       : p_(p), rs_(rs), lr_(lr), sizes_(*rs.sizes), ops_(ops) {
-    n_blocks_[0] = n_blocks(n1);
-    n_blocks_[1] = n_blocks(n2);
+    n_blocks_[0] = int32_t((n1 + tile_n - 1) / tile_n);
+    n_blocks_[1] = int32_t((n2 + tile_n - 1) / tile_n);
   }
 
   // An m-block's expert, first ring row, and rows that hold routes (the rest is padding, skipped by the
