@@ -48,7 +48,7 @@ class FusedBackwardTiles : public RankTiles {
 
   __device__ bool next(gemm::pipeline::TileInfo& info) {
     const int64_t ticket = atomicAdd(&rs_.control[kGemmTicket], 1u);
-    const BackwardTileQueue queue{
+    const ElementwiseTileQueue queue{
         sizes_.m_blocks, sizes_.minibatches, p_.blocks_per_minibatch, {n_blocks_[0], n_blocks_[1]}, kSwigluPieces};
     GemmTile tile;
     if (!queue.tile(ticket, tile)) return false;

@@ -7,8 +7,10 @@
 //          items, each a share of the rows' 128-column blocks; a slice is one block of all 128 rows,
 //          its two 64-column halves loaded by TMA into stage A and B.
 //   G2(b): out = hidden . W2[e] in E4M3, bf16; waits for every Q item of b.
-// Minibatch j's Q items sit right before its G2 tiles (moe/work_queues.h): every wait points at an
-// earlier queue entry or at dispatch, as in the BF16 forward, so the queue cannot deadlock.
+// Step j of the queue holds G1(j), Q(j-1), G2(j-2) (ElementwiseTileQueue, moe/work_queues.h): a whole
+// minibatch of G1 tiles lies between a Q item and the G2 tiles waiting for it. Every wait points at an
+// earlier queue entry or at dispatch, whose waits point at G2 tiles of three minibatches before (the
+// ring holds at least three: FusedMoe's setup), so the queue cannot deadlock.
 #pragma once
 
 #include "common/bounded_wait.cuh"
@@ -44,19 +46,24 @@ class FusedFp8Tiles : public RankTiles {
                 f.w13_scale[lr],
                 stride,
                 0};
-      ops[1] = {&maps.hidden_fp8, &maps.w2_fp8[lr], &maps.out_ring_store, gemm::Epilogue::kStore, nullptr,
-                rs.gemm2_done,    nullptr,           f.hidden_scale,       f.w2_scale[lr],          stride,
+      ops[1] = {&maps.hidden_fp8,
+                &maps.w2_fp8[lr],
+                &maps.out_ring_store,
+                gemm::Epilogue::kStore,
+                nullptr,
+                rs.gemm2_done,
+                nullptr,
+                f.hidden_scale,
+                f.w2_scale[lr],
+                stride,
                 0};
     }
   }
 
   __device__ bool next(gemm::pipeline::TileInfo& info) {
     const int64_t ticket = atomicAdd(&rs_.control[kGemmTicket], 1u);
-    const TileQueue queue{sizes_.m_blocks,
-                          sizes_.minibatches,
-                          p_.blocks_per_minibatch,
-                          {n_blocks_[0], n_blocks_[1]},
-                          kQuantizePieces};
+    const ElementwiseTileQueue queue{
+        sizes_.m_blocks, sizes_.minibatches, p_.blocks_per_minibatch, {n_blocks_[0], n_blocks_[1]}, kQuantizePieces};
     GemmTile tile;
     if (!queue.tile(ticket, tile)) return false;
     const int32_t m_block = tile.m_block;
@@ -67,8 +74,8 @@ class FusedFp8Tiles : public RankTiles {
                        : tile.gemm == kElementwiseItem
                            ? counter_wait_bounded(&rs_.gemm1_done[m_block], e * p_.steps.gemm1_done, site,
                                                   WaitTarget::kGemm1Done, m_block)
-                           : counter_wait_bounded(&rs_.elementwise_done[m_block], e * p_.steps.elementwise_done,
-                                                  site, WaitTarget::kHiddenQuantized, m_block);
+                           : counter_wait_bounded(&rs_.elementwise_done[m_block], e * p_.steps.elementwise_done, site,
+                                                  WaitTarget::kHiddenQuantized, m_block);
     if (!ready) return false;
     // NOTES: A rows written by other CTAs (bulk copies, TMA stores, the Q items' stores), acquired above
     // through the generic proxy, are read by TMA through the async proxy.
@@ -76,8 +83,17 @@ class FusedFp8Tiles : public RankTiles {
     const MBlockRows m = rows_of(m_block);
     if (tile.gemm == kElementwiseItem) {
       const int32_t first = first_block(tile.n_block);
-      info = {kElementwiseItem, {m.ring_row, first},  {0, 0}, m.ring_row, 0, tile.n_block, m_block,
-              first_block(tile.n_block + 1) - first, 1, 0, m.rows};
+      info = {kElementwiseItem,
+              {m.ring_row, first},
+              {0, 0},
+              m.ring_row,
+              0,
+              tile.n_block,
+              m_block,
+              first_block(tile.n_block + 1) - first,
+              1,
+              0,
+              m.rows};
       return true;
     }
     const int32_t n = tile.gemm == 0 ? 2 * p_.intermediate : p_.hidden;

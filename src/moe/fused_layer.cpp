@@ -216,8 +216,10 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
                                      : planner::minibatch_rows_for({.compute_sms = gemm_ctas}, config.intermediate);
   // A minibatch past every m-block of the capacity is all of them (and fits the kernel's int32).
   const int64_t bpm = std::min(ceil_div(minibatch_rows, kBlockM), std::max<int64_t>(capacity_.max_m_blocks, 1));
-  // Ring: at least two minibatches (the tile queue's deadlock-freedom needs it) or everything.
-  const int64_t min_ring = std::min(2 * bpm, capacity_.max_m_blocks);
+  // Ring: at least two minibatches (the tile queue's deadlock-freedom needs it; three for the E4M3
+  // forward's queue, whose GEMM2 runs two minibatches behind GEMM1) or everything.
+  const int64_t ring_minibatches = options.fp8_forward ? 3 : 2;
+  const int64_t min_ring = std::min(ring_minibatches * bpm, capacity_.max_m_blocks);
   // One rank: by default the ring holds every m-block, as the unfused chain's buffers do, and nothing
   // needs combining (in place). Otherwise the ring is bounded by ring_bytes; when that is not set, by
   // 1 GiB or kDefaultRingMinibatches minibatches, whichever is more.
@@ -229,7 +231,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   int64_t ring = options.ring_blocks > 0 ? options.ring_blocks : default_ring;
   ring = std::min(ring, capacity_.max_m_blocks);
   POUNCE_REQUIRE(ring >= min_ring, "fused MoE: ring_blocks = ", options.ring_blocks, " is below the minimum ", min_ring,
-                 " (two minibatches of ", bpm, " m-blocks)");
+                 " (", ring_minibatches, " minibatches of ", bpm, " m-blocks)");
   ring = std::max<int64_t>(ring, 1);
 
   FusedParams& p = params_;
@@ -430,7 +432,7 @@ void FusedLayer::set_weights(std::span<const ExpertWeights> ranks) {
 
 void FusedLayer::refresh_fp8_weights(cudaStream_t stream) {
   POUNCE_REQUIRE(fp8_data_gradients_ || fp8_forward_,
-                 "FusedMoe::refresh_fp8_weights: the layer was made without fp8_forward and fp8_data_gradients");
+                 "FusedMoe::refresh_fp8_weights: the layer was made without fp8_data_gradients or fp8_forward");
   POUNCE_REQUIRE(has_weights_, "FusedMoe::refresh_fp8_weights: call set_weights first");
   int device = -1;
   CUDA_CHECK(cudaGetDevice(&device));

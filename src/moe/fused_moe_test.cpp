@@ -257,9 +257,9 @@ FusedMoeOptions fp8_options(const Case& c) {
   options.fp8_forward = true;
   options.comm_ctas = c.comm_ctas;
   options.ctas_per_rank = c.ctas_per_rank;
-  if (c.ring_blocks == kMinRing) {
+  if (c.ring_blocks == kMinRing) {  // three one-m-block minibatches: the E4M3 forward's queue needs three
     options.minibatch_rows = 128;
-    options.ring_blocks = 2;
+    options.ring_blocks = 3;
   } else {
     options.ring_blocks = c.ring_blocks;
   }
@@ -328,7 +328,7 @@ TEST(FusedMoe, Fp8ForwardAcrossChangingRoutingsAndItsBackward) {
   layer.refresh_fp8_weights(nullptr);
   for (const auto& [tokens, pattern] : {std::pair{150, RoutingPattern::kZipf},
                                         {7, RoutingPattern::kUniform},
-                                        {153, RoutingPattern::kOneExpert},
+                                        {131, RoutingPattern::kOneExpert},
                                         {40, RoutingPattern::kHalfEmpty}}) {
     SCOPED_TRACE("tokens " + std::to_string(tokens));
     Problem next = make_problem(rng, {3, tokens, 256, 256, 12, 4, pattern, kMinRing});
@@ -404,9 +404,14 @@ TEST(FusedMoe, Fp8ForwardRefusesWhatItCannotRun) {
   FusedMoeOptions options;
   options.fp8_forward = true;
   fails_with([&] { FusedMoe layer(off_blocks, options); }, "fp8_forward needs H and I multiples of 128");
-  options.fused_backward = true;
   EpConfig config = off_blocks;
   config.hidden = 256;
+  options.minibatch_rows = 128;
+  options.ring_blocks = 2;
+  fails_with([&] { FusedMoe layer(config, options); }, "below the minimum 3 (3 minibatches");
+  options = {};
+  options.fp8_forward = true;
+  options.fused_backward = true;
   fails_with([&] { FusedMoe layer(config, options); }, "fused_backward");
 
   auto rng = testing::fresh_rng();

@@ -46,8 +46,10 @@ struct CounterSteps {
 };
 
 // The E4M3 forward quantizes each m-block's hidden rows for GEMM2 in this many elementwise items (Q
-// items, moe/fused_fp8_tiles.cuh), each a share of the rows' 128-column blocks.
-inline constexpr int kQuantizePieces = 4;
+// items, moe/fused_fp8_tiles.cuh), each a share of the rows' 128-column blocks. Their latency hides
+// behind a minibatch of GEMM1 tiles; each item has a fixed cost (its tile's round trip through the
+// pipeline, the barrier of both consumers), so few pieces.
+inline constexpr int kQuantizePieces = 2;
 
 // Tile widths: kBlockN columns (BF16), kFp8TileN (E4M3: gemm::pipeline::Fp8Stages::kTileN).
 inline constexpr int kFp8TileN = 128;

@@ -4,9 +4,11 @@
 //                  (the opening's items D(0) ... D(m0-1), m0 = opening_blocks, are moved in pieces by
 //                  every CTA of the rank before the queue starts, so its first ticket is m0)
 //   GEMM tiles:    G1(0), G1(1), G2(0), G1(2), G2(1), ..., G1(n-1), G2(n-2), G2(n-1)   by minibatch,
-//                  m-blocks fastest inside a minibatch; the E4M3 forward puts Q(j), the elementwise items
-//                  that quantize minibatch j's hidden rows, right before G2(j)
-//   the backward's GEMM tiles and elementwise items, step j = 0 .. n+1:  D1(j), S(j-1), D2(j-2)
+//                  m-blocks fastest inside a minibatch
+//   GEMM tiles with elementwise items between the two GEMMs, step j = 0 .. n+1:  G1(j), S(j-1), G2(j-2)
+//                  (the backward: its data-gradient GEMMs and SwiGLU backward; the E4M3 forward: its
+//                  GEMMs and the quantization of the hidden rows). Across ranks its forward needs a
+//                  ring of three minibatches: G1(j) waits for ring slots that G2(j-3) frees.
 #pragma once
 
 #include <cstdint>
@@ -49,20 +51,16 @@ POUNCE_HOST_DEVICE inline int32_t opening_blocks(int32_t m_blocks, int32_t block
   return m_blocks < blocks_per_minibatch ? m_blocks : blocks_per_minibatch;
 }
 
-// GemmTile::gemm of an elementwise item (gemm/gemm_pipeline.cuh: kElementwiseTile).
-inline constexpr int32_t kElementwiseItem = 2;
-
 struct GemmTile {
-  int32_t gemm;  // 0: GEMM1 (+SwiGLU), 1: GEMM2, or kElementwiseItem (n_block: its piece)
+  int32_t gemm;  // 0: GEMM1 (+SwiGLU), 1: GEMM2; ElementwiseTileQueue's also kElementwiseItem (n_block: its piece)
   int32_t m_block, n_block;
 };
 
 struct TileQueue {
   int32_t m_blocks, minibatches, blocks_per_minibatch;
   int32_t n_blocks[2];  // of GEMM1 and GEMM2
-  int32_t pieces = 0;   // Q items per m-block (GemmTile::gemm kElementwiseItem), 0 without them
 
-  POUNCE_HOST_DEVICE int64_t tiles() const { return int64_t(m_blocks) * (n_blocks[0] + pieces + n_blocks[1]); }
+  POUNCE_HOST_DEVICE int64_t tiles() const { return int64_t(m_blocks) * (n_blocks[0] + n_blocks[1]); }
 
   // M-blocks of minibatch j.
   POUNCE_HOST_DEVICE int32_t blocks(int32_t j) const {
@@ -73,23 +71,23 @@ struct TileQueue {
   // Tile of ticket t; false past the end.
   POUNCE_HOST_DEVICE bool tile(int64_t t, GemmTile& out) const {
     const int32_t n = minibatches, bpm = blocks_per_minibatch;
-    const int64_t n1 = n_blocks[0], tail = pieces + n_blocks[1];  // tail: Q and G2 of one m-block
+    const int64_t n1 = n_blocks[0], n2 = n_blocks[1];
     if (n == 0 || t >= tiles()) return false;
     const int64_t first = blocks(0) * n1;  // G1(0)
     if (t < first) return out = locate(0, 0, t), true;
     t -= first;
-    // Pairs j = 1 .. n-1: G1(j) then Q(j-1) and G2(j-1); all full except G1(n-1).
-    const int64_t full_pair = bpm * (n1 + tail);
-    const int64_t pairs_tiles = n >= 2 ? (n - 2) * full_pair + blocks(n - 1) * n1 + bpm * tail : 0;
+    // Pairs j = 1 .. n-1: G1(j) then G2(j-1); all full except G1(n-1).
+    const int64_t full_pair = bpm * (n1 + n2);
+    const int64_t pairs_tiles = n >= 2 ? (n - 2) * full_pair + blocks(n - 1) * n1 + bpm * n2 : 0;
     if (t < pairs_tiles) {
       const int64_t j_guess = 1 + t / full_pair;
       const int32_t j = int32_t(j_guess < n - 1 ? j_guess : n - 1);
       const int64_t within = t - int64_t(j - 1) * full_pair;
       const int64_t g1 = blocks(j) * n1;
       if (within < g1) return out = locate(0, j, within), true;
-      return out = locate_tail(j - 1, within - g1), true;
+      return out = locate(1, j - 1, within - g1), true;
     }
-    return out = locate_tail(n - 1, t - pairs_tiles), true;
+    return out = locate(1, n - 1, t - pairs_tiles), true;
   }
 
  private:
@@ -97,12 +95,10 @@ struct TileQueue {
     const int32_t width = blocks(j);
     return {gemm, j * blocks_per_minibatch + int32_t(local % width), int32_t(local / width)};
   }
-  // Entry `local` of Q(j) then G2(j); a Q item's n_block is its piece.
-  POUNCE_HOST_DEVICE GemmTile locate_tail(int32_t j, int64_t local) const {
-    const int64_t q = int64_t(blocks(j)) * pieces;
-    return local < q ? locate(kElementwiseItem, j, local) : locate(1, j, local - q);
-  }
 };
+
+// GemmTile::gemm of an elementwise item (gemm/gemm_pipeline.cuh: kElementwiseTile).
+inline constexpr int32_t kElementwiseItem = 2;
 
 // How an elementwise item's rows go through the stages (moe/fused_backward_tiles.cuh): its `rows` rows
 // of `groups` 16-byte groups are cut into segments of at most `segment_groups` groups that never cross
@@ -129,11 +125,12 @@ struct ElementwiseSlices {
   }
 };
 
-// The fused backward's queue. Step j holds D1(j) (the first GEMM's tiles of minibatch j), S(j-1) (the
-// elementwise items of minibatch j-1, `pieces` per m-block) and D2(j-2) (the second GEMM's tiles of
-// minibatch j-2), m-blocks fastest in each. S(b) waits for D1(b) and D2(b) for S(b): a whole minibatch of
-// D1 tiles lies between an S item and the D2 tiles waiting for it.
-struct BackwardTileQueue {
+// The queue of the fused kernels with elementwise items between their GEMMs (the backward's, the E4M3
+// forward's). Step j holds D1(j) (the first GEMM's tiles of minibatch j), S(j-1) (the elementwise items
+// of minibatch j-1, `pieces` per m-block) and D2(j-2) (the second GEMM's tiles of minibatch j-2),
+// m-blocks fastest in each. S(b) waits for D1(b) and D2(b) for S(b): a whole minibatch of D1 tiles lies
+// between an S item and the D2 tiles waiting for it.
+struct ElementwiseTileQueue {
   int32_t m_blocks, minibatches, blocks_per_minibatch;
   int32_t n_blocks[2];  // of D1 and D2
   int32_t pieces;       // S items per m-block

@@ -103,67 +103,58 @@ TEST(CommQueue, OpeningIsTheFirstDispatchesAndWaitsForNothing) {
     }
 }
 
-TileQueue make_queue(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t pieces = 0) {
-  return {m_blocks, (m_blocks + bpm - 1) / bpm, bpm, {n1, n2}, pieces};
+TileQueue make_queue(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2) {
+  return {m_blocks, (m_blocks + bpm - 1) / bpm, bpm, {n1, n2}};
 }
 
-// With Q items (the E4M3 forward's quantization of the hidden rows): each once, Q(b) after every GEMM1
-// tile of b and before every GEMM2 tile of b.
 TEST(TileQueue, EveryTileOnceAndGemm2OfAMinibatchBetweenGemm1OfTheNextTwo) {
   for (int32_t m_blocks : {0, 1, 5, 16, 17, 64})
     for (int32_t bpm : {1, 2, 3, 16})
-      for (auto [n1, n2] : {std::pair{1, 1}, {16, 28}, {3, 2}})
-        for (int32_t pieces : {0, 1, 3}) {
-          SCOPED_TRACE("M " + std::to_string(m_blocks) + ", minibatch " + std::to_string(bpm) + ", n " +
-                       std::to_string(n1) + "/" + std::to_string(n2) + ", pieces " + std::to_string(pieces));
-          const TileQueue q = make_queue(m_blocks, bpm, n1, n2, pieces);
-          ASSERT_EQ(q.tiles(), int64_t(m_blocks) * (n1 + pieces + n2));
-          const int32_t widths[3] = {n1, n2, pieces};
-          std::vector<int64_t> at[3];
-          for (int g = 0; g < 3; ++g) at[g].assign(int64_t(m_blocks) * widths[g], -1);
-          for (int64_t t = 0; t < q.tiles(); ++t) {
-            GemmTile tile;
-            ASSERT_TRUE(q.tile(t, tile));
-            ASSERT_TRUE(tile.gemm == 0 || tile.gemm == 1 || tile.gemm == kElementwiseItem);
-            const int32_t n = widths[tile.gemm];
-            ASSERT_TRUE(tile.m_block >= 0 && tile.m_block < m_blocks && tile.n_block >= 0 && tile.n_block < n);
-            int64_t& slot = at[tile.gemm][int64_t(tile.m_block) * n + tile.n_block];
-            ASSERT_EQ(slot, -1) << "tile listed twice";
-            slot = t;
-          }
-          GemmTile past;
-          EXPECT_FALSE(q.tile(q.tiles(), past));
-          auto span_of = [&](int gemm, int32_t b_begin, int32_t b_end) {
-            int64_t first = INT64_MAX, last = -1;
-            const int32_t n = widths[gemm];
-            for (int32_t b = b_begin; b < std::min(m_blocks, b_end); ++b)
-              for (int32_t j = 0; j < n; ++j)
-                first = std::min(first, at[gemm][int64_t(b) * n + j]),
-                last = std::max(last, at[gemm][int64_t(b) * n + j]);
-            return std::pair{first, last};
-          };
-          const auto of_minibatch = [&](int gemm, int32_t j) { return span_of(gemm, j * bpm, (j + 1) * bpm); };
-          for (int32_t j = 0; j < q.minibatches; ++j) {
-            EXPECT_LT(of_minibatch(0, j).second, of_minibatch(1, j).first)
-                << "GEMM2 of minibatch " << j << " before its GEMM1";
-            if (j + 2 < q.minibatches) {
-              EXPECT_LT(of_minibatch(1, j).second, of_minibatch(0, j + 2).first)
-                  << "GEMM2 of minibatch " << j << " after GEMM1 of " << j + 2;
-            }
-          }
-          for (int32_t b = 0; pieces > 0 && b < m_blocks; ++b) {
-            EXPECT_LT(span_of(0, b, b + 1).second, span_of(kElementwiseItem, b, b + 1).first)
-                << "Q of m-block " << b << " before one of its GEMM1 tiles";
-            EXPECT_LT(span_of(kElementwiseItem, b, b + 1).second, span_of(1, b, b + 1).first)
-                << "GEMM2 of m-block " << b << " before one of its Q items";
+      for (auto [n1, n2] : {std::pair{1, 1}, {16, 28}, {3, 2}}) {
+        SCOPED_TRACE("M " + std::to_string(m_blocks) + ", minibatch " + std::to_string(bpm) + ", n " +
+                     std::to_string(n1) + "/" + std::to_string(n2));
+        const TileQueue q = make_queue(m_blocks, bpm, n1, n2);
+        std::vector<int64_t> at[2] = {std::vector<int64_t>(int64_t(m_blocks) * n1, -1),
+                                      std::vector<int64_t>(int64_t(m_blocks) * n2, -1)};
+        for (int64_t t = 0; t < q.tiles(); ++t) {
+          GemmTile tile;
+          ASSERT_TRUE(q.tile(t, tile));
+          const int32_t n = tile.gemm == 0 ? n1 : n2;
+          ASSERT_TRUE(tile.gemm == 0 || tile.gemm == 1);
+          ASSERT_TRUE(tile.m_block >= 0 && tile.m_block < m_blocks && tile.n_block >= 0 && tile.n_block < n);
+          int64_t& slot = at[tile.gemm][int64_t(tile.m_block) * n + tile.n_block];
+          ASSERT_EQ(slot, -1) << "tile listed twice";
+          slot = t;
+        }
+        GemmTile past;
+        EXPECT_FALSE(q.tile(q.tiles(), past));
+        auto last_of = [&](int gemm, int32_t minibatch) {
+          int64_t last = -1;
+          const int32_t n = gemm == 0 ? n1 : n2;
+          for (int32_t b = minibatch * bpm; b < std::min(m_blocks, (minibatch + 1) * bpm); ++b)
+            for (int32_t j = 0; j < n; ++j) last = std::max(last, at[gemm][int64_t(b) * n + j]);
+          return last;
+        };
+        auto first_of = [&](int gemm, int32_t minibatch) {
+          int64_t first = INT64_MAX;
+          const int32_t n = gemm == 0 ? n1 : n2;
+          for (int32_t b = minibatch * bpm; b < std::min(m_blocks, (minibatch + 1) * bpm); ++b)
+            for (int32_t j = 0; j < n; ++j) first = std::min(first, at[gemm][int64_t(b) * n + j]);
+          return first;
+        };
+        for (int32_t j = 0; j < q.minibatches; ++j) {
+          EXPECT_LT(last_of(0, j), first_of(1, j)) << "GEMM2 of minibatch " << j << " before its GEMM1";
+          if (j + 2 < q.minibatches) {
+            EXPECT_LT(last_of(1, j), first_of(0, j + 2)) << "GEMM2 of minibatch " << j << " after GEMM1 of " << j + 2;
           }
         }
+      }
 }
 
 // The backward's queue: every D1 and D2 tile and every S piece once; S(b) after every D1 tile of b, D2(b)
 // after every S piece of b (so each wait points at earlier entries), and the first D2 tile of a
 // minibatch only after every D1 tile of the next one (the lag that hides the S items).
-TEST(BackwardTileQueue, ElementwiseItemsSitAMinibatchAheadOfTheTilesWaitingForThem) {
+TEST(ElementwiseTileQueue, ElementwiseItemsSitAMinibatchAheadOfTheTilesWaitingForThem) {
   for (int32_t m_blocks : {0, 1, 5, 17, 64})
     for (int32_t bpm : {1, 2, 3, 16})
       for (auto [n1, n2] : {std::pair{1, 1}, {8, 28}, {3, 2}})
@@ -171,7 +162,7 @@ TEST(BackwardTileQueue, ElementwiseItemsSitAMinibatchAheadOfTheTilesWaitingForTh
           SCOPED_TRACE("M " + std::to_string(m_blocks) + ", minibatch " + std::to_string(bpm) + ", n " +
                        std::to_string(n1) + "/" + std::to_string(n2) + ", pieces " + std::to_string(pieces));
           const int32_t minibatches = (m_blocks + bpm - 1) / bpm;
-          const BackwardTileQueue q{m_blocks, minibatches, bpm, {n1, n2}, pieces};
+          const ElementwiseTileQueue q{m_blocks, minibatches, bpm, {n1, n2}, pieces};
           ASSERT_EQ(q.tiles(), int64_t(m_blocks) * (n1 + n2 + pieces));
           std::vector<int64_t> last_d1(m_blocks, -1), last_s(m_blocks, -1), first_s(m_blocks, INT64_MAX),
               first_d2(m_blocks, INT64_MAX);
@@ -205,24 +196,29 @@ TEST(BackwardTileQueue, ElementwiseItemsSitAMinibatchAheadOfTheTilesWaitingForTh
 // most two tiles; its consumers finish tiles in order. In place (ring = every m-block) the comm queue is
 // the M dispatch items, and a comm CTA with nothing left to take becomes a GEMM CTA. Returns false on
 // deadlock.
+// With `pieces` > 0 the GEMM CTAs take the E4M3 forward's queue instead (ElementwiseTileQueue: `pieces`
+// elementwise items per m-block between the two GEMMs, each waiting for GEMM1 of its m-block, GEMM2
+// waiting for all of them).
 bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t ring, int comm_ctas, int gemm_ctas,
               bool in_place = false, int32_t pieces = 0) {
-  const TileQueue q = make_queue(m_blocks, bpm, n1, n2, pieces);
+  const TileQueue plain = make_queue(m_blocks, bpm, n1, n2);
+  const ElementwiseTileQueue with_items{m_blocks, plain.minibatches, bpm, {n1, n2}, pieces};
+  const int64_t tiles = pieces > 0 ? with_items.tiles() : plain.tiles();
   std::vector<char> pulled(m_blocks), pushed(m_blocks);
-  std::vector<int32_t> gemm1_done(m_blocks), gemm2_done(m_blocks), quantized(m_blocks);
+  std::vector<int32_t> gemm1_done(m_blocks), gemm2_done(m_blocks), items_done(m_blocks);
   // The opening: every CTA pulls the first minibatch before taking either queue.
   const int32_t opening = opening_blocks(m_blocks, bpm);
   for (int32_t b = 0; b < opening; ++b) pulled[b] = 1;
   int64_t next_item = opening, next_tile = 0, finished = opening;
   const int64_t items = (in_place ? 1 : 2) * int64_t(m_blocks);
-  const int64_t work = items + q.tiles();
+  const int64_t work = items + tiles;
   std::vector<int64_t> comm_holds(comm_ctas, -1);
   std::vector<char> joined(comm_ctas);  // in place: comm CTAs that became GEMM CTAs
   std::vector<std::deque<GemmTile>> gemm_holds(gemm_ctas);
   auto ready = [&](const GemmTile& t) {
     if (t.gemm == 0) return pulled[t.m_block] != 0;
     if (t.gemm == kElementwiseItem) return gemm1_done[t.m_block] == n1;
-    return gemm1_done[t.m_block] == n1 && quantized[t.m_block] == pieces;
+    return gemm1_done[t.m_block] == n1 && items_done[t.m_block] == pieces;
   };
   for (bool progress = true; progress;) {
     progress = false;
@@ -245,16 +241,19 @@ bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t rin
       held = -1, ++finished, progress = true;
     }
     for (auto& held : gemm_holds) {
-      if (held.size() < 2 && (held.empty() || ready(held.back())) && next_tile < q.tiles()) {
+      if (held.size() < 2 && (held.empty() || ready(held.back())) && next_tile < tiles) {
         GemmTile t;
-        q.tile(next_tile++, t);
+        if (pieces > 0)
+          with_items.tile(next_tile++, t);
+        else
+          plain.tile(next_tile++, t);
         held.push_back(t);
         progress = true;
       }
       if (!held.empty() && ready(held.front())) {
         const GemmTile t = held.front();
         held.pop_front();
-        ++(t.gemm == 0 ? gemm1_done : t.gemm == 1 ? gemm2_done : quantized)[t.m_block];
+        ++(t.gemm == 0 ? gemm1_done : t.gemm == 1 ? gemm2_done : items_done)[t.m_block];
         ++finished, progress = true;
       }
     }
@@ -296,13 +295,31 @@ TEST(WorkQueues, NeverDeadlockWithARingOfTwoMinibatches) {
     for (int32_t bpm : {1, 2, 4})
       for (int comm : {1, 3})
         for (int gemm : {1, 2, 5, 40})
+          for (int32_t ring_extra : {0, 1, 100}) {
+            const int32_t ring = std::min(m_blocks, 2 * bpm + ring_extra);
+            EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, ring, comm, gemm))
+                << "M " << m_blocks << ", minibatch " << bpm << ", ring " << ring << ", comm " << comm << ", gemm "
+                << gemm;
+          }
+}
+
+// The E4M3 forward's queue (GEMM2 two minibatches behind GEMM1, the quantization items between) needs a
+// ring of three minibatches across ranks, and two can deadlock.
+TEST(WorkQueues, TheE4M3ForwardNeverDeadlocksWithARingOfThreeMinibatches) {
+  for (int32_t m_blocks : {1, 7, 40})
+    for (int32_t bpm : {1, 2, 4})
+      for (int comm : {1, 3})
+        for (int gemm : {1, 2, 5, 40})
           for (int32_t ring_extra : {0, 1, 100})
-            for (int32_t pieces : {0, 2}) {
-              const int32_t ring = std::min(m_blocks, 2 * bpm + ring_extra);
-              EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, ring, comm, gemm, false, pieces))
+            for (int32_t pieces : {1, 2}) {
+              const int32_t ring = std::min(m_blocks, 3 * bpm + ring_extra);
+              EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, ring, comm, gemm, /*in_place=*/false, pieces))
                   << "M " << m_blocks << ", minibatch " << bpm << ", ring " << ring << ", comm " << comm << ", gemm "
                   << gemm << ", pieces " << pieces;
+              EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, m_blocks, comm, gemm, /*in_place=*/true, pieces));
             }
+  EXPECT_FALSE(simulate(/*m_blocks=*/12, /*bpm=*/2, /*n1=*/4, /*n2=*/3, /*ring=*/4, /*comm=*/2, /*gemm=*/2,
+                        /*in_place=*/false, /*pieces=*/1));
 }
 
 TEST(WorkQueues, NeverDeadlockInPlace) {
@@ -310,10 +327,8 @@ TEST(WorkQueues, NeverDeadlockInPlace) {
     for (int32_t bpm : {1, 2, 4, 64})
       for (int comm : {1, 3})
         for (int gemm : {1, 2, 5, 40})
-          for (int32_t pieces : {0, 2})
-            EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, m_blocks, comm, gemm, /*in_place=*/true, pieces))
-                << "M " << m_blocks << ", minibatch " << bpm << ", comm " << comm << ", gemm " << gemm << ", pieces "
-                << pieces;
+          EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, m_blocks, comm, gemm, /*in_place=*/true))
+              << "M " << m_blocks << ", minibatch " << bpm << ", comm " << comm << ", gemm " << gemm;
 }
 
 TEST(WorkQueues, InPlaceNeedsTheRingToHoldEveryMBlock) {
