@@ -3,9 +3,10 @@
 // source contract, producer role, consumer role (mainloop, epilogue), the CTA entry.
 //
 // One CTA per SM, 384 threads:
-//   warpgroup 0: producer. One thread takes tiles from a TileSource (which also waits, bounded, for the
-//                tile's inputs to be ready), publishes each to the consumers and streams A/B K-slices
-//                with TMA into a kStages-deep mbarrier ring.
+//   warpgroup 0: producer. One thread (the tile fetcher) takes tiles from a TileSource (which also
+//                waits, bounded, for the tile's inputs to be ready) and publishes each to the others;
+//                another (the loader) streams each tile's A/B K-slices with TMA into a kStages-deep
+//                mbarrier ring.
 //   warpgroups 1-2: consumers. Each owns 64 of the tile's 128 rows: wgmma from shared memory, fp32
 //                accumulators in registers, then the epilogue (SwiGLU, row scale) writes bf16 into a
 //                swizzled staging box that a TMA store copies out while the next tile's mainloop runs.
@@ -35,8 +36,9 @@ constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
 constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
 constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;  // 64: one wgmma M
 static_assert(kStoreBoxRows == kRowsPerConsumer, "a store box is one consumer's rows high");
-constexpr int kTileSlots = 2;      // the producer may run one tile ahead of the consumers
-constexpr int kDoneLagSlices = 4;  // a tile's completion counter is released this many K slices into the next
+constexpr int kTileSlots = 2;           // the tile fetcher may publish two tiles past the one the consumers run
+constexpr int kTileFetcherThread = 64;  // of the producer warpgroup: warp 0 loads, warp 1 loads scales (E4M3)
+constexpr int kDoneLagSlices = 4;       // a tile's completion counter is released this many K slices into the next
 // setmaxnreg, producer warpgroup and consumers: 128 x 56 + 256 x 224 = 64512 of the SM's 65536 registers
 // (BF16 kinds), or 128 x 40 + 256 x 232 = 64512 (E4M3 kinds). The forward E4M3 consumers hold 192
 // accumulator registers and ran ~1 % faster with the 8 more (fewer values recomputed per K slice); the
@@ -149,7 +151,7 @@ struct SharedStorage {
   uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer thread: lane 0 arrives for
                             // its warp (free_stage) unless the warp's lanes read the stage themselves)
   uint64_t tile_full[kTileSlots];
-  uint64_t tile_empty[kTileSlots];  // one arrival per consumer warp (and the scale loader's)
+  uint64_t tile_empty[kTileSlots];  // one arrival per consumer warp, the loader's (and the scale loader's)
   TileInfo tiles[kTileSlots];
 };
 // Dynamic shared memory of a kernel whose tiles are of kind kKind: + slack to align the dynamic base.
@@ -169,9 +171,10 @@ __device__ __forceinline__ SharedStorage<Stages>& shared_storage(uint8_t* smem_r
 
 // ---- tile source contract ---------------------------------------------------------------------------
 
-// The producer asks its TileSource for tiles; TileSource::kKind is one of the kinds above.
-//   bool next(TileInfo& tile)  takes the next tile, waits (bounded) until its A rows are ready and fences
-//                              them for TMA; false when there are no more tiles or a wait gave up.
+// The tile fetcher asks its TileSource for tiles; TileSource::kKind is one of the kinds above.
+//   bool next(TileInfo& tile)  takes the next tile and waits (bounded) until its A rows are ready; false
+//                              when there are no more tiles or a wait gave up. Called by one thread,
+//                              other than the one that calls load_elementwise (which fences for TMA).
 //   const GemmOperands& operands(int gemm) const
 //   const TimelineSink& timeline() const      where the CTA's spans go (common/timeline.cuh)
 //   static constexpr RegisterSplit kRegisters   optional: the producer / consumer registers (default: the
@@ -179,7 +182,7 @@ __device__ __forceinline__ SharedStorage<Stages>& shared_storage(uint8_t* smem_r
 // and, when its queue holds kElementwiseTile items (stage A and B are raw bytes to them; E4M3 stages are
 // the same size as BF16 ones, and their scale loader only arrives for the item's slices),
 //   void load_elementwise(const TileInfo& tile, int slice, void* a, void* b, uint64_t* full) const
-//                              run by the producer thread: fills stage A and B of the item's slice
+//                              run by the loader thread: fills stage A and B of the item's slice
 //                              (asynchronous copies counted on `full`, expect-tx included)
 //   void run_elementwise(const TileInfo& tile, int slice, const void* a, const void* b, int consumer,
 //                        int thread) const
@@ -237,11 +240,16 @@ __device__ __forceinline__ void load_slice(Element* dst, const CUtensorMap* map,
   }
 }
 
+// The producer warpgroup's two roles around the tile slots:
+//   the tile fetcher (one thread) takes tiles from the source in order, its waits for their inputs
+//   included, and publishes each into a slot;
+//   the loader (one thread) takes them from the slots and issues their loads stage by stage.
+// Apart, the fetcher's round trips for a tile (the ticket, its decode, the readiness counter) run while
+// the loader still streams the tiles before it: in one thread they sat between a tile's last load and
+// the next one's first, an idle gap for the tensor cores on every tile of a few K slices.
 template <class Tiles, class Storage>
-__device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site) {
-  using Stages = StagesOf<Tiles::kKind>;
-  constexpr int kStages = Storage::kStages;
-  uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
+__device__ void run_tile_fetcher(Storage& s, Tiles& tiles, const WaitSite& pipe_site) {
+  uint32_t slot = 0, slot_phase = 0;
   for (;;) {
     TileInfo info{};
     const timeline::Stamp asked = timeline::now();
@@ -249,9 +257,26 @@ __device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site
     if (info.valid) timeline::record(tiles.timeline(), TimelineSpan::kTileWait, asked, info.gemm, info.m_block);
     mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
     s.tiles[slot] = info;
-    ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the consumers' wait makes `info` visible
+    ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the readers' wait makes `info` visible
     if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
     if (!info.valid) return;
+  }
+}
+
+template <class Tiles, class Storage>
+__device__ void run_loader(Storage& s, const Tiles& tiles, const WaitSite& pipe_site) {
+  using Stages = StagesOf<Tiles::kKind>;
+  constexpr int kStages = Storage::kStages;
+  uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
+  for (;;) {
+    mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
+    const TileInfo info = s.tiles[slot];
+    ptx::mbarrier_arrive(&s.tile_empty[slot]);
+    if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
+    if (!info.valid) return;
+    // NOTES: the fetcher acquired the tile's inputs (other CTAs' writes, through the generic proxy) and
+    // this thread acquired the fetcher's slot; the loads below read through the async proxy.
+    ptx::fence_proxy_async_global();
     if constexpr (requires { tiles.load_elementwise(info, 0, s.a[0], s.b[0], &s.full[0]); }) {
       if (info.gemm == kElementwiseTile) {
         for (int slice = 0; slice < info.k_blocks; ++slice) {
@@ -278,7 +303,7 @@ __device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site
   }
 }
 
-// A consumer warp (or the scale loader) takes the next tile the producer published, and frees its slot.
+// A consumer warp (or the scale loader) takes the next tile the fetcher published, and frees its slot.
 // NOTES: lane 0 alone reads the slot and hands it to the warp by shuffles, so its own arrival orders every
 // read of the slot before the producer refills it. Read by every lane, only a __syncwarp (nothing at all
 // in converged code) stood between the other lanes' loads and lane 0's arrival: racecheck reported the
@@ -859,7 +884,7 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
     }
     for (int i = 0; i < kTileSlots; ++i) {
       ptx::mbarrier_init(&s.tile_full[i], 1);
-      ptx::mbarrier_init(&s.tile_empty[i], kConsumerWarps + (Stages::kScales ? 1 : 0));
+      ptx::mbarrier_init(&s.tile_empty[i], kConsumerWarps + 1 + (Stages::kScales ? 1 : 0));
     }
     ptx::fence_mbarrier_init();
   }
@@ -874,7 +899,9 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
         ptx::prefetch_tensormap(tiles.operands(g).a);
         ptx::prefetch_tensormap(tiles.operands(g).b);
       }
-      run_producer(s, tiles, pipe_site);
+      run_loader(s, tiles, pipe_site);
+    } else if (threadIdx.x == kTileFetcherThread) {
+      run_tile_fetcher(s, tiles, pipe_site);
     } else if constexpr (Stages::kScales) {
       if (threadIdx.x / 32 == 1) run_scale_loader(s, tiles, pipe_site);
     }
