@@ -88,14 +88,14 @@ fi
 if has sanitize; then
   # The grouped GEMM (BF16 and FP8, the FP8 long-K loop included), the quantizers (small cases) and the unfused chain under all three tools; small fused-layer and device-planner cases
   # (one rank in place and combined, virtual ranks, top-k past 32) under memcheck and synccheck, and the
-  # smallest fused cases, forward and backward (in place and combined), with the planner's under racecheck (the shared-memory
-  # hand-offs of planning, the opening, the tile source and the backward's elementwise stages).
+  # smallest fused cases, forward (BF16 and E4M3) and backward (in place and combined), with the planner's under racecheck
+  # (the shared-memory hand-offs of planning, the opening, the tile source and the elementwise stages).
   gemm='Shapes/GroupedGemmTest.MatchesHost/one_row*:Shapes/GroupedGemmTest.MatchesHost/edges*:GroupedGemm.WaitsFor*:Shapes/Fp8GroupedGemmTest.*/one_row*:Shapes/Fp8GroupedGemmTest.*/edges*:Shapes/Fp8GroupedGemmTest.*/deep_k*:Shapes/Fp8GroupedGemmTest.*/odd_deep_k*:QuantizeKernel.EdgeCases*:QuantizeKernel.WeightBlock*:QuantizeKernel.Gather*:QuantizeKernel.Transposed*:QuantizeKernel.Mx*:Shapes/Fp8KGroupedGemmTest.*/empty*:Routings/BackwardChainFp8Test.*/T300*:BackwardKernels.*:Shapes/UnfusedFp8Test.*T1_*:Shapes/UnfusedMoeTest.*T64*:Shapes/KGroupedGemmTest.*/empty_experts*:Routings/BackwardChainTest.*/T300*'
-  fused='VirtualRanks/FusedMoeTest.*/P1_T300*:VirtualRanks/FusedMoeBackwardTest.*/P1_T97*:VirtualRanks/FusedMoeBackwardTest.*/P8_T1_*:VirtualRanks/FusedMoeTest.*/P1_T97*:VirtualRanks/FusedMoeTest.*/P2_T129*:FusedMoe.OneRankInPlaceMatchesCombinedBitwise:DevicePlanner.*:Routings/DevicePlannerTest.*/P2_uniform_E64*'
+  fused='VirtualRanks/FusedMoeTest.*/P1_T300*:VirtualRanks/FusedMoeBackwardTest.*/P1_T97*:VirtualRanks/FusedMoeBackwardTest.*/P8_T1_*:VirtualRanks/FusedMoeTest.*/P1_T97*:VirtualRanks/FusedMoeTest.*/P2_T129*:FusedMoe.OneRankInPlaceMatchesCombinedBitwise:DevicePlanner.*:Routings/DevicePlannerTest.*/P2_uniform_E64*:VirtualRanks/FusedFp8Test.*/P1_T300*:VirtualRanks/FusedFp8Test.*/P2_T129*'
   for tool in memcheck racecheck synccheck; do
     filter="$gemm:$fused"
     [ $tool = racecheck ] &&
-      filter="$gemm:VirtualRanks/FusedMoeTest.*/P1_T300*:VirtualRanks/FusedMoeBackwardTest.*/P1_T97*:VirtualRanks/FusedMoeBackwardTest.*/P2_T129*:DevicePlanner.*"
+      filter="$gemm:VirtualRanks/FusedMoeTest.*/P1_T300*:VirtualRanks/FusedMoeBackwardTest.*/P1_T97*:VirtualRanks/FusedMoeBackwardTest.*/P2_T129*:DevicePlanner.*:VirtualRanks/FusedFp8Test.*/P1_T300*:VirtualRanks/FusedFp8Test.*/P2_T129*"
     echo "== compute-sanitizer --tool $tool --gtest_filter=$filter" >> "$out/sanitizer.log"
     timeout 240 compute-sanitizer --tool $tool --error-exitcode 1 "$bin/pounce_tests_gpu" --gtest_filter="$filter" \
       >> "$out/sanitizer.log" 2>&1 && echo "sanitizer $tool: clean" || { echo "sanitizer $tool: FAILED"; status=1; }
