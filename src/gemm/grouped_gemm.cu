@@ -65,18 +65,19 @@ class QueueTiles {
       total_tiles_ = 0;
     }
     // Offsets off the 128-row grid (m-blocks, K slices, E4M3 scale blocks) or going backwards would make
-    // tiles silently drop or repeat rows: they stop the launch. Warp 0 holds the producer, the only
+    // tiles silently drop or repeat rows: they stop the launch. The tile fetcher's warp holds the only
     // reader of total_tiles_; its lanes check offsets 32 apart.
     const auto off_grid = [&p](int32_t e) {
       const int32_t offset = p.expert_offsets[e];
       return offset % kBlockM != 0 || offset < (e > 0 ? p.expert_offsets[e - 1] : 0);
     };
-    if (threadIdx.x < 32) {
+    if (threadIdx.x / 32 == pipeline::kTileFetcherThread / 32) {
+      const int lane = threadIdx.x % 32;
       bool bad = false;
-      for (int32_t e = threadIdx.x; e <= p.experts; e += 32) bad |= off_grid(e);
+      for (int32_t e = lane; e <= p.experts; e += 32) bad |= off_grid(e);
       const uint32_t bad_lanes = __ballot_sync(0xFFFFFFFFu, bad);
       if (bad_lanes != 0) {
-        if (threadIdx.x == 0) {
+        if (lane == 0) {
           int32_t e = __ffs(bad_lanes) - 1;  // the first bad offset of the first lane that saw one
           while (!off_grid(e)) e += 32;
           report_device_error(p.error, DeviceErrorCode::kBadSchedule, DeviceRole::kGemmProducer,
