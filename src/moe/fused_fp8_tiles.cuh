@@ -3,7 +3,7 @@
 //   G1(b): gate/up = x_rows . W13[e] in E4M3, SwiGLU, bf16 hidden rows into h_ring; waits until dispatch
 //          moved m-block b's E4M3 rows and scales into the ring.
 //   Q(b):  the hidden rows of m-block b quantized 1 x 128 (bit for bit the stand-alone quantizer) into
-//          Fp8Rows::hidden and its K block-major scales; waits for every G1 tile of b. kQuantizePieces
+//          Fp8Rows::hidden and its K block-major scales; waits for every G1 tile of b. quantize_pieces(I)
 //          items, each a share of the rows' 128-column blocks; a slice is one block of all 128 rows,
 //          its two 64-column halves loaded by TMA into stage A and B.
 //   G2(b): out = hidden . W2[e] in E4M3, bf16; waits for every Q item of b.
@@ -63,7 +63,7 @@ class FusedFp8Tiles : public RankTiles {
   __device__ bool next(gemm::pipeline::TileInfo& info) {
     const int64_t ticket = atomicAdd(&rs_.control[kGemmTicket], 1u);
     const ElementwiseTileQueue queue{
-        sizes_.m_blocks, sizes_.minibatches, p_.blocks_per_minibatch, {n_blocks_[0], n_blocks_[1]}, kQuantizePieces};
+        sizes_.m_blocks, sizes_.minibatches, p_.blocks_per_minibatch, {n_blocks_[0], n_blocks_[1]}, pieces_};
     GemmTile tile;
     if (!queue.tile(ticket, tile)) return false;
     const int32_t m_block = tile.m_block;
@@ -155,8 +155,10 @@ class FusedFp8Tiles : public RankTiles {
   static constexpr int32_t kScaleBlock = 128;  // columns of a 1 x 128 block, and the E4M3 kind's K slice
   // First 128-column block of the hidden rows that Q piece `piece` quantizes.
   __device__ int32_t first_block(int32_t piece) const {
-    return int32_t(int64_t(p_.intermediate / kScaleBlock) * piece / kQuantizePieces);
+    return int32_t(int64_t(p_.intermediate / kScaleBlock) * piece / pieces_);
   }
+
+  int32_t pieces_ = quantize_pieces(p_.intermediate);  // Q items per m-block
 
   const CUtensorMap* hidden_load_;  // bf16 hidden rows, box 64 columns x 128 rows
 };

@@ -300,8 +300,7 @@ TEST_P(FusedFp8Test, HasTheBitsOfTheUnfusedFp8Chain) {
   }
 }
 
-// H and I multiples of 128 (E4M3 blocks). I = 128 leaves three of an m-block's four Q items without a
-// block to quantize; I = 384 splits three blocks over four.
+// H and I multiples of 128 (E4M3 blocks). I = 1152 splits an m-block's nine blocks over two Q items.
 INSTANTIATE_TEST_SUITE_P(VirtualRanks, FusedFp8Test,
                          ::testing::Values(Case{1, 300, 256, 128, 8, 2, RoutingPattern::kUniform},
                                            Case{1, 700, 512, 384, 16, 6, RoutingPattern::kZipf, kMinRing, 4},
@@ -309,6 +308,7 @@ INSTANTIATE_TEST_SUITE_P(VirtualRanks, FusedFp8Test,
                                            Case{1, 1, 128, 128, 4, 1, RoutingPattern::kUniform},
                                            Case{1, 0, 256, 128, 8, 2, RoutingPattern::kUniform},
                                            Case{2, 129, 512, 256, 16, 4, RoutingPattern::kZipf, kMinRing, 1},
+                                           Case{2, 90, 256, 1152, 8, 2, RoutingPattern::kUniform, kMinRing},
                                            Case{3, 211, 256, 384, 12, 3, RoutingPattern::kZipf},
                                            Case{4, 64, 256, 128, 16, 4, RoutingPattern::kHalfEmpty, 0, 3},
                                            Case{5, 50, 384, 128, 10, 7, RoutingPattern::kUniform, kMinRing},

@@ -45,11 +45,16 @@ struct CounterSteps {
   uint32_t elementwise_done = 0;  // per m-block: consumer halves of its elementwise items (backward, E4M3 forward)
 };
 
-// The E4M3 forward quantizes each m-block's hidden rows for GEMM2 in this many elementwise items (Q
-// items, moe/fused_fp8_tiles.cuh), each a share of the rows' 128-column blocks. Their latency hides
-// behind a minibatch of GEMM1 tiles; each item has a fixed cost (its tile's round trip through the
-// pipeline, the barrier of both consumers), so few pieces.
-inline constexpr int kQuantizePieces = 2;
+// The E4M3 forward quantizes each m-block's hidden rows for GEMM2 in Q items (moe/fused_fp8_tiles.cuh) of
+// at most kQuantizeBlocksPerItem 128-column blocks each: short enough that the minibatch of GEMM1 tiles
+// queued between them and the GEMM2 tiles waiting for them covers their latency (at I = 14336 a whole
+// m-block's 112 blocks outlasted it), few enough that their fixed cost (a tile's round trip through the
+// pipeline, the barrier of both consumers) stays small.
+inline constexpr int kQuantizeBlocksPerItem = 8;
+POUNCE_HOST_DEVICE inline int32_t quantize_pieces(int64_t intermediate) {
+  const int64_t blocks = intermediate / 128;
+  return int32_t(blocks > kQuantizeBlocksPerItem ? (blocks + kQuantizeBlocksPerItem - 1) / kQuantizeBlocksPerItem : 1);
+}
 
 // Tile widths: kBlockN columns (BF16), kFp8TileN (E4M3: gemm::pipeline::Fp8Stages::kTileN).
 inline constexpr int kFp8TileN = 128;
@@ -62,7 +67,7 @@ inline CounterSteps counter_steps(const EpConfig& c, bool fp8) {
           gemm::kConsumerWarpgroups * tiles(c.hidden),
           1,
           uint32_t(c.topk),
-          fp8 ? uint32_t(gemm::kConsumerWarpgroups * kQuantizePieces) : 0u};
+          fp8 ? uint32_t(gemm::kConsumerWarpgroups * quantize_pieces(c.intermediate)) : 0u};
 }
 
 // The fused backward's SwiGLU backward runs as this many items per m-block (32 rows each): spread over
