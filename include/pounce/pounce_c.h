@@ -16,7 +16,7 @@ extern "C" {
 
 /* Raised whenever a struct below changes layout or a function is added; bindings compare it with
  * pounce_abi_version(). */
-#define POUNCE_C_ABI_VERSION 7
+#define POUNCE_C_ABI_VERSION 8
 #define POUNCE_NCCL_UNIQUE_ID_BYTES 128
 
 enum {
@@ -48,6 +48,7 @@ typedef struct pounce_options {
   int32_t fused_backward;       /* 1: on one GPU a backward from kept rows runs the persistent kernel */
   int32_t fp8_data_gradients;   /* 1: the backward chain's data gradients in E4M3 (see refresh_fp8_weights) */
   int32_t fp8_weight_gradients; /* 1: the backward's weight gradients in E4M3 */
+  int32_t fp8_forward;          /* 1: the forward in E4M3 (virtual ranks; see refresh_fp8_weights) */
 } pounce_options;
 
 /* pounce::RankIO: one rank's tensors for one forward, device pointers, 16-byte aligned. */
@@ -115,8 +116,9 @@ int pounce_moe_create_nccl(const pounce_config* config, const pounce_options* op
  * gate and up rows interleaved in groups of 8, w2[r] [E/P, H, I]. The layer keeps the pointers, no copy. */
 int pounce_moe_set_weights(pounce_moe* layer, int n, const void* const* w13, const void* const* w2);
 
-/* With the fp8_data_gradients option: quantizes the weights into the E4M3 copies the backward reads, on
- * `stream` (pounce::FusedMoe::refresh_fp8_weights). After set_weights and after every weight update. */
+/* With the fp8_forward or fp8_data_gradients option: quantizes the weights into the E4M3 copies the forward
+ * and the backward read, on `stream` (pounce::FusedMoe::refresh_fp8_weights). After set_weights and after
+ * every weight update. */
 int pounce_moe_refresh_fp8_weights(pounce_moe* layer, void* stream);
 
 /* Enqueues one forward of the n = ranks_on_this_gpu ranks on this GPU on `stream` (a cudaStream_t; NULL

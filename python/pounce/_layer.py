@@ -67,7 +67,7 @@ class Layer:
         self._sized_for = 0  # what the C++ layer was sized for
         self._weights = None  # (w13, w2) pointers last handed to it
         self._kept = None  # what the latest forward ran on, when it kept its rows for the backward
-        self._fp8_of = None  # fp8_data_gradients: the weights (pointers, versions) its E4M3 copies hold
+        self._fp8_of = None  # fp8_forward, fp8_data_gradients: the weights (pointers, versions) its E4M3 copies hold
 
     @staticmethod
     def get(key: int) -> "Layer":
@@ -181,11 +181,11 @@ class Layer:
         self._fp8_of = None
 
     def _refresh_fp8_weights(self, w13: torch.Tensor, w2: torch.Tensor, stream: int) -> None:
-        """fp8_data_gradients: quantizes the weights into the C++ layer's E4M3 copies when their values may
-        have changed since (new tensors, or an in-place update: the optimizer bumps a tensor's version).
-        Inside a CUDA graph capture it always refreshes, so that every replay quantizes the weights of
-        that moment."""
-        if not self.options.get("fp8_data_gradients"):
+        """fp8_forward, fp8_data_gradients: quantizes the weights into the C++ layer's E4M3 copies when their
+        values may have changed since (new tensors, or an in-place update: the optimizer bumps a tensor's
+        version). Inside a CUDA graph capture it always refreshes, so that every replay quantizes the
+        weights of that moment."""
+        if not self._fp8_copies():
             return
         of = (w13.data_ptr(), w2.data_ptr(), w13._version, w2._version)
         capturing = torch.cuda.is_current_stream_capturing()
@@ -196,11 +196,15 @@ class Layer:
         # eager backward refreshes again.
         self._fp8_of = None if capturing else of
 
+    def _fp8_copies(self) -> bool:
+        """Whether the C++ layer reads E4M3 copies of the weights."""
+        return bool(self.options.get("fp8_data_gradients") or self.options.get("fp8_forward"))
+
     def refresh_fp8_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """fp8_data_gradients: quantizes the weights into the E4M3 copies now, on the current stream: after
-        updates that the tensors' versions do not show (writes through .data, fused optimizer kernels).
-        Nothing to do before the layer's first forward."""
-        if self._handle is None or not self.options.get("fp8_data_gradients"):
+        """fp8_forward, fp8_data_gradients: quantizes the weights into the E4M3 copies now, on the current
+        stream: after updates that the tensors' versions do not show (writes through .data, fused optimizer
+        kernels). Nothing to do before the layer's first forward."""
+        if self._handle is None or not self._fp8_copies():
             return
         with torch.cuda.device(self._device):
             self._set_weights(w13, w2)
@@ -221,6 +225,7 @@ class Layer:
             y = torch.empty_like(x)
             ios = self._rank_ios(x, topk_ids, topk_weights, y)
             stream = torch.cuda.current_stream(x.device).cuda_stream
+            self._refresh_fp8_weights(w13, w2, stream)
             _lib.check(_lib.library().pounce_moe_forward(self._handle, self.virtual_ranks, ios, int(keep), stream))
         self._kept = _inputs_key(x, topk_ids, topk_weights, w13, w2) if keep else None
         return y

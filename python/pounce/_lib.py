@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 NCCL_UNIQUE_ID_BYTES = 128
 
 
@@ -43,6 +43,7 @@ class Options(ctypes.Structure):
         ("fused_backward", ctypes.c_int32),
         ("fp8_data_gradients", ctypes.c_int32),
         ("fp8_weight_gradients", ctypes.c_int32),
+        ("fp8_forward", ctypes.c_int32),
     ]
 
 

@@ -97,8 +97,9 @@ class MoE(nn.Module):
 
     Device errors (routing ids out of range or repeated within a token; a wait that gave up) end the
     kernel and are raised as pounce.Error by the next forward, or by check_device_errors(). options: a dict
-    of pounce::FusedMoeOptions fields (ring_bytes, wait_timeout_ns, ...); {"fp8_data_gradients": 1} runs the
-    backward's data-gradient GEMMs in FP8 on E4M3 copies of the weights, refreshed whenever the weights
+    of pounce::FusedMoeOptions fields (ring_bytes, wait_timeout_ns, ...); {"fp8_forward": 1} runs the forward
+    in E4M3 (one GPU), {"fp8_data_gradients": 1} the backward's data-gradient GEMMs, both on E4M3 copies of
+    the weights, refreshed whenever the weights
     changed by PyTorch's own ops (a new tensor, or an in-place update that bumps the tensor's version,
     as torch.optim's do) and at every CUDA-graph replay; after writes the versions do not show (through
     .data, or fused optimizer kernels), call refresh_fp8_weights()."""
@@ -159,7 +160,7 @@ class MoE(nn.Module):
         return moe(x, topk_ids, topk_weights, self.w13, self.w2, layer=self.layer)
 
     def refresh_fp8_weights(self) -> None:
-        """With options={"fp8_data_gradients": 1}: quantize the weights into the backward's E4M3 copies now
+        """With options={"fp8_forward": 1} or {"fp8_data_gradients": 1}: quantize the weights into the E4M3 copies now
         (after updates the tensors' versions do not show)."""
         self.layer.refresh_fp8_weights(self.w13.detach(), self.w2.detach())
 

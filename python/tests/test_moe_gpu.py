@@ -141,6 +141,45 @@ def test_fp8_data_gradients_follow_the_weights_within_fp8_error(virtual_ranks):
     moe.check_device_errors()
 
 
+@pytest.mark.parametrize("virtual_ranks", [1, 3])
+def test_fp8_forward_follows_the_weights_within_fp8_error(virtual_ranks):
+    """options={"fp8_forward": 1}: the forward in E4M3, within FP8's band of the eager reference and not
+    the bf16 layer's bits, after the weights change in place (the copies follow the tensors' versions) and
+    after a write the versions do not show (the explicit refresh); its backward runs from the kept rows."""
+    T, H, I, E, k = 200, 256, 128, 12, 4
+    g = torch.Generator().manual_seed(5)
+    moe = pounce.MoE(H, I, E, k, virtual_ranks=virtual_ranks, device="cuda", options={"fp8_forward": 1})
+    with torch.no_grad():
+        moe.w13.copy_(torch.randn(moe.w13.shape, generator=g) * 0.1)
+        moe.w2.copy_(torch.randn(moe.w2.shape, generator=g) * 0.1)
+    ids, weights = random_routing(T, E, k, pattern="zipf", generator=g, device="cuda")
+    bf16 = pounce.MoE(H, I, E, k, virtual_ranks=virtual_ranks, device="cuda")
+    for step in range(3):
+        if step == 1:
+            with torch.no_grad():  # an optimizer-like update in place: stale copies would be 4x off
+                moe.w13.mul_(2.0)
+                moe.w2.mul_(2.0)
+        if step == 2:  # a write the versions do not show, then the explicit refresh
+            moe.w13.data.mul_(0.5)
+            moe.w2.data.mul_(0.5)
+            moe.refresh_fp8_weights()
+        moe.w13.grad = moe.w2.grad = None
+        x = torch.randn(T, H, generator=g).bfloat16().cuda().requires_grad_()
+        y = moe(x, ids, weights)
+        leaves = [t.detach().float().requires_grad_() for t in (x, moe.w13, moe.w2)]
+        want = reference_moe(leaves[0], ids, weights, leaves[1], leaves[2])
+        expect_close("y", y, want, tolerance=0.1)
+        bf16.load_state_dict(moe.state_dict())
+        assert not torch.equal(y, bf16(x.detach(), ids, weights)), "the forward did not run in FP8"
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        want.backward(dy.float())
+        expect_close("dx", x.grad, leaves[0].grad, tolerance=0.1)
+        expect_close("dw13", moe.w13.grad, leaves[1].grad, tolerance=0.1)
+        expect_close("dw2", moe.w2.grad, leaves[2].grad, tolerance=0.1)
+    moe.check_device_errors()
+
+
 def test_function_form_and_int64_ids_match_the_module():
     moe, x, ids, weights = make(CASES[0])
     y = moe(x, ids, weights)

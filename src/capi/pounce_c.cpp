@@ -93,7 +93,8 @@ pounce::FusedMoeOptions to_options(const pounce_options* o) {
           .backward_replays = o->backward_replays != 0,
           .fused_backward = o->fused_backward != 0,
           .fp8_data_gradients = o->fp8_data_gradients != 0,
-          .fp8_weight_gradients = o->fp8_weight_gradients != 0};
+          .fp8_weight_gradients = o->fp8_weight_gradients != 0,
+          .fp8_forward = o->fp8_forward != 0};
 }
 
 // Finalizes and destroys a communicator, reporting the first failure after trying both.
@@ -126,7 +127,8 @@ int pounce_default_options(pounce_options* out) {
             .backward_replays = d.backward_replays ? 1 : 0,
             .fused_backward = d.fused_backward ? 1 : 0,
             .fp8_data_gradients = d.fp8_data_gradients ? 1 : 0,
-            .fp8_weight_gradients = d.fp8_weight_gradients ? 1 : 0};
+            .fp8_weight_gradients = d.fp8_weight_gradients ? 1 : 0,
+            .fp8_forward = d.fp8_forward ? 1 : 0};
   });
 }
 

@@ -107,6 +107,7 @@ TEST(CApi, DefaultOptionsAreTheLibrarys) {
   EXPECT_EQ(options.fused_backward != 0, d.fused_backward);
   EXPECT_EQ(options.fp8_data_gradients != 0, d.fp8_data_gradients);
   EXPECT_EQ(options.fp8_weight_gradients != 0, d.fp8_weight_gradients);
+  EXPECT_EQ(options.fp8_forward != 0, d.fp8_forward);
   EXPECT_EQ(pounce_abi_version(), POUNCE_C_ABI_VERSION);
 }
 
