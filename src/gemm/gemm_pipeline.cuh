@@ -3,10 +3,10 @@
 // source contract, producer role, consumer role (mainloop, epilogue), the CTA entry.
 //
 // One CTA per SM, 384 threads:
-//   warpgroup 0: producer. One thread (the tile fetcher) takes tiles from a TileSource (which also
-//                waits, bounded, for the tile's inputs to be ready) and publishes each to the others;
-//                another (the loader) streams each tile's A/B K-slices with TMA into a kStages-deep
-//                mbarrier ring.
+//   warpgroup 0: producer. The tile fetcher takes tiles from a TileSource (which also waits, bounded,
+//                for the tile's inputs to be ready) and publishes each to the others; the loader
+//                streams each tile's A/B K-slices with TMA into a kStages-deep mbarrier ring (two
+//                threads, or one: fetches_ahead).
 //   warpgroups 1-2: consumers. Each owns 64 of the tile's 128 rows: wgmma from shared memory, fp32
 //                accumulators in registers, then the epilogue (SwiGLU, row scale) writes bf16 into a
 //                swizzled staging box that a TMA store copies out while the next tile's mainloop runs.
@@ -36,7 +36,7 @@ constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
 constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
 constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;  // 64: one wgmma M
 static_assert(kStoreBoxRows == kRowsPerConsumer, "a store box is one consumer's rows high");
-constexpr int kTileSlots = 2;           // the tile fetcher may publish two tiles past the one the consumers run
+constexpr int kTileSlots = 2;  // a tile fetcher of its own may publish two tiles past the one the consumers run
 constexpr int kTileFetcherThread = 64;  // of the producer warpgroup: warp 0 loads, warp 1 loads scales (E4M3)
 constexpr int kDoneLagSlices = 4;       // a tile's completion counter is released this many K slices into the next
 // setmaxnreg, producer warpgroup and consumers: 128 x 56 + 256 x 224 = 64512 of the SM's 65536 registers
@@ -151,7 +151,7 @@ struct SharedStorage {
   uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer thread: lane 0 arrives for
                             // its warp (free_stage) unless the warp's lanes read the stage themselves)
   uint64_t tile_full[kTileSlots];
-  uint64_t tile_empty[kTileSlots];  // one arrival per consumer warp, the loader's (and the scale loader's)
+  uint64_t tile_empty[kTileSlots];  // one arrival per consumer warp (, the loader's, the scale loader's)
   TileInfo tiles[kTileSlots];
 };
 // Dynamic shared memory of a kernel whose tiles are of kind kKind: + slack to align the dynamic base.
@@ -172,13 +172,16 @@ __device__ __forceinline__ SharedStorage<Stages>& shared_storage(uint8_t* smem_r
 // ---- tile source contract ---------------------------------------------------------------------------
 
 // The tile fetcher asks its TileSource for tiles; TileSource::kKind is one of the kinds above.
-//   bool next(TileInfo& tile)  takes the next tile and waits (bounded) until its A rows are ready; false
-//                              when there are no more tiles or a wait gave up. Called by one thread,
-//                              other than the one that calls load_elementwise (which fences for TMA).
+//   bool next(TileInfo& tile)  takes the next tile and waits (bounded) until its A rows are ready, then
+//                              fences them for TMA; false when there are no more tiles or a wait gave
+//                              up. Called by one thread (with kFetchAhead, not the loader, which
+//                              fences again).
 //   const GemmOperands& operands(int gemm) const
 //   const TimelineSink& timeline() const      where the CTA's spans go (common/timeline.cuh)
 //   static constexpr RegisterSplit kRegisters   optional: the producer / consumer registers (default: the
 //                              stage format's, kBf16Registers or kFp8Registers)
+//   static constexpr bool kFetchAhead   optional (default true): whether a thread of its own fetches tiles
+//                              ahead of the loader (fetches_ahead)
 // and, when its queue holds kElementwiseTile items (stage A and B are raw bytes to them; E4M3 stages are
 // the same size as BF16 ones, and their scale loader only arrives for the item's slices),
 //   void load_elementwise(const TileInfo& tile, int slice, void* a, void* b, uint64_t* full) const
@@ -241,32 +244,78 @@ __device__ __forceinline__ void load_slice(Element* dst, const CUtensorMap* map,
 }
 
 // The producer warpgroup's two roles around the tile slots:
-//   the tile fetcher (one thread) takes tiles from the source in order, its waits for their inputs
-//   included, and publishes each into a slot;
-//   the loader (one thread) takes them from the slots and issues their loads stage by stage.
-// Apart, the fetcher's round trips for a tile (the ticket, its decode, the readiness counter) run while
-// the loader still streams the tiles before it: in one thread they sat between a tile's last load and
-// the next one's first, an idle gap for the tensor cores on every tile of a few K slices.
+//   the tile fetcher takes tiles from the source in order, its waits for their inputs included, and
+//   publishes each into a slot;
+//   the loader issues each tile's loads stage by stage.
+// Apart (two threads; TileSource::kFetchAhead), the fetcher's round trips for a tile (the ticket, its
+// decode, the readiness counter) run while the loader still streams the tiles before it: in one thread
+// they sat between a tile's last load and the next one's first, an idle gap for the tensor cores on every
+// tile of a few K slices. A source whose tiles wait for one another (the fused kernel's) keeps both in
+// one thread: fetching ahead took tickets for tiles that other CTAs could have started sooner.
+template <class Tiles>
+constexpr bool fetches_ahead() {
+  if constexpr (requires { Tiles::kFetchAhead; })
+    return Tiles::kFetchAhead;
+  else
+    return true;
+}
+
+// Takes the next tile from the source and publishes it into slot `slot`.
 template <class Tiles, class Storage>
-__device__ void run_tile_fetcher(Storage& s, Tiles& tiles, const WaitSite& pipe_site) {
-  uint32_t slot = 0, slot_phase = 0;
-  for (;;) {
-    TileInfo info{};
-    const timeline::Stamp asked = timeline::now();
-    info.valid = tiles.next(info) ? 1 : 0;
-    if (info.valid) timeline::record(tiles.timeline(), TimelineSpan::kTileWait, asked, info.gemm, info.m_block);
-    mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
-    s.tiles[slot] = info;
-    ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the readers' wait makes `info` visible
-    if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
-    if (!info.valid) return;
+__device__ TileInfo fetch_tile(Storage& s, Tiles& tiles, uint32_t& slot, uint32_t& slot_phase,
+                               const WaitSite& pipe_site) {
+  TileInfo info{};
+  const timeline::Stamp asked = timeline::now();
+  info.valid = tiles.next(info) ? 1 : 0;
+  if (info.valid) timeline::record(tiles.timeline(), TimelineSpan::kTileWait, asked, info.gemm, info.m_block);
+  mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
+  s.tiles[slot] = info;
+  ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the readers' wait makes `info` visible
+  if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
+  return info;
+}
+
+// Issues the loads of one tile's K slices (or an elementwise item's slices) into the stage ring.
+template <class Tiles, class Storage>
+__device__ void load_tile(Storage& s, const Tiles& tiles, const TileInfo& info, uint32_t& stage, uint32_t& phase,
+                          const WaitSite& pipe_site) {
+  using Stages = StagesOf<Tiles::kKind>;
+  constexpr int kStages = Storage::kStages;
+  if constexpr (requires { tiles.load_elementwise(info, 0, s.a[0], s.b[0], &s.full[0]); }) {
+    if (info.gemm == kElementwiseTile) {
+      for (int slice = 0; slice < info.k_blocks; ++slice) {
+        mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
+        tiles.load_elementwise(info, slice, s.a[stage], s.b[stage], &s.full[stage]);
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+      return;
+    }
+  }
+  const GemmOperands& op = tiles.operands(info.gemm);
+  for (int kb = 0; kb < info.k_blocks; ++kb) {
+    mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
+    ptx::mbarrier_arrive_expect_tx(&s.full[stage], Storage::kStageBytes);
+    load_slice<kBlockM, Tiles::kKind == TileKind::kWeightGrad, Stages::kSliceK>(s.a[stage], op.a, info.a, kb,
+                                                                                &s.full[stage]);
+    // B rows past the last expert are out of bounds and zero-filled; rows past this expert's N belong
+    // to the next expert and only feed output columns the clipped store never writes.
+    constexpr bool kTransB = Tiles::kKind == TileKind::kDataGrad || Tiles::kKind == TileKind::kWeightGrad;
+    load_slice<Stages::kTileN, kTransB, Stages::kSliceK>(s.b[stage], op.b, info.b, kb, &s.full[stage]);
+    if (++stage == kStages) stage = 0, phase ^= 1;
   }
 }
 
+// fetches_ahead: the fetcher thread.
+template <class Tiles, class Storage>
+__device__ void run_tile_fetcher(Storage& s, Tiles& tiles, const WaitSite& pipe_site) {
+  uint32_t slot = 0, slot_phase = 0;
+  while (fetch_tile(s, tiles, slot, slot_phase, pipe_site).valid) {
+  }
+}
+
+// fetches_ahead: the loader thread, a reader of the slots like the consumers.
 template <class Tiles, class Storage>
 __device__ void run_loader(Storage& s, const Tiles& tiles, const WaitSite& pipe_site) {
-  using Stages = StagesOf<Tiles::kKind>;
-  constexpr int kStages = Storage::kStages;
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
   for (;;) {
     mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
@@ -277,29 +326,18 @@ __device__ void run_loader(Storage& s, const Tiles& tiles, const WaitSite& pipe_
     // NOTES: the fetcher acquired the tile's inputs (other CTAs' writes, through the generic proxy) and
     // this thread acquired the fetcher's slot; the loads below read through the async proxy.
     ptx::fence_proxy_async_global();
-    if constexpr (requires { tiles.load_elementwise(info, 0, s.a[0], s.b[0], &s.full[0]); }) {
-      if (info.gemm == kElementwiseTile) {
-        for (int slice = 0; slice < info.k_blocks; ++slice) {
-          mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
-          tiles.load_elementwise(info, slice, s.a[stage], s.b[stage], &s.full[stage]);
-          if (++stage == kStages) stage = 0, phase ^= 1;
-        }
-        continue;
-      }
-    }
+    load_tile(s, tiles, info, stage, phase, pipe_site);
+  }
+}
 
-    const GemmOperands& op = tiles.operands(info.gemm);
-    for (int kb = 0; kb < info.k_blocks; ++kb) {
-      mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
-      ptx::mbarrier_arrive_expect_tx(&s.full[stage], Storage::kStageBytes);
-      load_slice<kBlockM, Tiles::kKind == TileKind::kWeightGrad, Stages::kSliceK>(s.a[stage], op.a, info.a, kb,
-                                                                                  &s.full[stage]);
-      // B rows past the last expert are out of bounds and zero-filled; rows past this expert's N belong
-      // to the next expert and only feed output columns the clipped store never writes.
-      constexpr bool kTransB = Tiles::kKind == TileKind::kDataGrad || Tiles::kKind == TileKind::kWeightGrad;
-      load_slice<Stages::kTileN, kTransB, Stages::kSliceK>(s.b[stage], op.b, info.b, kb, &s.full[stage]);
-      if (++stage == kStages) stage = 0, phase ^= 1;
-    }
+// Otherwise one thread fetches a tile, then loads it (the source fences its inputs for TMA in next()).
+template <class Tiles, class Storage>
+__device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site) {
+  uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
+  for (;;) {
+    const TileInfo info = fetch_tile(s, tiles, slot, slot_phase, pipe_site);
+    if (!info.valid) return;
+    load_tile(s, tiles, info, stage, phase, pipe_site);
   }
 }
 
@@ -884,7 +922,8 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
     }
     for (int i = 0; i < kTileSlots; ++i) {
       ptx::mbarrier_init(&s.tile_full[i], 1);
-      ptx::mbarrier_init(&s.tile_empty[i], kConsumerWarps + 1 + (Stages::kScales ? 1 : 0));
+      ptx::mbarrier_init(&s.tile_empty[i],
+                         kConsumerWarps + (fetches_ahead<Tiles>() ? 1 : 0) + (Stages::kScales ? 1 : 0));
     }
     ptx::fence_mbarrier_init();
   }
@@ -899,8 +938,11 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
         ptx::prefetch_tensormap(tiles.operands(g).a);
         ptx::prefetch_tensormap(tiles.operands(g).b);
       }
-      run_loader(s, tiles, pipe_site);
-    } else if (threadIdx.x == kTileFetcherThread) {
+      if constexpr (fetches_ahead<Tiles>())
+        run_loader(s, tiles, pipe_site);
+      else
+        run_producer(s, tiles, pipe_site);
+    } else if (fetches_ahead<Tiles>() && threadIdx.x == kTileFetcherThread) {
       run_tile_fetcher(s, tiles, pipe_site);
     } else if constexpr (Stages::kScales) {
       if (threadIdx.x / 32 == 1) run_scale_loader(s, tiles, pipe_site);
