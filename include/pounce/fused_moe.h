@@ -156,8 +156,9 @@ class FusedMoe {
   // With FusedMoeOptions::fp8_forward or fp8_data_gradients: quantizes the weights of set_weights into the
   // E4M3 copies the forward's GEMMs (fp8_forward) and the backward's data gradients read, on `stream`.
   // Call it after set_weights and after every update of the weights' values (the layer cannot see updates
-  // in place); a forward or backward refuses to run before the first call after set_weights. The first
-  // call allocates the backward's copies: make it before capturing a graph.
+  // in place); before the first call after set_weights, a forward refuses to run with fp8_forward and a
+  // backward with fp8_data_gradients. The first call allocates the backward's copies: make it before
+  // capturing a graph.
   void refresh_fp8_weights(cudaStream_t stream);
 
   // After the stream has synchronized: throws pounce::Error describing a failure inside the kernel (bad

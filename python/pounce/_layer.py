@@ -180,12 +180,12 @@ class Layer:
         self._weights = pointers
         self._fp8_of = None
 
-    def _refresh_fp8_weights(self, w13: torch.Tensor, w2: torch.Tensor, stream: int) -> None:
-        """fp8_forward, fp8_data_gradients: quantizes the weights into the C++ layer's E4M3 copies when their
-        values may have changed since (new tensors, or an in-place update: the optimizer bumps a tensor's
-        version). Inside a CUDA graph capture it always refreshes, so that every replay quantizes the
-        weights of that moment."""
-        if not self._fp8_copies():
+    def _refresh_fp8_weights(self, w13: torch.Tensor, w2: torch.Tensor, stream: int, option: str) -> None:
+        """With `option` (fp8_forward: called by the forward; fp8_data_gradients: by the backward): quantizes
+        the weights into the C++ layer's E4M3 copies when their values may have changed since (new tensors,
+        or an in-place update: the optimizer bumps a tensor's version). Inside a CUDA graph capture it
+        always refreshes, so that every replay quantizes the weights of that moment."""
+        if not self.options.get(option):
             return
         of = (w13.data_ptr(), w2.data_ptr(), w13._version, w2._version)
         capturing = torch.cuda.is_current_stream_capturing()
@@ -209,7 +209,8 @@ class Layer:
         with torch.cuda.device(self._device):
             self._set_weights(w13, w2)
             self._fp8_of = None
-            self._refresh_fp8_weights(w13, w2, torch.cuda.current_stream(self._device).cuda_stream)
+            option = "fp8_forward" if self.options.get("fp8_forward") else "fp8_data_gradients"
+            self._refresh_fp8_weights(w13, w2, torch.cuda.current_stream(self._device).cuda_stream, option)
 
     # ---- used by the ops -----------------------------------------------------------------------------
 
@@ -225,7 +226,7 @@ class Layer:
             y = torch.empty_like(x)
             ios = self._rank_ios(x, topk_ids, topk_weights, y)
             stream = torch.cuda.current_stream(x.device).cuda_stream
-            self._refresh_fp8_weights(w13, w2, stream)
+            self._refresh_fp8_weights(w13, w2, stream, "fp8_forward")
             _lib.check(_lib.library().pounce_moe_forward(self._handle, self.virtual_ranks, ios, int(keep), stream))
         self._kept = _inputs_key(x, topk_ids, topk_weights, w13, w2) if keep else None
         return y
@@ -272,7 +273,7 @@ class Layer:
                     dw2_ranks[r].data_ptr(),
                 )
             stream = torch.cuda.current_stream(x.device).cuda_stream
-            self._refresh_fp8_weights(w13, w2, stream)
+            self._refresh_fp8_weights(w13, w2, stream, "fp8_data_gradients")
             _lib.check(
                 _lib.library().pounce_moe_backward(self._handle, n, ios, grads, _lib.WEIGHT_GRAD_BF16, stream)
             )

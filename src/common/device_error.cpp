@@ -61,8 +61,8 @@ static std::string likely_cause(const DeviceErrorRecord& r) {
           << ", which never all came back: a rank holding one of its experts stalled or failed in this forward";
       break;
     case WaitTarget::kTokensQuantized:
-      out << "rank " << r.index << " never quantized its tokens for this forward: it stalled or failed, or "
-          << "does not run the E4M3 forward (every rank must build the layer with the same fp8_forward)";
+      out << "rank " << r.index << " never quantized its tokens for this forward: one of its CTAs stalled or "
+          << "failed";
       break;
     case WaitTarget::kMBlockReady:
       out << "rank " << r.rank << "'s experts waited for token rows that never arrived: a source rank, or this "

@@ -65,13 +65,14 @@ class QueueTiles {
       total_tiles_ = 0;
     }
     // Offsets off the 128-row grid (m-blocks, K slices, E4M3 scale blocks) or going backwards would make
-    // tiles silently drop or repeat rows: they stop the launch. The tile fetcher's warp holds the only
-    // reader of total_tiles_; its lanes check offsets 32 apart.
+    // tiles silently drop or repeat rows: they stop the launch. The warp of the thread that calls next()
+    // holds the only reader of total_tiles_; its lanes check offsets 32 apart.
     const auto off_grid = [&p](int32_t e) {
       const int32_t offset = p.expert_offsets[e];
       return offset % kBlockM != 0 || offset < (e > 0 ? p.expert_offsets[e - 1] : 0);
     };
-    if (threadIdx.x / 32 == pipeline::kTileFetcherThread / 32) {
+    constexpr int kFetcherWarp = (pipeline::fetches_ahead<QueueTiles>() ? pipeline::kTileFetcherThread : 0) / 32;
+    if (threadIdx.x / 32 == kFetcherWarp) {
       const int lane = threadIdx.x % 32;
       bool bad = false;
       for (int32_t e = lane; e <= p.experts; e += 32) bad |= off_grid(e);

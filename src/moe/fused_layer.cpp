@@ -185,8 +185,13 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   // CTAs all forward.
   POUNCE_REQUIRE(options.ring_blocks >= 0 && options.ring_bytes >= 0, "fused MoE: ring_blocks = ", options.ring_blocks,
                  " and ring_bytes = ", options.ring_bytes, " must not be negative (0: default)");
-  // Bytes of ring per m-block: x, h and out rows (E4M3 forward: x and h in E4M3 with their scales too).
   const int64_t H = config.hidden, I = config.intermediate;
+  POUNCE_REQUIRE(!options.fp8_forward || (H % 128 == 0 && I % 128 == 0),
+                 "fused MoE: fp8_forward needs H and I multiples of 128 (E4M3 blocks); H = ", H, ", I = ", I);
+  POUNCE_REQUIRE(!(options.fp8_forward && options.fused_backward),
+                 "fused MoE: fp8_forward's backward runs the chain; fused_backward would read the forward's ring "
+                 "rows, which are E4M3 there");
+  // Bytes of ring per m-block: x, h and out rows (E4M3 forward: x and h in E4M3 with their scales too).
   const int64_t block_bytes =
       kBlockM * (options.fp8_forward ? 3 * H + 3 * I + (H + I) / 128 * int64_t(sizeof(float)) : (2 * H + I) * 2);
   const int64_t all_blocks_bytes = capacity_.max_m_blocks * block_bytes;
@@ -262,11 +267,6 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
       " needs H and I multiples of 128 (E4M3 blocks); H = ", config.hidden, ", I = ", config.intermediate);
   POUNCE_REQUIRE(!(options.fp8_data_gradients && options.fused_backward),
                  "fused MoE: fp8_data_gradients runs in the backward chain; fused_backward has no FP8 path yet");
-  POUNCE_REQUIRE(!options.fp8_forward || (H % 128 == 0 && I % 128 == 0),
-                 "fused MoE: fp8_forward needs H and I multiples of 128 (E4M3 blocks); H = ", H, ", I = ", I);
-  POUNCE_REQUIRE(!(options.fp8_forward && options.fused_backward),
-                 "fused MoE: fp8_forward's backward runs the chain; fused_backward would read the forward's ring "
-                 "rows, which are E4M3 there");
   p.steps = counter_steps(config, options.fp8_forward);
   p.fp8 = options.fp8_forward;
   p.stall_rank = -1;
@@ -440,21 +440,7 @@ void FusedLayer::refresh_fp8_weights(cudaStream_t stream) {
                  ", the current device is ", device, " (cudaSetDevice first)");
   const int L = params_.launch_ranks;
   fp8_fresh_ = false;  // until every rank's copies are refreshed
-  if (fp8_forward_) {
-    const int64_t E = config_.local_experts(), H = config_.hidden, I = config_.intermediate;
-    Fp8ForwardState& s = *fp8_forward_;
-    for (int lr = 0; lr < L; ++lr) {
-      formats::quantize_128x128_device(reinterpret_cast<const uint16_t*>(weights_[lr].w13), E * 2 * I, H,
-                                       s.w13[lr].data(), s.w13_scale[lr].data(), stream);
-      formats::quantize_128x128_device(reinterpret_cast<const uint16_t*>(weights_[lr].w2), E * H, I, s.w2[lr].data(),
-                                       s.w2_scale[lr].data(), stream);
-    }
-  }
-  if (!fp8_data_gradients_) {
-    fp8_fresh_ = true;
-    return;
-  }
-  if (fp8_weights_.empty()) {
+  if (fp8_data_gradients_ && fp8_weights_.empty()) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone,
@@ -466,7 +452,17 @@ void FusedLayer::refresh_fp8_weights(cudaStream_t stream) {
           std::make_unique<Fp8TransposedWeights>(config_.local_experts(), config_.hidden, config_.intermediate));
     fp8_weights_ = std::move(made);
   }
-  for (int lr = 0; lr < L; ++lr)
+  if (fp8_forward_) {
+    const int64_t E = config_.local_experts(), H = config_.hidden, I = config_.intermediate;
+    Fp8ForwardState& s = *fp8_forward_;
+    for (int lr = 0; lr < L; ++lr) {
+      formats::quantize_128x128_device(reinterpret_cast<const uint16_t*>(weights_[lr].w13), E * 2 * I, H,
+                                       s.w13[lr].data(), s.w13_scale[lr].data(), stream);
+      formats::quantize_128x128_device(reinterpret_cast<const uint16_t*>(weights_[lr].w2), E * H, I, s.w2[lr].data(),
+                                       s.w2_scale[lr].data(), stream);
+    }
+  }
+  for (int lr = 0; lr < int(fp8_weights_.size()); ++lr)  // fp8_data_gradients
     fp8_weights_[lr]->refresh(weights_[lr].w13, weights_[lr].w2, stream, params_.first_rank + lr);
   fp8_fresh_ = true;
 }
