@@ -395,7 +395,8 @@ def time_moe_alone(args, device: torch.device) -> dict:
                 forward_backward(moe)
     fused.check_device_errors()
     ms = {name: statistics.median(timer.milliseconds()) for name, timer in timers.items()}
-    fp8 = set(FP8_GRADIENTS if args.fp8_data_gradients else ())
+    fp8 = set(names if args.fp8_forward else ())  # the E4M3 forward's rounding reaches every output
+    fp8 |= set(FP8_GRADIENTS if args.fp8_data_gradients else ())
     fp8 |= {"dw13", "dw2"} if args.fp8_weight_gradients else set()
     tolerance = {name: FP8_MOE_TOLERANCE if name in fp8 else MOE_TOLERANCE for name in names}
     return {"tokens": T, "pounce_ms": ms["pounce"], "eager_ms": ms["eager"], "speedup": ms["eager"] / ms["pounce"],
@@ -517,6 +518,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-reps", type=int, default=30, help="timed repetitions of the MoE layers alone")
     p.add_argument("--fused-backward", action="store_true",
                    help="pounce's backward as one persistent kernel (FusedMoeOptions::fused_backward)")
+    p.add_argument("--fp8-forward", action="store_true",
+                   help="the fused forward in E4M3 (FusedMoeOptions::fp8_forward)")
     p.add_argument("--fp8-data-gradients", action="store_true",
                    help="the backward's data-gradient GEMMs in FP8 (FusedMoeOptions::fp8_data_gradients)")
     p.add_argument("--fp8-weight-gradients", action="store_true",
@@ -526,10 +529,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def pounce_options(args) -> dict:
-    """pounce.MoE's options for this run: the fused backward kernel, FP8 data gradients, when asked for."""
+    """pounce.MoE's options for this run: the fused backward kernel, the E4M3 forward, FP8 gradients, when
+    asked for."""
     options = {}
     if args.fused_backward:
         options["fused_backward"] = 1
+    if args.fp8_forward:
+        options["fp8_forward"] = 1
     if args.fp8_data_gradients:
         options["fp8_data_gradients"] = 1
     if args.fp8_weight_gradients:

@@ -85,6 +85,12 @@ def test_loss_comparison():
     assert not far["ok"] and far["band"] == train.LOSS_BAND
 
 
+def test_flags_become_pounce_moe_options():
+    assert train.pounce_options(train.parse_args(["--tiny", "--device", "cpu"])) == {}
+    args = train.parse_args(["--tiny", "--device", "cpu", "--fp8-forward", "--fp8-data-gradients", "--fused-backward"])
+    assert train.pounce_options(args) == {"fused_backward": 1, "fp8_forward": 1, "fp8_data_gradients": 1}
+
+
 TINY_CPU = ["--tiny", "--device", "cpu", "--steps", "3", "--warmup-steps", "1"]
 
 
