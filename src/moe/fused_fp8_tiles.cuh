@@ -64,25 +64,9 @@ class FusedFp8Tiles : public RankTiles {
   }
 
   __device__ bool next(gemm::pipeline::TileInfo& info) {
-    const int64_t ticket = atomicAdd(&rs_.control[kGemmTicket], 1u);
-    const ElementwiseTileQueue queue{
-        sizes_.m_blocks, sizes_.minibatches, p_.blocks_per_minibatch, {n_blocks_[0], n_blocks_[1]}, pieces_};
     GemmTile tile;
-    if (!queue.tile(ticket, tile)) return false;
+    if (!take_with_items(pieces_, WaitTarget::kHiddenQuantized, tile)) return false;
     const int32_t m_block = tile.m_block;
-    const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
-    const uint32_t e = epoch(p_);
-    const bool ready = tile.gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], e * p_.steps.dispatched, site,
-                                                             WaitTarget::kMBlockReady, m_block)
-                       : tile.gemm == kElementwiseItem
-                           ? counter_wait_bounded(&rs_.gemm1_done[m_block], e * p_.steps.gemm1_done, site,
-                                                  WaitTarget::kGemm1Done, m_block)
-                           : counter_wait_bounded(&rs_.elementwise_done[m_block], e * p_.steps.elementwise_done, site,
-                                                  WaitTarget::kHiddenQuantized, m_block);
-    if (!ready) return false;
-    // NOTES: A rows written by other CTAs (bulk copies, TMA stores, the Q items' stores), acquired above
-    // through the generic proxy, are read by TMA through the async proxy.
-    ptx::fence_proxy_async_global();
     const MBlockRows m = rows_of(m_block);
     if (tile.gemm == kElementwiseItem) {
       const int32_t first = first_block(tile.n_block);

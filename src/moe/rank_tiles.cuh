@@ -3,6 +3,7 @@
 // filled by the derived constructor's thread 0), and where an m-block's rows lie.
 #pragma once
 
+#include "common/bounded_wait.cuh"
 #include "gemm/gemm_pipeline.cuh"
 #include "moe/comm_role.cuh"
 #include "moe/fused_params.h"
@@ -35,6 +36,32 @@ class RankTiles {
         min(kBlockM, max(0, rs_.expert_offsets[expert] + rs_.expert_routes[expert] - m_block * kBlockM));
     return {expert, int32_t(ring_row(p_, lr_, m_block, 0)), rows};
   }
+  // The next entry of the rank's ElementwiseTileQueue (`pieces` items per m-block) once its inputs are
+  // ready: a GEMM1 tile waits for dispatch, an item for every GEMM1 tile of its m-block, a GEMM2 tile for
+  // every item of its m-block (`items_done` names that wait in errors). False past the end of the queue
+  // or when a wait gave up.
+  __device__ bool take_with_items(int32_t pieces, WaitTarget items_done, GemmTile& tile) {
+    const int64_t ticket = atomicAdd(&rs_.control[kGemmTicket], 1u);
+    const ElementwiseTileQueue queue{
+        sizes_.m_blocks, sizes_.minibatches, p_.blocks_per_minibatch, {n_blocks_[0], n_blocks_[1]}, pieces};
+    if (!queue.tile(ticket, tile)) return false;
+    const int32_t m_block = tile.m_block;
+    const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
+    const uint32_t e = epoch(p_);
+    const bool ready = tile.gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], e * p_.steps.dispatched, site,
+                                                             WaitTarget::kMBlockReady, m_block)
+                       : tile.gemm == kElementwiseItem
+                           ? counter_wait_bounded(&rs_.gemm1_done[m_block], e * p_.steps.gemm1_done, site,
+                                                  WaitTarget::kGemm1Done, m_block)
+                           : counter_wait_bounded(&rs_.elementwise_done[m_block], e * p_.steps.elementwise_done, site,
+                                                  items_done, m_block);
+    if (!ready) return false;
+    // NOTES: A rows written by other CTAs (bulk copies, TMA stores, the items' stores), acquired above
+    // through the generic proxy, are read by TMA through the async proxy.
+    ptx::fence_proxy_async_global();
+    return true;
+  }
+
   // Kept gate/up rows sit in schedule order (the ring's rows are reused), one capacity of rows per rank.
   __device__ int32_t keep_row(int32_t m_block) const {
     return int32_t(lr_ * p_.capacity_rows + int64_t(m_block) * kBlockM);
