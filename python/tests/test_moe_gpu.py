@@ -102,6 +102,32 @@ def test_backward_uses_the_kept_forward_and_replays_an_earlier_one():
         expect_close("dx", t.grad, leaf.grad)
 
 
+def fp8_layers(H, I, E, k, virtual_ranks, option, generator):
+    """A layer with `option` (its E4M3 weight copies) on random weights, and a bf16 one of the same shape."""
+    moe = pounce.MoE(H, I, E, k, virtual_ranks=virtual_ranks, device="cuda", options={option: 1})
+    with torch.no_grad():
+        moe.w13.copy_(torch.randn(moe.w13.shape, generator=generator) * 0.1)
+        moe.w2.copy_(torch.randn(moe.w2.shape, generator=generator) * 0.1)
+    return moe, pounce.MoE(H, I, E, k, virtual_ranks=virtual_ranks, device="cuda")
+
+
+def weight_updates(moe):
+    """Three steps for a layer with E4M3 weight copies: the weights as made, after an optimizer-like update
+    in place (the tensors' versions bump; stale copies would be 4x off), and after a write the versions do
+    not show followed by the explicit refresh. Clears the weights' gradients before each."""
+    for step in range(3):
+        if step == 1:
+            with torch.no_grad():
+                moe.w13.mul_(2.0)
+                moe.w2.mul_(2.0)
+        if step == 2:
+            moe.w13.data.mul_(0.5)
+            moe.w2.data.mul_(0.5)
+            moe.refresh_fp8_weights()
+        moe.w13.grad = moe.w2.grad = None
+        yield step
+
+
 @pytest.mark.parametrize("virtual_ranks", [None, 3])
 def test_fp8_data_gradients_follow_the_weights_within_fp8_error(virtual_ranks):
     """options={"fp8_data_gradients": 1}: the backward's data gradients in FP8, within FP8's band of the
@@ -109,22 +135,9 @@ def test_fp8_data_gradients_follow_the_weights_within_fp8_error(virtual_ranks):
     dw2 reads no FP8 operand and matches as tightly as the bf16 layer's."""
     T, H, I, E, k = 200, 256, 128, 12, 4
     g = torch.Generator().manual_seed(3)
-    moe = pounce.MoE(H, I, E, k, virtual_ranks=virtual_ranks, device="cuda", options={"fp8_data_gradients": 1})
-    with torch.no_grad():
-        moe.w13.copy_(torch.randn(moe.w13.shape, generator=g) * 0.1)
-        moe.w2.copy_(torch.randn(moe.w2.shape, generator=g) * 0.1)
+    moe, bf16 = fp8_layers(H, I, E, k, virtual_ranks, "fp8_data_gradients", g)
     ids, weights = random_routing(T, E, k, pattern="uniform", generator=g, device="cuda")
-    bf16 = pounce.MoE(H, I, E, k, virtual_ranks=virtual_ranks, device="cuda")
-    for step in range(3):
-        if step == 1:
-            with torch.no_grad():  # an optimizer-like update in place: stale copies would be 4x off
-                moe.w13.mul_(2.0)
-                moe.w2.mul_(2.0)
-        if step == 2:  # a write the versions do not show, then the explicit refresh
-            moe.w13.data.mul_(0.5)
-            moe.w2.data.mul_(0.5)
-            moe.refresh_fp8_weights()
-        moe.w13.grad = moe.w2.grad = None
+    for _ in weight_updates(moe):
         x = torch.randn(T, H, generator=g).bfloat16().cuda().requires_grad_()
         y = moe(x, ids, weights)
         dy = torch.randn_like(y)
@@ -148,22 +161,9 @@ def test_fp8_forward_follows_the_weights_within_fp8_error(virtual_ranks):
     after a write the versions do not show (the explicit refresh); its backward runs from the kept rows."""
     T, H, I, E, k = 200, 256, 128, 12, 4
     g = torch.Generator().manual_seed(5)
-    moe = pounce.MoE(H, I, E, k, virtual_ranks=virtual_ranks, device="cuda", options={"fp8_forward": 1})
-    with torch.no_grad():
-        moe.w13.copy_(torch.randn(moe.w13.shape, generator=g) * 0.1)
-        moe.w2.copy_(torch.randn(moe.w2.shape, generator=g) * 0.1)
+    moe, bf16 = fp8_layers(H, I, E, k, virtual_ranks, "fp8_forward", g)
     ids, weights = random_routing(T, E, k, pattern="zipf", generator=g, device="cuda")
-    bf16 = pounce.MoE(H, I, E, k, virtual_ranks=virtual_ranks, device="cuda")
-    for step in range(3):
-        if step == 1:
-            with torch.no_grad():  # an optimizer-like update in place: stale copies would be 4x off
-                moe.w13.mul_(2.0)
-                moe.w2.mul_(2.0)
-        if step == 2:  # a write the versions do not show, then the explicit refresh
-            moe.w13.data.mul_(0.5)
-            moe.w2.data.mul_(0.5)
-            moe.refresh_fp8_weights()
-        moe.w13.grad = moe.w2.grad = None
+    for _ in weight_updates(moe):
         x = torch.randn(T, H, generator=g).bfloat16().cuda().requires_grad_()
         y = moe(x, ids, weights)
         leaves = [t.detach().float().requires_grad_() for t in (x, moe.w13, moe.w2)]
