@@ -32,9 +32,6 @@ static_assert(kSliceSegments * backward::kSegmentGroups * 16 == kBlockM * kBlock
 class FusedBackwardTiles : public RankTiles {
  public:
   static constexpr gemm::pipeline::TileKind kKind = gemm::pipeline::TileKind::kDataGrad;
-  // Fetched and loaded by one thread (gemm::pipeline::fetches_ahead): fetching ahead made the forward
-  // 2-12 % slower on one H200 (results/archive/h200/2026-12-02-tile-fetcher-ab.txt).
-  static constexpr bool kFetchAhead = false;
 
   // ops: shared [2], as in FusedTiles.
   __device__ FusedBackwardTiles(const FusedParams& p, const RankState& rs, int lr, const FusedMaps& maps,

@@ -23,9 +23,6 @@ namespace pounce::moe {
 class FusedFp8Tiles : public RankTiles {
  public:
   static constexpr gemm::pipeline::TileKind kKind = gemm::pipeline::TileKind::kForwardFp8;
-  // Fetched and loaded by one thread (gemm::pipeline::fetches_ahead): fetching ahead made the forward
-  // 2-12 % slower on one H200 (results/archive/h200/2026-12-02-tile-fetcher-ab.txt).
-  static constexpr bool kFetchAhead = false;
   // The producer takes tiles from the rank's queue (decode, counter waits, the expert's search), which
   // spilled in the E4M3 kinds' 40 registers; the consumers fit the BF16 split's 224.
   static constexpr gemm::pipeline::RegisterSplit kRegisters = gemm::pipeline::kBf16Registers;

@@ -16,9 +16,6 @@ namespace pounce::moe {
 class FusedTiles : public RankTiles {
  public:
   static constexpr gemm::pipeline::TileKind kKind = gemm::pipeline::TileKind::kForward;
-  // Fetched and loaded by one thread (gemm::pipeline::fetches_ahead): fetching ahead made the forward
-  // 2-12 % slower on one H200 (results/archive/h200/2026-12-02-tile-fetcher-ab.txt).
-  static constexpr bool kFetchAhead = false;
 
   // ops: shared [2], filled here by thread 0 and published by run_gemm_cta's first __syncthreads. Indexed by
   // the tile's GEMM, an array in the object would live in local memory, and with ~230 KB of shared

@@ -13,6 +13,11 @@ namespace pounce::moe {
 
 class RankTiles {
  public:
+  // Fetched and loaded by one thread (gemm::pipeline::fetches_ahead): the fused kernel's tiles wait for
+  // one another, and fetching ahead made its forward 2-12 % slower on one H200
+  // (results/archive/h200/2026-12-02-tile-fetcher-ab.txt).
+  static constexpr bool kFetchAhead = false;
+
   __device__ const gemm::pipeline::GemmOperands& operands(int gemm) const { return ops_[gemm]; }
   __device__ const TimelineSink& timeline() const { return p_.timeline; }
 
