@@ -42,7 +42,7 @@ struct Case {
   int64_t hidden, intermediate;
   int experts, topk;
   RoutingPattern pattern;
-  int ring_blocks = 0;    // 0: default; kMinRing: two one-m-block minibatches
+  int ring_blocks = 0;    // 0: default; kMinRing: the smallest ring of one-m-block minibatches (case_options)
   int comm_ctas = 0;      // 0: default
   int ctas_per_rank = 0;  // 0: default
 };
@@ -157,6 +157,22 @@ void run_and_expect_reference(FusedMoe& layer, Problem& p) {
   expect_matches(p.outputs(), reference_forward(p), p.config.hidden);
 }
 
+// A case's layer options: its CTA counts and ring; kMinRing gives one-m-block minibatches and the
+// smallest ring the queue allows (two minibatches, three for the E4M3 forward's queue).
+FusedMoeOptions case_options(const Case& c, bool fp8_forward = false) {
+  FusedMoeOptions options;
+  options.fp8_forward = fp8_forward;
+  options.comm_ctas = c.comm_ctas;
+  options.ctas_per_rank = c.ctas_per_rank;
+  if (c.ring_blocks == kMinRing) {
+    options.minibatch_rows = 128;
+    options.ring_blocks = fp8_forward ? 3 : 2;
+  } else {
+    options.ring_blocks = c.ring_blocks;
+  }
+  return options;
+}
+
 class FusedMoeTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(FusedMoeTest, MatchesHostReferenceAndRepeatsBitwise) {
@@ -164,16 +180,7 @@ TEST_P(FusedMoeTest, MatchesHostReferenceAndRepeatsBitwise) {
   auto rng = testing::fresh_rng();
   const Case c = GetParam();
   Problem p = make_problem(rng, c);
-  FusedMoeOptions options;
-  options.comm_ctas = c.comm_ctas;
-  options.ctas_per_rank = c.ctas_per_rank;
-  if (c.ring_blocks == kMinRing) {
-    options.minibatch_rows = 128;
-    options.ring_blocks = 2;
-  } else {
-    options.ring_blocks = c.ring_blocks;
-  }
-  FusedMoe layer(p.config, options);
+  FusedMoe layer(p.config, case_options(c));
   p.load_weights(layer);
 
   run_and_expect_reference(layer, p);
@@ -252,19 +259,7 @@ void spread_fp8_inputs(std::mt19937_64& rng, Problem& p) {
   }
 }
 
-FusedMoeOptions fp8_options(const Case& c) {
-  FusedMoeOptions options;
-  options.fp8_forward = true;
-  options.comm_ctas = c.comm_ctas;
-  options.ctas_per_rank = c.ctas_per_rank;
-  if (c.ring_blocks == kMinRing) {  // three one-m-block minibatches: the E4M3 forward's queue needs three
-    options.minibatch_rows = 128;
-    options.ring_blocks = 3;
-  } else {
-    options.ring_blocks = c.ring_blocks;
-  }
-  return options;
-}
+FusedMoeOptions fp8_options(const Case& c) { return case_options(c, /*fp8_forward=*/true); }
 
 // Every rank's outputs against the unfused FP8 chain's bits and, within the FP8 band (E4M3 keeps 3
 // fraction bits), the unquantized host layer.
