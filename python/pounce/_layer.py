@@ -196,20 +196,16 @@ class Layer:
         # eager backward refreshes again.
         self._fp8_of = None if capturing else of
 
-    def _fp8_copies(self) -> bool:
-        """Whether the C++ layer reads E4M3 copies of the weights."""
-        return bool(self.options.get("fp8_data_gradients") or self.options.get("fp8_forward"))
-
     def refresh_fp8_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """fp8_forward, fp8_data_gradients: quantizes the weights into the E4M3 copies now, on the current
         stream: after updates that the tensors' versions do not show (writes through .data, fused optimizer
         kernels). Nothing to do before the layer's first forward."""
-        if self._handle is None or not self._fp8_copies():
+        option = next((o for o in ("fp8_forward", "fp8_data_gradients") if self.options.get(o)), None)
+        if self._handle is None or option is None:
             return
         with torch.cuda.device(self._device):
             self._set_weights(w13, w2)
             self._fp8_of = None
-            option = "fp8_forward" if self.options.get("fp8_forward") else "fp8_data_gradients"
             self._refresh_fp8_weights(w13, w2, torch.cuda.current_stream(self._device).cuda_stream, option)
 
     # ---- used by the ops -----------------------------------------------------------------------------
