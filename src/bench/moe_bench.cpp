@@ -386,26 +386,30 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
   // The unfused chain in FP8 (E4M3, blockwise scales; weights quantized once, outside the timing), against
   // the BF16 chain's output within the FP8 band.
   // The fused layer's E4M3 forward likewise (tokens and hidden rows quantized inside its kernel).
-  DeviceBuffer<__nv_bfloat16> y_fp8(H % 128 == 0 && I % 128 == 0 ? T * H : 0), y_fused_fp8(y_fp8.size());
-  std::optional<FusedMoe> fused_fp8;
-  if (y_fp8.size() > 0) {
-    unfused.quantize_weights_fp8(stream);
-    Output output = forward_output(y_fp8.data());
+  const bool fp8_shape = H % 128 == 0 && I % 128 == 0;
+  DeviceBuffer<__nv_bfloat16> y_fp8(fp8_shape ? T * H : 0), y_fused_fp8(y_fp8.size());
+  const auto fp8_output = [&](const __nv_bfloat16* y) {
+    Output output = forward_output(y);
     output.max_relative_l2 = kFp8MaxRelativeL2;
     output.max_worst_row = kFp8MaxWorstToken;
-    forward.push_back(
-        {"pounce_unfused fp8", Role::kPounce,
-         [&](int rep) { unfused.forward_fp8(x[rep % kSets].data(), d_weights.data(), y_fp8.data(), stream); }, output});
+    return output;
+  };
+  const Candidate unfused_fp8_forward{
+      "pounce_unfused fp8", Role::kPounce,
+      [&](int rep) { unfused.forward_fp8(x[rep % kSets].data(), d_weights.data(), y_fp8.data(), stream); },
+      fp8_output(y_fp8.data())};
+  std::optional<FusedMoe> fused_fp8;
+  if (fp8_shape) {
+    unfused.quantize_weights_fp8(stream);
+    forward.push_back(unfused_fp8_forward);
     FusedMoeOptions fp8_options;
     fp8_options.fp8_forward = true;
     fused_fp8.emplace(one_rank, fp8_options);
     fused_fp8->set_weights({w13.data(), w2.data()});
     fused_fp8->refresh_fp8_weights(stream);
-    Output fused_output = forward_output(y_fused_fp8.data());
-    fused_output.max_relative_l2 = kFp8MaxRelativeL2;
-    fused_output.max_worst_row = kFp8MaxWorstToken;
     forward.push_back({"pounce_fused fp8", Role::kPounce,
-                       [&](int rep) { fused_forward(*fused_fp8, rep % kSets, y_fused_fp8.data()); }, fused_output});
+                       [&](int rep) { fused_forward(*fused_fp8, rep % kSets, y_fused_fp8.data()); },
+                       fp8_output(y_fused_fp8.data())});
   }
   forward.push_back({"pounce_fused", Role::kFused, [&](int rep) { fused_forward(fused, rep % kSets, y_fused.data()); },
                      forward_output(y_fused.data())});
@@ -458,8 +462,10 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
 
   if (o.sweeps) {
     // Each setting is its own layer on the same inputs, timed interleaved with the others and the default.
+    // E4M3 settings (fp8_forward) are compared with the unfused E4M3 chain, the others with the BF16 one.
     auto sweep = [&](const std::string& what, const std::vector<std::pair<std::string, FusedMoeOptions>>& settings,
                      int ranks = 1) {
+      const bool fp8 = settings.front().second.fp8_forward;
       std::vector<std::unique_ptr<FusedMoe>> layers;
       std::vector<Candidate> candidates;
       for (const auto& [name, options] : settings) {
@@ -472,6 +478,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
         for (int r = 0; r < ranks; ++r)
           local[r] = {w13.data() + r * (E / ranks) * 2 * I * H, w2.data() + r * (E / ranks) * H * I};
         layers.back()->set_weights(local);
+        if (fp8) layers.back()->refresh_fp8_weights(stream);
         FusedMoe* layer = layers.back().get();
         candidates.push_back({name, Role::kFused,
                               [&, layer, ranks](int rep) {
@@ -485,9 +492,9 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                                 }
                                 layer->forward(io, stream);
                               },
-                              forward_output(y_fused.data())});
+                              fp8 ? fp8_output(y_fused.data()) : forward_output(y_fused.data())});
       }
-      candidates.push_back(unfused_forward);
+      candidates.push_back(fp8 ? unfused_fp8_forward : unfused_forward);
       candidates.push_back(dense_reference);
       Json j = Json::object();
       j["timings"] = compare(s.name, what, s.forward_flops(), candidates, o, dense_tflops, report, stream);
@@ -551,6 +558,32 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       sweeps["virtual_ranks"] = ranks;
     }
     result["fused_sweeps"] = sweeps;
+    if (fp8_shape) {
+      // The E4M3 forward moves rows of H bytes and runs tiles half as wide as the BF16 ones: its own
+      // communication CTAs and minibatch, against the unfused E4M3 chain.
+      Json fp8_sweeps = Json::object();
+      const auto fp8_setting = [](int comm_ctas, int64_t minibatch_rows) {
+        FusedMoeOptions m;
+        m.fp8_forward = true;
+        m.comm_ctas = comm_ctas;
+        m.minibatch_rows = minibatch_rows;
+        return m;
+      };
+      settings.push_back({"E4M3 default", fp8_setting(0, 0)});
+      for (int comm : {4, 8, 16, 24, 32})
+        settings.push_back({"E4M3 comm CTAs " + std::to_string(comm), fp8_setting(comm, 0)});
+      fp8_sweeps["comm_ctas"] = sweep("fused E4M3: comm CTAs", settings);
+      settings.clear();
+      const int64_t bpm = (fused_fp8->minibatch_rows() + kBlockM - 1) / kBlockM;
+      settings.push_back({"E4M3 default, " + std::to_string(bpm) + " m-blocks", fp8_setting(0, 0)});
+      for (int64_t blocks : {bpm / 2, 2 * bpm, 4 * bpm})
+        if (blocks > 0)
+          settings.push_back(
+              {"E4M3 minibatch " + std::to_string(blocks) + " m-blocks", fp8_setting(0, blocks * kBlockM)});
+      fp8_sweeps["minibatch"] = sweep("fused E4M3: minibatch", settings);
+      settings.clear();
+      result["fused_fp8_sweeps"] = fp8_sweeps;
+    }
   }
 
   if (o.gemms) {
@@ -632,7 +665,6 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     for (int i = 0; i < kSets; ++i) replay(i, dx_first[i].data());
     // The replay with its two data gradients in FP8 (weights transposed and quantized once, outside the
     // timing, as once per weight update), on a chain of its own so that its GEMMs can be timed alone too.
-    const bool fp8_shape = H % 128 == 0 && I % 128 == 0;
     std::optional<moe::BackwardChain> chain_fp8;
     std::optional<moe::Fp8TransposedWeights> w_fp8;
     if (fp8_shape) {
