@@ -118,6 +118,19 @@ struct ScaleSlots {
   }
 };
 
+// A 16-byte chunk's codes and its block's scale exponent: quantize_chunk without the stores, for callers
+// that run several chunks' shuffles between their loads and their stores. Every lane of the warp calls it.
+struct QuantizedChunk {
+  uint2 codes;
+  int exponent;
+};
+template <bool kMx>
+__device__ __forceinline__ QuantizedChunk quantize_chunk_codes(uint4 raw) {
+  constexpr int kLanes = (kMx ? kMxBlock : kActivationBlock) / 8;  // 4 or 16
+  const int e = block_scale_exponent<kMx, kLanes>(finite_amax_bits(raw));
+  return {e4m3x8(raw, exp2_int(-e)), e};  // e >= -127 keeps the inverse scale <= 2^127
+}
+
 // One 16-byte chunk (8 bf16, index `chunk` of a row-major matrix of whole blocks) quantized within its
 // block (1 x 128, or 1 x 32 for MX), whose chunks are consecutive lanes (an aligned group): codes to chunk
 // `chunk` of out, the block's scale to its slot of scales (`slots`). Every lane of the warp calls it (the
@@ -126,8 +139,7 @@ template <bool kMx>
 __device__ __forceinline__ void quantize_chunk(uint4 raw, int64_t chunk, bool active, uint8_t* out, ScaleT<kMx>* scales,
                                                ScaleSlots slots = {}) {
   constexpr int kLanes = (kMx ? kMxBlock : kActivationBlock) / 8;  // 4 or 16
-  const int e = block_scale_exponent<kMx, kLanes>(finite_amax_bits(raw));
-  const uint2 codes = e4m3x8(raw, exp2_int(-e));  // e >= -127 keeps the inverse scale <= 2^127
+  const auto [codes, e] = quantize_chunk_codes<kMx>(raw);
   if (!active) return;
   reinterpret_cast<uint2*>(out)[chunk] = codes;
   if (chunk % kLanes == 0) {

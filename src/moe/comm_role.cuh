@@ -59,21 +59,39 @@ __device__ inline void* dispatch_destination(const FusedParams& p, int lr, int32
     return p.x_ring + at;
 }
 
-// E4M3 forward, all threads of the CTA: the scales of rows [first, first + rows) of m-block b, row-major
-// at the source rank, into the ring's K block-major scales. Consecutive threads read one row's scales
-// (contiguous over NVLink) and scatter them locally. Ordered for the item's release like its rows (the
-// CTA barrier that follows).
+// E4M3 forward: where row r of m-block b's scales start at its source rank (row-major, H / 128 a row).
+__device__ inline const float* dispatch_scale_source(const FusedParams& p, const RankState& rs, int32_t b, int r) {
+  const int64_t row = int64_t(b) * kBlockM + r;
+  const int32_t rank = rs.row_source_rank[row];
+  if (rank < 0) return nullptr;  // padding
+  return p.peers.x_scale[rank] + int64_t(rs.row_token[row]) * (p.hidden / 128);
+}
+
+// E4M3 forward, all threads of the CTA: the scales of rows [first, first + rows) of m-block b, from the
+// sources in scale_src[0, rows) (null: padding), into the ring's K block-major scales. Consecutive
+// threads read one row's scales (contiguous over NVLink) and scatter them locally, kBatch loads in
+// flight per thread before their stores. Ordered for the item's release like its rows (the CTA barrier
+// that follows).
 template <int kThreads>
-__device__ inline void pull_row_scales(const FusedParams& p, const RankState& rs, int lr, int32_t b, int first,
-                                       int rows) {
-  const int blocks = p.hidden / 128;
-  for (int i = threadIdx.x; i < rows * blocks; i += kThreads) {
-    const int r = first + i / blocks, block = i % blocks;
-    const int64_t row = int64_t(b) * kBlockM + r;
-    const int32_t rank = rs.row_source_rank[row];
-    if (rank < 0) continue;
-    p.fp8_rows.x_ring_scale[block * p.fp8_rows.ring_rows + ring_row(p, lr, b, r)] =
-        p.peers.x_scale[rank][int64_t(rs.row_token[row]) * blocks + block];
+__device__ inline void pull_row_scales(const FusedParams& p, int lr, int32_t b, int first, int rows,
+                                       const float* const* scale_src) {
+  constexpr int kBatch = 8;
+  const int blocks = p.hidden / 128, n = rows * blocks;
+  for (int base = threadIdx.x; base < n; base += kBatch * kThreads) {
+    float value[kBatch];
+    float* to[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = base + u * kThreads, r = i / blocks, block = i - r * blocks;
+      to[u] = nullptr;
+      if (i < n && scale_src[r] != nullptr) {
+        value[u] = scale_src[r][block];
+        to[u] = p.fp8_rows.x_ring_scale + block * p.fp8_rows.ring_rows + ring_row(p, lr, b, first + r);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (to[u] != nullptr) *to[u] = value[u];
   }
 }
 
@@ -82,6 +100,7 @@ struct CommShared {
   CopyEngine::Shared engine;
   const void* src[kBlockM];  // the item's row copies (null: padding row)
   void* dst[kBlockM];
+  const float* scale_src[kBlockM];  // E4M3 dispatch: each row's scales at its source rank (null: padding)
   CommItem item;
   int32_t go;  // 0: the queue is empty or a wait gave up
 };
@@ -152,13 +171,15 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
       }
       cs.src[r] = src;
       cs.dst[r] = dst;
+      if constexpr (kFp8) cs.scale_src[r] = item.combine ? nullptr : dispatch_scale_source(p, rs, b, r);
     }
     __syncthreads();
     // E4M3 rows are H bytes (dispatch of the E4M3 forward), bf16 ones 2H.
     const bool fp8_rows = kFp8 && !item.combine;
-    move_rows<kThreads>(engine, cs.src, cs.dst, uint32_t(p.hidden) * (fp8_rows ? 1 : 2), p.engine_rows);
+    move_rows<kThreads>(engine, cs.src, cs.dst, uint32_t(p.hidden) * (fp8_rows ? 1 : 2),
+                        fp8_rows ? p.engine_rows_e4m3 : p.engine_rows);
     if (fp8_rows) {
-      pull_row_scales<kThreads>(p, rs, lr, b, 0, kBlockM);
+      pull_row_scales<kThreads>(p, lr, b, 0, kBlockM, cs.scale_src);
       __syncthreads();  // every thread's scales before thread 0's release
     }
     if (threadIdx.x == 0) {
@@ -223,10 +244,11 @@ __device__ inline bool pull_opening(const FusedParams& p, const RankState& rs, i
       cs.src[threadIdx.x] = dispatch_source<kFp8>(p, rs, b, r);
       cs.dst[threadIdx.x] = dispatch_destination<kFp8>(p, lr, b, r);
       if (p.backward && cs.src[threadIdx.x] != nullptr) pull_row_weight(p, rs, lr, b, r);
+      if constexpr (kFp8) cs.scale_src[threadIdx.x] = dispatch_scale_source(p, rs, b, r);
     }
     __syncthreads();
     copy_rows_by_warps<kThreads>(cs.src, cs.dst, kPieceRows, row_bytes, /*first_warp=*/0);
-    if constexpr (kFp8) pull_row_scales<kThreads>(p, rs, lr, b, first, kPieceRows);
+    if constexpr (kFp8) pull_row_scales<kThreads>(p, lr, b, first, kPieceRows, cs.scale_src);
     __syncthreads();  // every thread's stores (and its table reads) done
     if (threadIdx.x == 0) ptx::red_release_gpu_add(&rs.dispatched[b], 1);  // cumulative over the barrier
   }

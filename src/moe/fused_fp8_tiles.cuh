@@ -107,25 +107,39 @@ class FusedFp8Tiles : public RankTiles {
   }
 
   // Every consumer thread: 8 of the slice's 128 x 16 chunks (16 bytes, 8 values). A half-warp quantizes
-  // one row's block (quantize_chunk shuffles its amax across the 16 lanes), a warp two rows at a time.
-  // Padding rows are left unwritten: GEMM2's rows there feed outputs nobody reads.
+  // one row's block (its amax is a shuffle across the 16 lanes), a warp two rows at a time.
+  // NOTES: the 8 warps of the consumers are all the SM has to hide latency with, so each thread loads its
+  // 8 chunks first, then runs their 8 independent shuffle chains, then stores: done chunk by chunk, each
+  // stage read (a generic load) waited behind the previous chunk's global stores, which it may alias, and
+  // a slice took ~3.5 us. Padding rows are left unwritten: GEMM2's rows there feed outputs nobody reads.
   __device__ void run_elementwise(const gemm::pipeline::TileInfo& tile, int slice, const void* a, const void* b,
                                   int consumer, int thread) const {
+    namespace q = formats::quantize_device;
     static_assert(kBlockK * sizeof(__nv_bfloat16) == 128, "a stage row is one 128-byte swizzle row");
+    constexpr int kSteps = kBlockM / (2 * gemm::pipeline::kConsumerWarps);
     const int warp = (consumer * 128 + thread) / 32, lane = thread % 32;
     const int chunk = lane % 16;  // of the row's block: [0, 8) in stage A, [8, 16) in stage B
     const uint8_t* stage = static_cast<const uint8_t*>(chunk < 8 ? a : b);
+    const int row = warp * 16 + lane / 16;  // + 2 step
+    uint4 raw[kSteps];
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      // 128-byte swizzle, as TMA wrote it: 16-byte unit u of row r sits at unit u ^ (r % 8).
+      const int r = row + 2 * step;
+      raw[step] = *reinterpret_cast<const uint4*>(stage + r * 128 + ((chunk % 8) ^ (r % 8)) * 16);
+    }
+    q::QuantizedChunk quantized[kSteps];
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) quantized[step] = q::quantize_chunk_codes<false>(raw[step]);
     const Fp8Rows& f = p_.fp8_rows;
     const int32_t block = tile.a.col + slice;
 #pragma unroll
-    for (int step = 0; step < kBlockM / (2 * gemm::pipeline::kConsumerWarps); ++step) {
-      const int r = warp * 16 + 2 * step + lane / 16;
-      // 128-byte swizzle, as TMA wrote it: 16-byte unit u of row r sits at unit u ^ (r % 8).
-      const uint4 raw = *reinterpret_cast<const uint4*>(stage + r * 128 + ((chunk % 8) ^ (r % 8)) * 16);
+    for (int step = 0; step < kSteps; ++step) {
+      const int r = row + 2 * step;
+      if (r >= tile.rows) break;  // rows past the m-block's routes: every later step's too
       const int64_t ring = int64_t(tile.c_row) + r;
-      formats::quantize_device::quantize_chunk<false>(raw, chunk, r < tile.rows,
-                                                      f.hidden + ring * p_.intermediate + block * kScaleBlock,
-                                                      f.hidden_scale + block * f.ring_rows + ring);
+      reinterpret_cast<uint2*>(f.hidden + ring * p_.intermediate + block * kScaleBlock)[chunk] = quantized[step].codes;
+      if (chunk == 0) f.hidden_scale[block * f.ring_rows + ring] = q::exp2_int(quantized[step].exponent);
     }
   }
 

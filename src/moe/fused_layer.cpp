@@ -211,7 +211,9 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   const int gemm_ctas = ctas - comm;
   POUNCE_REQUIRE(options.engine_rows >= -1 && options.engine_rows <= kBlockM,
                  "fused MoE: engine_rows = ", options.engine_rows, " must be -1 (default) or in [0, ", kBlockM, "]");
+  // Balanced for each row length: bf16 rows are 2H bytes, the E4M3 forward's dispatched rows H.
   const int engine_rows = options.engine_rows >= 0 ? options.engine_rows : balanced_engine_rows(config.hidden * 2);
+  const int engine_rows_e4m3 = options.engine_rows >= 0 ? options.engine_rows : balanced_engine_rows(config.hidden);
 
   // Minibatch: two waves of GEMM1 tiles over the compute CTAs (planner/wave_model.h).
   POUNCE_REQUIRE(options.minibatch_rows >= 0, "fused MoE: minibatch_rows = ", options.minibatch_rows,
@@ -254,6 +256,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   p.ctas_per_rank = ctas;
   p.comm_ctas = comm;
   p.engine_rows = engine_rows;
+  p.engine_rows_e4m3 = engine_rows_e4m3;
   p.blocks_per_minibatch = int32_t(bpm);
   p.ring_blocks = int32_t(ring);
   p.wait_timeout_ns = options.wait_timeout_ns;

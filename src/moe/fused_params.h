@@ -173,6 +173,7 @@ struct FusedParams {
   int64_t capacity_rows;             // routed rows one rank can hold (worst case), multiple of 128
   int32_t ctas_per_rank, comm_ctas;  // the first comm_ctas CTAs of a rank move data, the rest run GEMMs
   int32_t engine_rows;               // rows of each comm item the bulk-copy engine moves; warps move the rest
+  int32_t engine_rows_e4m3;          // the same for E4M3 rows (H bytes: the E4M3 forward's dispatch)
   int32_t blocks_per_minibatch;
   int32_t ring_blocks;  // m-blocks of ring per rank
   // Forward number (1, 2, ...): bumped on the device by the launch's first kernel, so a CUDA graph that
