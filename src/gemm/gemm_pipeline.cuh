@@ -171,21 +171,17 @@ __device__ __forceinline__ SharedStorage<Stages>& shared_storage(uint8_t* smem_r
 
 // ---- tile source contract ---------------------------------------------------------------------------
 
-// The producer asks its TileSource for tiles; TileSource::kKind is one of the kinds above. A source has
-// either
+// The tile fetcher asks its TileSource for tiles; TileSource::kKind is one of the kinds above.
 //   bool next(TileInfo& tile)  takes the next tile and waits (bounded) until its A rows are ready, then
 //                              fences them for TMA; false when there are no more tiles or a wait gave
-//                              up. Called by the fetcher thread (fetches_ahead; the loader fences again);
-// or, when its tiles wait for one another (the fused kernel's), the same in two steps, both called by the
-// one producer thread (run_producer):
-//   bool claim(TileInfo& tile)             takes the next tile without waiting; false past the last one
-//   bool wait_inputs(const TileInfo& tile) const   the bounded wait for its inputs and the fence; false
-//                              when the wait gave up
-// and
+//                              up. Called by one thread (with kFetchAhead, not the loader, which
+//                              fences again).
 //   const GemmOperands& operands(int gemm) const
 //   const TimelineSink& timeline() const      where the CTA's spans go (common/timeline.cuh)
 //   static constexpr RegisterSplit kRegisters   optional: the producer / consumer registers (default: the
 //                              stage format's, kBf16Registers or kFp8Registers)
+//   static constexpr bool kFetchAhead   optional (default true): whether a thread of its own fetches tiles
+//                              ahead of the loader (fetches_ahead)
 // and, when its queue holds kElementwiseTile items (stage A and B are raw bytes to them; E4M3 stages are
 // the same size as BF16 ones, and their scale loader only arrives for the item's slices),
 //   void load_elementwise(const TileInfo& tile, int slice, void* a, void* b, uint64_t* full) const
@@ -251,28 +247,17 @@ __device__ __forceinline__ void load_slice(Element* dst, const CUtensorMap* map,
 //   the tile fetcher takes tiles from the source in order, its waits for their inputs included, and
 //   publishes each into a slot;
 //   the loader issues each tile's loads stage by stage.
-// Apart (two threads, for sources with next()), the fetcher's round trips for a tile (the ticket, its
+// Apart (two threads; TileSource::kFetchAhead), the fetcher's round trips for a tile (the ticket, its
 // decode, the readiness counter) run while the loader still streams the tiles before it: in one thread
 // they sat between a tile's last load and the next one's first, an idle gap for the tensor cores on every
-// tile of a few K slices. A source whose tiles wait for one another (the fused kernel's: claim() and
-// wait_inputs()) keeps both in one thread (run_producer): a fetcher thread took tickets for tiles that
-// other CTAs could have started sooner, and made the fused forward 2-12 % slower
-// (results/archive/h200/2026-12-02-tile-fetcher-ab.txt).
-// Whether the source's tiles are fetched by a thread of their own (sources with next()), or claimed and
-// loaded by one (sources with claim(): run_producer).
+// tile of a few K slices. A source whose tiles wait for one another (the fused kernel's) keeps both in
+// one thread: fetching ahead took tickets for tiles that other CTAs could have started sooner.
 template <class Tiles>
 constexpr bool fetches_ahead() {
-  return !requires(Tiles & tiles, TileInfo & info) { tiles.claim(info); };
-}
-
-// Publishes `info` into slot `slot` once its readers freed it.
-template <class Storage>
-__device__ void publish_tile(Storage& s, const TileInfo& info, uint32_t& slot, uint32_t& slot_phase,
-                             const WaitSite& pipe_site) {
-  mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
-  s.tiles[slot] = info;
-  ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the readers' wait makes `info` visible
-  if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
+  if constexpr (requires { Tiles::kFetchAhead; })
+    return Tiles::kFetchAhead;
+  else
+    return true;
 }
 
 // Takes the next tile from the source and publishes it into slot `slot`.
@@ -283,20 +268,22 @@ __device__ TileInfo fetch_tile(Storage& s, Tiles& tiles, uint32_t& slot, uint32_
   const timeline::Stamp asked = timeline::now();
   info.valid = tiles.next(info) ? 1 : 0;
   if (info.valid) timeline::record(tiles.timeline(), TimelineSpan::kTileWait, asked, info.gemm, info.m_block);
-  publish_tile(s, info, slot, slot_phase, pipe_site);
+  mbarrier_wait_bounded(&s.tile_empty[slot], slot_phase ^ 1, pipe_site, WaitTarget::kTileInfoFree, slot);
+  s.tiles[slot] = info;
+  ptx::mbarrier_arrive(&s.tile_full[slot]);  // release: the readers' wait makes `info` visible
+  if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
   return info;
 }
 
-// Issues the loads of K slices [first, last) of one tile (or an elementwise item's slices) into the stage
-// ring.
+// Issues the loads of one tile's K slices (or an elementwise item's slices) into the stage ring.
 template <class Tiles, class Storage>
-__device__ void load_tile(Storage& s, const Tiles& tiles, const TileInfo& info, int first, int last, uint32_t& stage,
-                          uint32_t& phase, const WaitSite& pipe_site) {
+__device__ void load_tile(Storage& s, const Tiles& tiles, const TileInfo& info, uint32_t& stage, uint32_t& phase,
+                          const WaitSite& pipe_site) {
   using Stages = StagesOf<Tiles::kKind>;
   constexpr int kStages = Storage::kStages;
   if constexpr (requires { tiles.load_elementwise(info, 0, s.a[0], s.b[0], &s.full[0]); }) {
     if (info.gemm == kElementwiseTile) {
-      for (int slice = first; slice < last; ++slice) {
+      for (int slice = 0; slice < info.k_blocks; ++slice) {
         mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
         tiles.load_elementwise(info, slice, s.a[stage], s.b[stage], &s.full[stage]);
         if (++stage == kStages) stage = 0, phase ^= 1;
@@ -305,7 +292,7 @@ __device__ void load_tile(Storage& s, const Tiles& tiles, const TileInfo& info, 
     }
   }
   const GemmOperands& op = tiles.operands(info.gemm);
-  for (int kb = first; kb < last; ++kb) {
+  for (int kb = 0; kb < info.k_blocks; ++kb) {
     mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
     ptx::mbarrier_arrive_expect_tx(&s.full[stage], Storage::kStageBytes);
     load_slice<kBlockM, Tiles::kKind == TileKind::kWeightGrad, Stages::kSliceK>(s.a[stage], op.a, info.a, kb,
@@ -339,37 +326,18 @@ __device__ void run_loader(Storage& s, const Tiles& tiles, const WaitSite& pipe_
     // NOTES: the fetcher acquired the tile's inputs (other CTAs' writes, through the generic proxy) and
     // this thread acquired the fetcher's slot; the loads below read through the async proxy.
     ptx::fence_proxy_async_global();
-    load_tile(s, tiles, info, 0, info.k_blocks, stage, phase, pipe_site);
+    load_tile(s, tiles, info, stage, phase, pipe_site);
   }
 }
 
-// Sources with claim(): one thread claims each tile kClaimLeadSlices slices before the end of the previous
-// tile's loads, so that the ticket and the schedule's lookups (dependent round trips, ~2 us) overlap the
-// stages still in flight, then waits for its inputs after those loads (the previous tile may be what it
-// waits for), publishes it and loads it. Its span in the timeline is the wait alone.
-inline constexpr int kClaimLeadSlices = 4;
+// Otherwise one thread fetches a tile, then loads it (the source fences its inputs for TMA in next()).
 template <class Tiles, class Storage>
 __device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site) {
-  // The claimed tile waits in shared memory: held in registers across the loads it spilled (the
-  // producer has 56).
-  __shared__ TileInfo claimed;
-  const auto claim = [&] {
-    claimed = TileInfo{};
-    claimed.valid = tiles.claim(claimed) ? 1 : 0;
-  };
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
-  claim();
   for (;;) {
-    TileInfo info = claimed;
-    const timeline::Stamp asked = timeline::now();
-    if (info.valid && !tiles.wait_inputs(info)) info.valid = 0;
-    if (info.valid) timeline::record(tiles.timeline(), TimelineSpan::kTileWait, asked, info.gemm, info.m_block);
-    publish_tile(s, info, slot, slot_phase, pipe_site);
+    const TileInfo info = fetch_tile(s, tiles, slot, slot_phase, pipe_site);
     if (!info.valid) return;
-    const int claim_at = min(info.k_blocks, max(1, info.k_blocks - kClaimLeadSlices));
-    load_tile(s, tiles, info, 0, claim_at, stage, phase, pipe_site);
-    claim();
-    load_tile(s, tiles, info, claim_at, info.k_blocks, stage, phase, pipe_site);
+    load_tile(s, tiles, info, stage, phase, pipe_site);
   }
 }
 
@@ -974,8 +942,8 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
         run_loader(s, tiles, pipe_site);
       else
         run_producer(s, tiles, pipe_site);
-    } else if (threadIdx.x == kTileFetcherThread) {
-      if constexpr (fetches_ahead<Tiles>()) run_tile_fetcher(s, tiles, pipe_site);
+    } else if (fetches_ahead<Tiles>() && threadIdx.x == kTileFetcherThread) {
+      run_tile_fetcher(s, tiles, pipe_site);
     } else if constexpr (Stages::kScales) {
       if (threadIdx.x / 32 == 1) run_scale_loader(s, tiles, pipe_site);
     }

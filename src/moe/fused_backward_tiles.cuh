@@ -36,7 +36,7 @@ class FusedBackwardTiles : public RankTiles {
   // ops: shared [2], as in FusedTiles.
   __device__ FusedBackwardTiles(const FusedParams& p, const RankState& rs, int lr, const FusedMaps& maps,
                                 gemm::pipeline::GemmOperands* ops)
-      : RankTiles(p, rs, lr, p.intermediate, p.hidden, ops, kBlockN, WaitTarget::kSwigluDone) {
+      : RankTiles(p, rs, lr, p.intermediate, p.hidden, ops) {
     slices_ = {p.intermediate / 8, kSwigluRows, backward::kSegmentGroups, kSliceSegments};
     if (threadIdx.x == 0) {
       ops[0] = {&maps.x_ring,  &maps.w2[lr], &maps.h_ring_store, gemm::Epilogue::kStore, nullptr,
@@ -46,10 +46,9 @@ class FusedBackwardTiles : public RankTiles {
     }
   }
 
-  // The next entry of the queue; its inputs are waited for in wait_inputs (RankTiles).
-  __device__ bool claim(gemm::pipeline::TileInfo& info) {
+  __device__ bool next(gemm::pipeline::TileInfo& info) {
     GemmTile tile;
-    if (!take_with_items(kSwigluPieces, tile)) return false;
+    if (!take_with_items(kSwigluPieces, WaitTarget::kSwigluDone, tile)) return false;
     const int32_t m_block = tile.m_block;
     const MBlockRows m = rows_of(m_block);
     if (tile.gemm == kElementwiseItem) {

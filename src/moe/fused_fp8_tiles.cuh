@@ -30,8 +30,7 @@ class FusedFp8Tiles : public RankTiles {
   // ops: shared [2], as in FusedTiles.
   __device__ FusedFp8Tiles(const FusedParams& p, const RankState& rs, int lr, const FusedMaps& maps,
                            gemm::pipeline::GemmOperands* ops)
-      : RankTiles(p, rs, lr, 2 * p.intermediate, p.hidden, ops, kFp8TileN, WaitTarget::kHiddenQuantized),
-        hidden_load_(&maps.h_ring_load) {
+      : RankTiles(p, rs, lr, 2 * p.intermediate, p.hidden, ops, kFp8TileN), hidden_load_(&maps.h_ring_load) {
     static_assert(kFp8TileN == gemm::pipeline::Fp8Stages::kTileN, "the counters count the E4M3 kind's tiles");
     if (threadIdx.x == 0) {
       const Fp8Rows& f = p.fp8_rows;
@@ -61,10 +60,9 @@ class FusedFp8Tiles : public RankTiles {
     }
   }
 
-  // The next entry of the queue; its inputs are waited for in wait_inputs (RankTiles).
-  __device__ bool claim(gemm::pipeline::TileInfo& info) {
+  __device__ bool next(gemm::pipeline::TileInfo& info) {
     GemmTile tile;
-    if (!take_with_items(pieces_, tile)) return false;
+    if (!take_with_items(pieces_, WaitTarget::kHiddenQuantized, tile)) return false;
     const int32_t m_block = tile.m_block;
     const MBlockRows m = rows_of(m_block);
     if (tile.gemm == kElementwiseItem) {

@@ -37,11 +37,19 @@ class FusedTiles : public RankTiles {
     }
   }
 
-  // The next entry of the queue; its inputs are waited for in wait_inputs (RankTiles).
-  __device__ bool claim(gemm::pipeline::TileInfo& info) {
+  __device__ bool next(gemm::pipeline::TileInfo& info) {
     const int64_t ticket = atomicAdd(&rs_.control[kGemmTicket], 1u);
     int32_t gemm = 0, m_block = 0, n_block = 0;
     if (!decode(ticket, gemm, m_block, n_block)) return false;
+    const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
+    const bool ready = gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], epoch(p_) * p_.steps.dispatched, site,
+                                                        WaitTarget::kMBlockReady, m_block)
+                                 : counter_wait_bounded(&rs_.gemm1_done[m_block], epoch(p_) * p_.steps.gemm1_done, site,
+                                                        WaitTarget::kGemm1Done, m_block);
+    if (!ready) return false;
+    // NOTES: the A rows were written by other CTAs (bulk copies, TMA stores) and acquired above through
+    // the generic proxy; our TMA loads read through the async proxy.
+    ptx::fence_proxy_async_global();
     // Weight rows of this rank's own experts: its weights hold the local experts only.
     const MBlockRows m = rows_of(m_block);
     const int32_t n = gemm == 0 ? 2 * p_.intermediate : p_.hidden;

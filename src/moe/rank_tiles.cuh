@@ -13,37 +13,19 @@ namespace pounce::moe {
 
 class RankTiles {
  public:
+  // Fetched and loaded by one thread (gemm::pipeline::fetches_ahead): the fused kernel's tiles wait for
+  // one another, and fetching ahead made its forward 2-12 % slower on one H200
+  // (results/archive/h200/2026-12-02-tile-fetcher-ab.txt).
+  static constexpr bool kFetchAhead = false;
+
   __device__ const gemm::pipeline::GemmOperands& operands(int gemm) const { return ops_[gemm]; }
   __device__ const TimelineSink& timeline() const { return p_.timeline; }
 
-  // The wait a claimed entry needs before its loads: a GEMM1 tile waits for dispatch, an item for every
-  // GEMM1 tile of its m-block, a GEMM2 tile for gemm2_input_ of its m-block. False when a wait gave up.
-  __device__ bool wait_inputs(const gemm::pipeline::TileInfo& tile) const {
-    const int32_t m_block = tile.m_block;
-    const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
-    const uint32_t e = epoch(p_);
-    const bool after_items = tile.gemm == 1 && gemm2_input_ != WaitTarget::kGemm1Done;
-    const bool ready = tile.gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], e * p_.steps.dispatched, site,
-                                                             WaitTarget::kMBlockReady, m_block)
-                       : after_items  ? counter_wait_bounded(&rs_.elementwise_done[m_block],
-                                                             e * p_.steps.elementwise_done, site, gemm2_input_, m_block)
-                                      : counter_wait_bounded(&rs_.gemm1_done[m_block], e * p_.steps.gemm1_done, site,
-                                                             WaitTarget::kGemm1Done, m_block);
-    if (!ready) return false;
-    // NOTES: A rows written by other CTAs (bulk copies, TMA stores, the items' stores), acquired above
-    // through the generic proxy, are read by TMA through the async proxy.
-    ptx::fence_proxy_async_global();
-    return true;
-  }
-
  protected:
   // n1, n2: the two GEMMs' output widths, in tiles of tile_n columns. ops: shared [2] (see FusedTiles).
-  // gemm2_input: what a GEMM2 tile waits for, every GEMM1 tile of its m-block (kGemm1Done) or, in a queue
-  // with items, every item (the name of their counter, elementwise_done, in errors).
   __device__ RankTiles(const FusedParams& p, const RankState& rs, int lr, int64_t n1, int64_t n2,
-                       gemm::pipeline::GemmOperands* ops, int64_t tile_n = kBlockN,
-                       WaitTarget gemm2_input = WaitTarget::kGemm1Done)
-      : p_(p), rs_(rs), lr_(lr), sizes_(*rs.sizes), ops_(ops), gemm2_input_(gemm2_input) {
+                       gemm::pipeline::GemmOperands* ops, int64_t tile_n = kBlockN)
+      : p_(p), rs_(rs), lr_(lr), sizes_(*rs.sizes), ops_(ops) {
     n_blocks_[0] = int32_t((n1 + tile_n - 1) / tile_n);
     n_blocks_[1] = int32_t((n2 + tile_n - 1) / tile_n);
   }
@@ -59,13 +41,30 @@ class RankTiles {
         min(kBlockM, max(0, rs_.expert_offsets[expert] + rs_.expert_routes[expert] - m_block * kBlockM));
     return {expert, int32_t(ring_row(p_, lr_, m_block, 0)), rows};
   }
-  // Takes the rank's next ticket of its ElementwiseTileQueue (`pieces` items per m-block), without
-  // waiting for anything. False past the end of the queue.
-  __device__ bool take_with_items(int32_t pieces, GemmTile& tile) {
+  // The next entry of the rank's ElementwiseTileQueue (`pieces` items per m-block) once its inputs are
+  // ready: a GEMM1 tile waits for dispatch, an item for every GEMM1 tile of its m-block, a GEMM2 tile for
+  // every item of its m-block (`items_done` names that wait in errors). False past the end of the queue
+  // or when a wait gave up.
+  __device__ bool take_with_items(int32_t pieces, WaitTarget items_done, GemmTile& tile) {
     const int64_t ticket = atomicAdd(&rs_.control[kGemmTicket], 1u);
     const ElementwiseTileQueue queue{
         sizes_.m_blocks, sizes_.minibatches, p_.blocks_per_minibatch, {n_blocks_[0], n_blocks_[1]}, pieces};
-    return queue.tile(ticket, tile);
+    if (!queue.tile(ticket, tile)) return false;
+    const int32_t m_block = tile.m_block;
+    const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
+    const uint32_t e = epoch(p_);
+    const bool ready = tile.gemm == 0 ? counter_wait_bounded(&rs_.dispatched[m_block], e * p_.steps.dispatched, site,
+                                                             WaitTarget::kMBlockReady, m_block)
+                       : tile.gemm == kElementwiseItem
+                           ? counter_wait_bounded(&rs_.gemm1_done[m_block], e * p_.steps.gemm1_done, site,
+                                                  WaitTarget::kGemm1Done, m_block)
+                           : counter_wait_bounded(&rs_.elementwise_done[m_block], e * p_.steps.elementwise_done, site,
+                                                  items_done, m_block);
+    if (!ready) return false;
+    // NOTES: A rows written by other CTAs (bulk copies, TMA stores, the items' stores), acquired above
+    // through the generic proxy, are read by TMA through the async proxy.
+    ptx::fence_proxy_async_global();
+    return true;
   }
 
   // Kept gate/up rows sit in schedule order (the ring's rows are reused), one capacity of rows per rank.
@@ -79,7 +78,6 @@ class RankTiles {
   planner::DeviceScheduleSizes sizes_;
   int32_t n_blocks_[2];
   const gemm::pipeline::GemmOperands* ops_;
-  WaitTarget gemm2_input_;
 };
 
 }  // namespace pounce::moe
