@@ -29,7 +29,7 @@ const char* timeline_span_name(TimelineSpan span) {
     case TimelineSpan::kSums:
       return "sums";
     case TimelineSpan::kElementwise:
-      return "swiglu backward";
+      return "elementwise";
   }
   return "unknown";
 }
@@ -71,7 +71,10 @@ namespace {
 std::string span_label(const TimelineEvent& e) {
   const auto span = TimelineSpan(e.span);
   std::string name = timeline_span_name(span);
-  // GEMM spans name their GEMM (the fused forward: 1 = gate/up, 2 = down) so each gets its own colour.
+  // GEMM spans name their GEMM (the fused forward: 1 = gate/up, 2 = down) so each gets its own colour; the
+  // producer's wait for an elementwise item (TileInfo::gemm 2, gemm/gemm_pipeline.cuh) is its own kind.
+  constexpr int32_t kElementwiseItem = 2;
+  if (span == TimelineSpan::kTileWait && e.a == kElementwiseItem) return name + " item";
   if ((span == TimelineSpan::kMainloop || span == TimelineSpan::kEpilogue || span == TimelineSpan::kTileWait) &&
       e.a >= 0)
     name += " G" + std::to_string(e.a + 1);
