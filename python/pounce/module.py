@@ -98,7 +98,7 @@ class MoE(nn.Module):
     Device errors (routing ids out of range or repeated within a token; a wait that gave up) end the
     kernel and are raised as pounce.Error by the next forward, or by check_device_errors(). options: a dict
     of pounce::FusedMoeOptions fields (ring_bytes, wait_timeout_ns, ...); {"fp8_forward": 1} runs the forward
-    in E4M3 (one GPU), {"fp8_data_gradients": 1} the backward's data-gradient GEMMs, both on E4M3 copies of
+    in E4M3, {"fp8_data_gradients": 1} (one GPU) the backward's data-gradient GEMMs, both on E4M3 copies of
     the weights, refreshed whenever the weights
     changed by PyTorch's own ops (a new tensor, or an in-place update that bumps the tensor's version,
     as torch.optim's do) and at every CUDA-graph replay; after writes the versions do not show (through

@@ -64,6 +64,14 @@ FusedLayer::FusedLayer(const EpConfig& config, const FusedMoeOptions& options) :
   slots_ = DeviceBuffer<__nv_bfloat16>(P * slot_elems_);
   CUDA_CHECK(cudaMemset(peer_words_.data(), 0, peer_words_.bytes()));
   const int64_t H = config.hidden;
+  if (fp8_forward_) {  // the quantized tokens of every rank, here
+    try {
+      fp8_forward_->tokens = DeviceBuffer<uint8_t>(P * T * H);
+      fp8_forward_->token_scales = DeviceBuffer<float>(P * T * (H / 128));
+    } catch (const Error& e) {
+      POUNCE_FAIL("fused MoE: the fp8_forward quantized tokens do not fit: ", e.what());
+    }
+  }
   for (int r = 0; r < P; ++r) {
     params_.peers.arrivals[r] = peer_words_.data() + r * (T + P + 1);
     params_.peers.start_flags[r] = params_.peers.arrivals[r] + T;
@@ -86,9 +94,6 @@ FusedLayer::FusedLayer(const EpConfig& config, ncclComm_t comm, const FusedMoeOp
   NCCL_CHECK(ncclCommCount(comm, &ranks));
   POUNCE_REQUIRE(ranks == config.ranks, "fused MoE: the communicator has ", ranks, " ranks, the config ", config.ranks);
   check_same_config_on_every_rank(config, options, comm);
-  POUNCE_REQUIRE(!options.fp8_forward,
-                 "fused MoE: fp8_forward runs on virtual ranks (one GPU) for now; a layer over "
-                 "NCCL runs the bf16 forward");
   POUNCE_REQUIRE(!options.fp8_data_gradients || config.ranks == 1,
                  "fused MoE: fp8_data_gradients runs in the backward chain, which a layer across GPUs does not use");
   setup(config, options, /*launch_ranks=*/1, /*first_rank=*/rank);
@@ -113,6 +118,13 @@ FusedLayer::FusedLayer(const EpConfig& config, ncclComm_t comm, const FusedMoeOp
   const size_t weights_at = layout.add(T * k * 4);
   const size_t d_topk_at = layout.add(T * k * 4);
   const size_t backward_words_at = layout.add((T + P) * 4);
+  // The E4M3 forward's quantized tokens, which peers pull, and the count of this rank's CTAs that wrote
+  // their share (PeerView::x_ready). One copy: a rank overwrites it in its next forward only, which
+  // starts after every route of its tokens came back, so after every pull of this one.
+  const bool fp8 = options.fp8_forward;
+  const size_t x_fp8_at = layout.add(fp8 ? T * H : 0);
+  const size_t x_scale_at = layout.add(fp8 ? T * (H / 128) * sizeof(float) : 0);
+  const size_t x_ready_at = layout.add(sizeof(uint32_t));
   window_ = std::make_unique<comm::NcclWindow>(comm, layout.bytes());
   window_bytes_ = int64_t(layout.bytes());
   window_->require_team_is_communicator("fused MoE");
@@ -129,6 +141,11 @@ FusedLayer::FusedLayer(const EpConfig& config, ncclComm_t comm, const FusedMoeOp
     window_weights_[r] = reinterpret_cast<float*>(peers.at(r, weights_at));
     window_d_topk_[r] = reinterpret_cast<float*>(peers.at(r, d_topk_at));
     window_backward_words_[r] = reinterpret_cast<uint32_t*>(peers.at(r, backward_words_at));
+    params_.peers.x_ready[r] = reinterpret_cast<uint32_t*>(peers.at(r, x_ready_at));
+    if (fp8) {
+      params_.peers.x_fp8[r] = reinterpret_cast<uint8_t*>(peers.at(r, x_fp8_at));
+      params_.peers.x_scale[r] = reinterpret_cast<float*>(peers.at(r, x_scale_at));
+    }
   }
   params_.peers_on_this_gpu = P == 1;
 }
@@ -344,12 +361,10 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
 
 void FusedLayer::setup_fp8_forward(int64_t ring_rows) {
   const int L = params_.launch_ranks;
-  const int64_t T = std::max<int64_t>(config_.max_tokens_per_rank, 1), H = config_.hidden, I = config_.intermediate,
-                E = config_.local_experts();
+  const int64_t H = config_.hidden, I = config_.intermediate, E = config_.local_experts();
+  // The quantized tokens are the constructors' to place: a buffer of every virtual rank's, or the window.
   auto s = std::make_unique<Fp8ForwardState>();
   try {
-    s->tokens = DeviceBuffer<uint8_t>(L * T * H);
-    s->token_scales = DeviceBuffer<float>(L * T * (H / 128));
     s->x_ring = DeviceBuffer<uint8_t>(ring_rows * H);
     s->x_ring_scale = DeviceBuffer<float>(H / 128 * ring_rows);
     s->hidden = DeviceBuffer<uint8_t>(ring_rows * I);

@@ -25,9 +25,10 @@ int visible_gpus() {
 }
 
 // Runs steps(layer, r) on every GPU r at once (a thread each), with a layer over NCCL whose rank r holds
-// its own experts [r E/P, (r+1) E/P) of w13 and w2 only; every rank must finish without an error.
+// its own experts [r E/P, (r+1) E/P) of w13 and w2 only (their E4M3 copies refreshed for fp8_forward);
+// every rank must finish without an error.
 void on_every_gpu(const EpConfig& config, const std::vector<float>& w13, const std::vector<float>& w2,
-                  const std::function<void(FusedMoe& layer, int rank)>& steps) {
+                  const std::function<void(FusedMoe& layer, int rank)>& steps, const FusedMoeOptions& options = {}) {
   const int P = config.ranks;
   const int64_t w13_share = config.local_experts() * 2 * config.intermediate * config.hidden;
   const int64_t w2_share = config.local_experts() * config.hidden * config.intermediate;
@@ -42,9 +43,10 @@ void on_every_gpu(const EpConfig& config, const std::vector<float>& w13, const s
         d_w2[r].emplace(std::span(w2_bits).subspan(r * w2_share, w2_share));
       },
       [&](int r) {
-        FusedMoe& layer = layers[r].emplace(config, comms[r]);
+        FusedMoe& layer = layers[r].emplace(config, comms[r], options);
         layer.set_weights(
             {reinterpret_cast<__nv_bfloat16*>(d_w13[r]->data()), reinterpret_cast<__nv_bfloat16*>(d_w2[r]->data())});
+        if (options.fp8_forward) layer.refresh_fp8_weights(nullptr);
         steps(layer, r);
       },
       [&](int r) {
@@ -56,8 +58,9 @@ void on_every_gpu(const EpConfig& config, const std::vector<float>& w13, const s
   for (int r = 0; r < P; ++r) ASSERT_EQ(failures[r], "") << "rank " << r;
 }
 
-TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
-  POUNCE_REQUIRE_HOPPER();
+// Forwards whose token counts and routings change, BF16 or (fp8_forward) E4M3: the E4M3 layer against the
+// reference within the FP8 band (E4M3 keeps 3 fraction bits).
+void changing_forwards(const FusedMoeOptions& options) {
   const int P = std::min(visible_gpus(), 8);
   if (P < 2) GTEST_SKIP() << "needs at least two GPUs; this machine has " << P;
   auto rng = testing::fresh_rng();
@@ -85,23 +88,26 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
     }
 
   std::vector<std::vector<std::vector<uint16_t>>> got(kForwards, std::vector<std::vector<uint16_t>>(P));
-  on_every_gpu(config, w13, w2, [&](FusedMoe& layer, int r) {
-    for (int f = 0; f < kForwards; ++f) {
-      DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x[f][r])), d_y(std::max<int64_t>(1, tokens[f][r] * H));
-      DeviceBuffer<int32_t> d_ids(ids[f][r]);
-      DeviceBuffer<float> d_weights(weights[f][r]);
-      d_y.fill_bytes(0xFF);
-      const RankIO io{reinterpret_cast<__nv_bfloat16*>(d_x.data()), d_ids.data(), d_weights.data(), tokens[f][r],
-                      reinterpret_cast<__nv_bfloat16*>(d_y.data())};
-      layer.forward(io, nullptr);
-      const cudaError_t synced = cudaDeviceSynchronize();
-      layer.check_device_errors();  // first: after a trap its record says more than the CUDA error
-      CUDA_CHECK(synced);
-      got[f][r] = d_y.download();
-      got[f][r].resize(tokens[f][r] * H);
-    }
-  });
-  if (HasFatalFailure()) return;
+  on_every_gpu(
+      config, w13, w2,
+      [&](FusedMoe& layer, int r) {
+        for (int f = 0; f < kForwards; ++f) {
+          DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x[f][r])), d_y(std::max<int64_t>(1, tokens[f][r] * H));
+          DeviceBuffer<int32_t> d_ids(ids[f][r]);
+          DeviceBuffer<float> d_weights(weights[f][r]);
+          d_y.fill_bytes(0xFF);
+          const RankIO io{reinterpret_cast<__nv_bfloat16*>(d_x.data()), d_ids.data(), d_weights.data(), tokens[f][r],
+                          reinterpret_cast<__nv_bfloat16*>(d_y.data())};
+          layer.forward(io, nullptr);
+          const cudaError_t synced = cudaDeviceSynchronize();
+          layer.check_device_errors();  // first: after a trap its record says more than the CUDA error
+          CUDA_CHECK(synced);
+          got[f][r] = d_y.download();
+          got[f][r].resize(tokens[f][r] * H);
+        }
+      },
+      options);
+  if (::testing::Test::HasFatalFailure()) return;
 
   for (int f = 0; f < kForwards; ++f) {
     std::vector<reference::EpRankInputs> in(P);
@@ -111,11 +117,29 @@ TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
       if (tokens[f][r] == 0) continue;
       std::vector<float> y;
       for (uint16_t b : got[f][r]) y.push_back(formats::bf16_to_float(b));
+      if (options.fp8_forward) {
+        EXPECT_LT(testing::relative_l2_error(y, want[r].y), 0.1) << "forward " << f << ", rank " << r;
+        continue;
+      }
       EXPECT_LT(testing::relative_l2_error(y, want[r].y), testing::kBf16LayerL2) << "forward " << f << ", rank " << r;
       EXPECT_LT(testing::worst_token_error(y, want[r].y, H), testing::kBf16LayerWorstToken)
           << "forward " << f << ", rank " << r;
     }
   }
+}
+
+TEST(FusedMoeMultiGpu, OneRankPerGpuMatchesReferenceAcrossChangingForwards) {
+  POUNCE_REQUIRE_HOPPER();
+  changing_forwards({});
+}
+
+// The E4M3 forward across GPUs: each rank quantizes its tokens into its window, peers pull E4M3 rows and
+// scales over NVLink.
+TEST(FusedMoeMultiGpu, OneRankPerGpuFp8ForwardMatchesReferenceAcrossChangingForwards) {
+  POUNCE_REQUIRE_HOPPER();
+  FusedMoeOptions options;
+  options.fp8_forward = true;
+  changing_forwards(options);
 }
 
 // Training steps across GPUs: a forward that keeps its rows, then the fused backward over NCCL, twice

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <tuple>
 #include <type_traits>
 
 #include "baseline/cublas_moe.h"
@@ -627,6 +628,53 @@ TEST(FusedMoe, NcclOneRankMatchesVirtualRanksBitwise) {
     auto io = p.io();
     testing::expect_error([&] { nccl_layer.forward(std::vector<RankIO>(2, io[0]), nullptr); },
                           "got 2 ranks' tensors, the layer has 1 ranks");
+  }
+  comm::destroy_single_process_comms(comms);
+}
+
+// The E4M3 forward over NCCL at one rank: the quantized tokens, their scales and the count of CTAs that
+// wrote them live in the symmetric window. Its outputs are the virtual-rank layer's bits forward after
+// forward, and so are the gradients of a training step (the backward chain's, from the kept rows).
+TEST(FusedMoe, NcclOneRankFp8ForwardMatchesVirtualRanksBitwise) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const Case c{1, 333, 256, 256, 8, 3, RoutingPattern::kZipf};
+  Problem p = make_problem(rng, c);
+  spread_fp8_inputs(rng, p);
+  const int64_t H = p.config.hidden, I = p.config.intermediate, E = p.config.local_experts();
+  const DeviceBuffer<uint16_t> dy(testing::to_bf16_bits(testing::random_bf16_values(rng, p.tokens[0] * H)));
+  // A training step's gradients, downloaded: dx, d_topk_weights, dw13, dw2 (fp32, as bits).
+  const auto train = [&](FusedMoe& layer) {
+    DeviceBuffer<uint16_t> dx(p.tokens[0] * H);
+    DeviceBuffer<float> d_weights(p.tokens[0] * p.config.topk), dw13(E * 2 * I * H), dw2(E * H * I);
+    dx.fill_bytes(0xFF);
+    const auto io = p.io();
+    const RankGrads grads{bf16(dy), bf16(dx), d_weights.data(), dw13.data(), dw2.data()};
+    layer.forward(io, nullptr, /*keep_for_backward=*/true);
+    layer.backward(io, std::span(&grads, 1), WeightGradOutput::kF32, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    layer.check_device_errors();
+    EXPECT_FALSE(layer.last_backward_replayed());
+    return std::tuple{dx.download(), d_weights.download(), dw13.download(), dw2.download()};
+  };
+  FusedMoe virtual_layer(p.config, fp8_options(c));
+  p.load_weights(virtual_layer);
+  virtual_layer.refresh_fp8_weights(nullptr);
+  run_and_check(virtual_layer, p);
+  const auto want = p.outputs();
+  expect_fp8_forward(p, want);
+  const auto want_grads = train(virtual_layer);
+
+  std::vector<ncclComm_t> comms = comm::init_single_process_comms({0});
+  {
+    FusedMoe nccl_layer(p.config, comms[0], fp8_options(c));
+    p.load_weights(nccl_layer);
+    nccl_layer.refresh_fp8_weights(nullptr);
+    for (int repeat = 0; repeat < 3; ++repeat) {
+      run_and_check(nccl_layer, p);
+      EXPECT_EQ(p.outputs(), want) << "forward " << repeat;
+    }
+    EXPECT_TRUE(train(nccl_layer) == want_grads) << "a training step's gradients differ from the virtual rank's";
   }
   comm::destroy_single_process_comms(comms);
 }
