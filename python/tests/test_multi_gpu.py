@@ -1,7 +1,8 @@
 """Expert parallelism over NCCL, one process per GPU (torch.multiprocessing, as torchrun would start
 them): every rank's forward and gradients against the eager reference over all ranks' tokens, two
-training steps with different routings and token counts. A group of one rank runs on any Hopper GPU (the
-NCCL path with one peer); more ranks need as many GPUs."""
+training steps with different routings and token counts, with the forward in BF16 or in E4M3
+(fp8_forward: within the FP8 band). A group of one rank runs on any Hopper GPU (the NCCL path with one
+peer); more ranks need as many GPUs."""
 
 import os
 import tempfile
@@ -23,7 +24,7 @@ def rank_inputs(rank, step):
     return x, ids, weights, torch.randn(tokens, H, generator=g).bfloat16()
 
 
-def run_rank(rank, ranks, store):
+def run_rank(rank, ranks, store, options):
     torch.cuda.set_device(rank)
     torch.distributed.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=ranks)
     try:
@@ -31,7 +32,9 @@ def run_rank(rank, ranks, store):
         w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.1).bfloat16()
         w2 = (torch.randn(E, H, I, generator=g) * 0.1).bfloat16()
         mine = slice(rank * E // ranks, (rank + 1) * E // ranks)
-        moe = pounce.MoE(H, I, E, K, torch.distributed.group.WORLD, max_tokens=T + 3 * ranks, device="cuda")
+        moe = pounce.MoE(H, I, E, K, torch.distributed.group.WORLD, max_tokens=T + 3 * ranks, device="cuda",
+                         options=options)
+        tolerance = 0.1 if options.get("fp8_forward") else 1e-2  # E4M3 keeps 3 fraction bits
         gate, up = pounce.split_w13(w13[mine])
         moe.load_experts(gate, up, w2[mine])
 
@@ -51,19 +54,20 @@ def run_rank(rank, ranks, store):
                 want = reference_moe(leaves[0], rids, leaves[1], *ref)
                 want.backward(rdy.float())
                 if r == rank:
-                    assert relative_error(y, want) < 1e-2
-                    assert relative_error(x.grad, leaves[0].grad) < 1e-2
-                    assert relative_error(weights.grad, leaves[1].grad) < 1e-2
-            assert relative_error(moe.w13.grad, ref[0].grad[mine]) < 1e-2
-            assert relative_error(moe.w2.grad, ref[1].grad[mine]) < 1e-2
+                    assert relative_error(y, want) < tolerance
+                    assert relative_error(x.grad, leaves[0].grad) < tolerance
+                    assert relative_error(weights.grad, leaves[1].grad) < tolerance
+            assert relative_error(moe.w13.grad, ref[0].grad[mine]) < tolerance
+            assert relative_error(moe.w2.grad, ref[1].grad[mine]) < tolerance
         moe.close()
     finally:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.parametrize("options", [{}, {"fp8_forward": 1}], ids=["bf16", "fp8_forward"])
 @pytest.mark.parametrize("ranks", sorted({1, 2, max(GPUS, 1)}))
-def test_nccl_ranks_match_the_reference(ranks):
+def test_nccl_ranks_match_the_reference(ranks, options):
     if ranks > GPUS:
         pytest.skip(f"needs {ranks} GPUs, this machine has {GPUS}")
     with tempfile.TemporaryDirectory() as folder:
-        torch.multiprocessing.spawn(run_rank, args=(ranks, os.path.join(folder, "store")), nprocs=ranks)
+        torch.multiprocessing.spawn(run_rank, args=(ranks, os.path.join(folder, "store"), options), nprocs=ranks)
