@@ -155,7 +155,11 @@ FusedLayer::~FusedLayer() = default;
 // Every rank must run the same layer: a mismatch would size buffers differently and read past them.
 void FusedLayer::check_same_config_on_every_rank(const EpConfig& c, const FusedMoeOptions& o, ncclComm_t comm) {
   // The options setup() checks are here too: one rank refusing alone would leave the others waiting in
-  // the window's collectives.
+  // the window's collectives. The E4M3 forward's peers wait for x_ready to count every CTA of the owner
+  // (as many as their own), so there the CTAs a rank resolves to (its GPU's multiprocessors by default)
+  // must agree too.
+  const int64_t e4m3_ctas =
+      o.fp8_forward ? (o.ctas_per_rank > 0 ? o.ctas_per_rank : int64_t(gpu_info().multiprocessors)) : 0;
   const std::vector<int64_t> mine = {c.ranks,          c.experts,
                                      c.topk,           c.hidden,
                                      c.intermediate,   c.max_tokens_per_rank,
@@ -163,7 +167,7 @@ void FusedLayer::check_same_config_on_every_rank(const EpConfig& c, const FusedM
                                      o.ring_bytes,     o.fp8_data_gradients,
                                      o.ctas_per_rank,  o.comm_ctas,
                                      o.engine_rows,    int64_t(o.wait_timeout_ns),
-                                     o.fp8_forward};
+                                     o.fp8_forward,    e4m3_ctas};
   const char* names[] = {"ranks",          "experts",
                          "topk",           "hidden",
                          "intermediate",   "max_tokens_per_rank",
@@ -171,7 +175,7 @@ void FusedLayer::check_same_config_on_every_rank(const EpConfig& c, const FusedM
                          "ring_bytes",     "fp8_data_gradients",
                          "ctas_per_rank",  "comm_ctas",
                          "engine_rows",    "wait_timeout_ns",
-                         "fp8_forward"};
+                         "fp8_forward",    "CTAs per rank of the E4M3 forward"};
   const size_t n = mine.size();
   DeviceBuffer<int64_t> send(mine), all(n * c.ranks);
   NCCL_CHECK(ncclAllGather(send.data(), all.data(), n, ncclInt64, comm, nullptr));
@@ -205,9 +209,11 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   const int64_t H = config.hidden, I = config.intermediate;
   POUNCE_REQUIRE(!options.fp8_forward || (H % 128 == 0 && I % 128 == 0),
                  "fused MoE: fp8_forward needs H and I multiples of 128 (E4M3 blocks); H = ", H, ", I = ", I);
-  POUNCE_REQUIRE(!(options.fp8_forward && options.fused_backward),
-                 "fused MoE: fp8_forward's backward runs the chain; fused_backward would read the forward's ring "
-                 "rows, which are E4M3 there");
+  // Across GPUs the backward is always the fused kernel, which pulls bf16 x rows again and never reads
+  // the forward's ring.
+  POUNCE_REQUIRE(!(options.fp8_forward && options.fused_backward && launch_ranks == P),
+                 "fused MoE: fp8_forward's backward on one GPU runs the chain; fused_backward would read the "
+                 "forward's ring rows, which are E4M3 there");
   // Bytes of ring per m-block: x, h and out rows (E4M3 forward: x and h in E4M3 with their scales too).
   const int64_t block_bytes =
       kBlockM * (options.fp8_forward ? 3 * H + 3 * I + (H + I) / 128 * int64_t(sizeof(float)) : (2 * H + I) * 2);
@@ -416,6 +422,7 @@ void FusedLayer::reset_counters() {
     CUDA_CHECK(cudaMemset(params_.peers.start_flags[0], 0, sizeof(uint32_t)));
     const int64_t words = std::max<int64_t>(config_.max_tokens_per_rank, 1) + 1;
     CUDA_CHECK(cudaMemset(window_backward_words_[0], 0, words * sizeof(uint32_t)));
+    CUDA_CHECK(cudaMemset(params_.peers.x_ready[0], 0, sizeof(uint32_t)));
   }
   CUDA_CHECK(cudaMemset(epoch_.data(), 0, epoch_.bytes()));
   CUDA_CHECK(cudaMemset(kept_record_.data(), 0, kept_record_.bytes()));

@@ -670,7 +670,13 @@ TEST(FusedMoe, NcclOneRankFp8ForwardMatchesVirtualRanksBitwise) {
     FusedMoe nccl_layer(p.config, comms[0], fp8_options(c));
     p.load_weights(nccl_layer);
     nccl_layer.refresh_fp8_weights(nullptr);
+    // Between the forwards checked, one on other tokens: rows quantized by an earlier forward would show.
+    const DeviceBuffer<uint16_t> other_x(testing::to_bf16_bits(testing::random_bf16_values(rng, p.tokens[0] * H)));
+    DeviceBuffer<uint16_t> other_y(std::max<int64_t>(1, p.tokens[0] * H));
+    auto other = p.io();
+    other[0].x = bf16(other_x), other[0].y = bf16(other_y);
     for (int repeat = 0; repeat < 3; ++repeat) {
+      nccl_layer.forward(other, nullptr);
       run_and_check(nccl_layer, p);
       EXPECT_EQ(p.outputs(), want) << "forward " << repeat;
     }
