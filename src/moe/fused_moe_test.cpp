@@ -276,6 +276,17 @@ void expect_fp8_forward(const Problem& p, const std::vector<std::vector<uint16_t
   }
 }
 
+// An E4M3 layer's first forward of p (its weights loaded and their E4M3 copies refreshed), checked by
+// expect_fp8_forward; returns its outputs.
+std::vector<std::vector<uint16_t>> first_fp8_forward(FusedMoe& layer, Problem& p) {
+  p.load_weights(layer);
+  layer.refresh_fp8_weights(nullptr);
+  run_and_check(layer, p);
+  auto outputs = p.outputs();
+  expect_fp8_forward(p, outputs);
+  return outputs;
+}
+
 class FusedFp8Test : public ::testing::TestWithParam<Case> {};
 
 TEST_P(FusedFp8Test, HasTheBitsOfTheUnfusedFp8Chain) {
@@ -285,11 +296,7 @@ TEST_P(FusedFp8Test, HasTheBitsOfTheUnfusedFp8Chain) {
   Problem p = make_problem(rng, c);
   spread_fp8_inputs(rng, p);
   FusedMoe layer(p.config, fp8_options(c));
-  p.load_weights(layer);
-  layer.refresh_fp8_weights(nullptr);
-  run_and_check(layer, p);
-  const auto first = p.outputs();
-  expect_fp8_forward(p, first);
+  const auto first = first_fp8_forward(layer, p);
   for (int repeat = 0; repeat < 2; ++repeat) {
     run_and_check(layer, p);
     EXPECT_EQ(p.outputs(), first) << "repeat " << repeat;
@@ -658,11 +665,7 @@ TEST(FusedMoe, NcclOneRankFp8ForwardMatchesVirtualRanksBitwise) {
     return std::tuple{dx.download(), d_weights.download(), dw13.download(), dw2.download()};
   };
   FusedMoe virtual_layer(p.config, fp8_options(c));
-  p.load_weights(virtual_layer);
-  virtual_layer.refresh_fp8_weights(nullptr);
-  run_and_check(virtual_layer, p);
-  const auto want = p.outputs();
-  expect_fp8_forward(p, want);
+  const auto want = first_fp8_forward(virtual_layer, p);
   const auto want_grads = train(virtual_layer);
 
   std::vector<ncclComm_t> comms = comm::init_single_process_comms({0});
