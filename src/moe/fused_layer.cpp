@@ -26,6 +26,11 @@ constexpr int64_t kDefaultRingMinibatches = 6;
 // FLOPs of GEMM, so the CTAs that keep rows ahead of the GEMMs go as 1 / I against the GEMM CTAs. The
 // constant comes from the H200 comm-CTA sweeps of every catalogue shape at one rank with rows combined
 // (docs/results.md: best 8 of 132 at I = 3072, 10 at 2048, 16 at 1536, >= 32 at 768, <= 4 at 14336).
+// CTAs of each rank: the option, else the GPU's multiprocessors shared by the ranks launched on it.
+int resolved_ctas_per_rank(const FusedMoeOptions& options, int launch_ranks) {
+  return options.ctas_per_rank > 0 ? options.ctas_per_rank : gpu_info().multiprocessors / launch_ranks;
+}
+
 int default_comm_ctas(int ctas, int64_t intermediate) {
   const double per_gemm_cta = 190.0 / double(intermediate);
   return std::clamp(int(std::lround(ctas * per_gemm_cta / (1 + per_gemm_cta))), 1, std::max(1, ctas / 2));
@@ -46,7 +51,7 @@ struct CounterLayout {
   int64_t gemm1_done() const { return m_blocks; }
   int64_t gemm2_done() const { return 2 * m_blocks; }
   int64_t combined() const { return 3 * m_blocks; }
-  int64_t elementwise_done() const { return 4 * m_blocks; }  // the fused backward's only
+  int64_t elementwise_done() const { return 4 * m_blocks; }  // queues with items: the E4M3 forward, the backward
   int64_t control() const { return 5 * m_blocks; }
   int64_t words() const { return control() + kControlWords; }
 };
@@ -158,8 +163,7 @@ void FusedLayer::check_same_config_on_every_rank(const EpConfig& c, const FusedM
   // the window's collectives. The E4M3 forward's peers wait for x_ready to count every CTA of the owner
   // (as many as their own), so there the CTAs a rank resolves to (its GPU's multiprocessors by default)
   // must agree too.
-  const int64_t e4m3_ctas =
-      o.fp8_forward ? (o.ctas_per_rank > 0 ? o.ctas_per_rank : int64_t(gpu_info().multiprocessors)) : 0;
+  const int64_t e4m3_ctas = o.fp8_forward ? resolved_ctas_per_rank(o, /*launch_ranks=*/1) : 0;
   const std::vector<int64_t> mine = {c.ranks,          c.experts,
                                      c.topk,           c.hidden,
                                      c.intermediate,   c.max_tokens_per_rank,
@@ -198,7 +202,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   POUNCE_REQUIRE(options.wait_timeout_ns > 0 && options.wait_timeout_ns <= 3'600'000'000'000ull,
                  "fused MoE: wait_timeout_ns = ", options.wait_timeout_ns, " must be in (0, one hour]");
   const int sms = gpu_info().multiprocessors;
-  const int ctas = options.ctas_per_rank > 0 ? options.ctas_per_rank : sms / launch_ranks;
+  const int ctas = resolved_ctas_per_rank(options, launch_ranks);
   POUNCE_REQUIRE(ctas * launch_ranks <= sms, "fused MoE: ", ctas, " CTAs per rank x ", launch_ranks,
                  " ranks exceeds the GPU's ", sms, " multiprocessors (the kernel needs every CTA resident)");
   // One rank whose ring holds every m-block (the default at one rank) runs in place: nothing combined,
