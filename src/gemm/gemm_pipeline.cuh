@@ -182,8 +182,6 @@ __device__ __forceinline__ SharedStorage<Stages>& shared_storage(uint8_t* smem_r
 //                              stage format's, kBf16Registers or kFp8Registers)
 //   static constexpr bool kFetchAhead   optional (default true): whether a thread of its own fetches tiles
 //                              ahead of the loader (fetches_ahead)
-//   static constexpr bool kLeanConsumers   optional (default false): whether the consumers carry nothing
-//                              through a tile's mainloop that they can have again after it (lean_consumers)
 // and, when its queue holds kElementwiseTile items (stage A and B are raw bytes to them; E4M3 stages are
 // the same size as BF16 ones, and their scale loader only arrives for the item's slices),
 //   void load_elementwise(const TileInfo& tile, int slice, void* a, void* b, uint64_t* full) const
@@ -343,38 +341,25 @@ __device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site
   }
 }
 
-// Lane 0 of a warp reads tile slot `slot` and hands it to the warp by shuffles.
-// NOTES: so lane 0's own arrival on the slot's empty barrier (free_tile_slot) orders every read of the slot
-// before the producer refills it. Read by every lane, only a __syncwarp (nothing at all in converged code)
-// stood between the other lanes' loads and lane 0's arrival: racecheck reported the producer's next write
-// racing with them.
+// A consumer warp (or the scale loader) takes the next tile the fetcher published, and frees its slot.
+// NOTES: lane 0 alone reads the slot and hands it to the warp by shuffles, so its own arrival orders every
+// read of the slot before the producer refills it. Read by every lane, only a __syncwarp (nothing at all
+// in converged code) stood between the other lanes' loads and lane 0's arrival: racecheck reported the
+// producer's next write racing with them.
 template <class Storage>
-__device__ __forceinline__ TileInfo read_tile_slot(const Storage& s, uint32_t slot) {
+__device__ __forceinline__ TileInfo take_tile(Storage& s, uint32_t& slot, uint32_t& slot_phase,
+                                              const WaitSite& pipe_site) {
   static_assert(sizeof(TileInfo) % sizeof(int32_t) == 0, "TileInfo travels as 32-bit words");
   constexpr int kWords = sizeof(TileInfo) / sizeof(int32_t);
   const bool leader = threadIdx.x % 32 == 0;
+  mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
   TileInfo tile;
   const int32_t* from = reinterpret_cast<const int32_t*>(&s.tiles[slot]);
   int32_t* to = reinterpret_cast<int32_t*>(&tile);
 #pragma unroll
   for (int i = 0; i < kWords; ++i) to[i] = __shfl_sync(0xFFFFFFFFu, leader ? from[i] : 0, 0);
-  return tile;
-}
-
-// A warp done reading its slot frees it (one arrival, lane 0's) and moves to the next.
-template <class Storage>
-__device__ __forceinline__ void free_tile_slot(Storage& s, uint32_t& slot, uint32_t& slot_phase) {
-  if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&s.tile_empty[slot]);
+  if (leader) ptx::mbarrier_arrive(&s.tile_empty[slot]);
   if (++slot == kTileSlots) slot = 0, slot_phase ^= 1;
-}
-
-// The loader's and the scale loader's way to their next tile: wait for the slot, read it, free it.
-template <class Storage>
-__device__ __forceinline__ TileInfo take_tile(Storage& s, uint32_t& slot, uint32_t& slot_phase,
-                                              const WaitSite& pipe_site) {
-  mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
-  const TileInfo tile = read_tile_slot(s, slot);
-  free_tile_slot(s, slot, slot_phase);
   return tile;
 }
 
@@ -427,21 +412,6 @@ __device__ void run_scale_loader(Storage& s, const Tiles& tiles, const WaitSite&
 }
 
 // ---- consumer ---------------------------------------------------------------------------------------
-
-// Lean consumers hold their tile's slot through the mainloop and read what the epilogue needs from it
-// again after it, and compute their staging offsets in the epilogue from a thread index ptxas cannot
-// hoist. For sources whose consumers are short of registers around the accumulators (the fused E4M3
-// forward at the BF16 split: 192 accumulator registers of 224): carried, the tile's fields and the
-// thread's offsets (loop invariants, hoisted out of the tile loop) were spilled and reloaded on every
-// tile. The others keep both in registers (made lean, the stand-alone E4M3 GEMMs, with registers to spare,
-// ran ~3 % slower).
-template <class Tiles>
-constexpr bool lean_consumers() {
-  if constexpr (requires { Tiles::kLeanConsumers; })
-    return Tiles::kLeanConsumers;
-  else
-    return false;
-}
 
 // NOTES: silu(g) = g * sigmoid(g) with sigmoid(g) = 0.5 + 0.5 * tanh(g / 2): four instructions, one of
 // them MUFU. The epilogue stalls the tensor cores while it runs, and the exp-and-divide form cost ~7%
@@ -840,20 +810,15 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
   const int thread = threadIdx.x % 128;
   float acc[kTileN / 2];
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0, store_slot = 0;
-  constexpr bool kLean = lean_consumers<Tiles>();
   IssueTurns turns;                  // E4M3 only
   uint32_t* pending_done = nullptr;  // thread 0: the last tile's counter, its stores still in flight
   for (;;) {
     if (thread == 0 && pending_done != nullptr && !ptx::mbarrier_test_wait(&s.tile_full[slot], slot_phase))
       release_done(pending_done);
-    mbarrier_wait_bounded(&s.tile_full[slot], slot_phase, pipe_site, WaitTarget::kTileInfo, slot);
-    const TileInfo taken = read_tile_slot(s, slot);
-    if (!kLean) free_tile_slot(s, slot, slot_phase);
-    if (!taken.valid) break;
-    if constexpr (requires { tiles.finish_elementwise(taken, consumer, thread); }) {
-      if (taken.gemm == kElementwiseTile) {
-        const TileInfo& tile = taken;
-        if (kLean) free_tile_slot(s, slot, slot_phase);
+    const TileInfo tile = take_tile(s, slot, slot_phase, pipe_site);
+    if (!tile.valid) break;
+    if constexpr (requires { tiles.finish_elementwise(tile, consumer, thread); }) {
+      if (tile.gemm == kElementwiseTile) {
         // Its inputs may include the previous tile's stores: no lag for that tile's release.
         if (thread == 0) release_done(pending_done);
         const timeline::Stamp started = timeline::now();
@@ -872,24 +837,22 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
         continue;
       }
     }
+    const GemmOperands& op = tiles.operands(tile.gemm);
+
     constexpr bool kForward = kKind == TileKind::kForward || kKind == TileKind::kForwardFp8;
-    const bool padding = taken.rows <= consumer * kRowsPerConsumer;  // this consumer's 64 rows hold no route
+    const bool padding = tile.rows <= consumer * kRowsPerConsumer;  // this consumer's 64 rows hold no route
     const timeline::Stamp started = timeline::now();
     if constexpr (kKind == TileKind::kForwardFp8) {
-      run_fp8_mainloop(s, acc, taken.k_blocks, padding, stage, phase, pending_done, turns, pipe_site, consumer, thread);
+      run_fp8_mainloop(s, acc, tile.k_blocks, padding, stage, phase, pending_done, turns, pipe_site, consumer, thread);
     } else if constexpr (kKind == TileKind::kWeightGradFp8) {
-      run_fp8_column_scale_mainloop(s, acc, taken.k_blocks, padding, stage, phase, pending_done, turns, pipe_site,
+      run_fp8_column_scale_mainloop(s, acc, tile.k_blocks, padding, stage, phase, pending_done, turns, pipe_site,
                                     consumer, thread);
     } else {
       constexpr bool kTransA = kKind == TileKind::kWeightGrad, kTransB = kKind != TileKind::kForward;
-      run_mainloop<kTransA, kTransB>(s, acc, taken.k_blocks, padding, stage, phase, pending_done, pipe_site, consumer,
+      run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, padding, stage, phase, pending_done, pipe_site, consumer,
                                      thread);
     }
     if (thread == 0) release_done(pending_done);  // a tile of at most kDoneLagSlices K slices
-    const TileInfo tile = kLean ? read_tile_slot(s, slot) : taken;
-    if (kLean) free_tile_slot(s, slot, slot_phase);
-    const GemmOperands& op = tiles.operands(tile.gemm);
-    const int epilogue_thread = kLean ? ptx::unhoisted(thread) : thread;
     const timeline::Stamp multiplied = timeline::now();
     if (thread == 0)
       timeline::record(tiles.timeline(), TimelineSpan::kMainloop, started, tile.gemm, tile.m_block, tile.n_block);
@@ -899,25 +862,25 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
     if constexpr (kForward) {
       // Padding rows are left unwritten: nothing reads them (GroupedGemmArgs::expert_rows).
       if (!padding && swiglu) {
-        store_tile<Epilogue::kSwiGLU>(acc, s, to, false, store_slot, consumer, epilogue_thread);
+        store_tile<Epilogue::kSwiGLU>(acc, s, to, false, store_slot, consumer, thread);
         if (op.keep != nullptr)
           store_tile<Epilogue::kStore>(acc, s, {op.keep, nullptr, tile.keep_row, tile.n_block * kTileN, 0}, false,
-                                       store_slot, consumer, epilogue_thread);
+                                       store_slot, consumer, thread);
       } else if (!padding) {
-        store_tile<Epilogue::kStore>(acc, s, to, false, store_slot, consumer, epilogue_thread);
+        store_tile<Epilogue::kStore>(acc, s, to, false, store_slot, consumer, thread);
       }
     } else if constexpr (kKind == TileKind::kDataGrad) {
-      if (!padding) store_tile<Epilogue::kStore>(acc, s, to, false, store_slot, consumer, epilogue_thread);
+      if (!padding) store_tile<Epilogue::kStore>(acc, s, to, false, store_slot, consumer, thread);
     } else {
       // An expert without rows stores zeros; its accumulators hold stale values. Selecting in the store
       // rather than clearing them first keeps ptxas from spilling (measured: ~3 KB).
       const bool empty = tile.k_blocks == 0;
       if (op.epilogue == Epilogue::kAddF32)
-        store_tile<Epilogue::kAddF32, true>(acc, s, to, empty, store_slot, consumer, epilogue_thread);
+        store_tile<Epilogue::kAddF32, true>(acc, s, to, empty, store_slot, consumer, thread);
       else if (op.epilogue == Epilogue::kStoreF32)
-        store_tile<Epilogue::kStoreF32, true>(acc, s, to, empty, store_slot, consumer, epilogue_thread);
+        store_tile<Epilogue::kStoreF32, true>(acc, s, to, empty, store_slot, consumer, thread);
       else
-        store_tile<Epilogue::kStore, true>(acc, s, to, empty, store_slot, consumer, epilogue_thread);
+        store_tile<Epilogue::kStore, true>(acc, s, to, empty, store_slot, consumer, thread);
     }
     if (thread == 0) {
       timeline::record(tiles.timeline(), TimelineSpan::kEpilogue, multiplied, tile.gemm, tile.m_block, tile.n_block);

@@ -26,9 +26,6 @@ class FusedFp8Tiles : public RankTiles {
   // The producer takes tiles from the rank's queue (decode, counter waits, the expert's search), which
   // spilled in the E4M3 kinds' 40 registers; the consumers fit the BF16 split's 224.
   static constexpr gemm::pipeline::RegisterSplit kRegisters = gemm::pipeline::kBf16Registers;
-  // At 224 the E4M3 mainloop's 192 accumulator registers leave the consumers ~30 for the rest: lean ones
-  // (gemm::pipeline::lean_consumers; carried, the tile's fields and offsets spilled 136 bytes, now 24).
-  static constexpr bool kLeanConsumers = true;
 
   // ops: shared [2], as in FusedTiles.
   __device__ FusedFp8Tiles(const FusedParams& p, const RankState& rs, int lr, const FusedMaps& maps,
@@ -120,17 +117,16 @@ class FusedFp8Tiles : public RankTiles {
     namespace q = formats::quantize_device;
     static_assert(kBlockK * sizeof(__nv_bfloat16) == 128, "a stage row is one 128-byte swizzle row");
     constexpr int kSteps = kBlockM / (2 * gemm::pipeline::kConsumerWarps);
-    const int index = ptx::unhoisted(consumer * 128 + thread);  // the addresses below: ~8 registers
-    const int warp = index / 32, lane = index % 32;
+    const int warp = (consumer * 128 + thread) / 32, lane = thread % 32;
     const int chunk = lane % 16;  // of the row's block: [0, 8) in stage A, [8, 16) in stage B
-    const uint32_t stage = ptx::smem_addr(chunk < 8 ? a : b);
+    const uint8_t* stage = static_cast<const uint8_t*>(chunk < 8 ? a : b);
     const int row = warp * 16 + lane / 16;  // + 2 step
     uint4 raw[kSteps];
 #pragma unroll
     for (int step = 0; step < kSteps; ++step) {
       // 128-byte swizzle, as TMA wrote it: 16-byte unit u of row r sits at unit u ^ (r % 8).
       const int r = row + 2 * step;
-      raw[step] = ptx::ld_shared_v4_b32(stage + r * 128 + ((chunk ^ r) % 8) * 16);
+      raw[step] = *reinterpret_cast<const uint4*>(stage + r * 128 + ((chunk % 8) ^ (r % 8)) * 16);
     }
     q::QuantizedChunk quantized[kSteps];
 #pragma unroll

@@ -33,15 +33,6 @@ __device__ __forceinline__ uint32_t smid() {
   return id;
 }
 
-// `value`, computed again where this is called: the compiler cannot move what derives from it out of
-// an enclosing loop. NOTES: ptxas hoisted a consumer's per-thread addresses (a function of threadIdx only)
-// out of its tile loop and then spilled them around the accumulators, reloading them on every tile.
-__device__ __forceinline__ int32_t unhoisted(int32_t value) {
-  int32_t v;
-  asm volatile("mov.b32 %0, %1;" : "=r"(v) : "r"(value));
-  return v;
-}
-
 // ---- math ------------------------------------------------------------------------------------------
 
 // tanh with one MUFU instruction; relative error below 2^-10.9, well under bf16's 2^-9 rounding.
@@ -77,15 +68,6 @@ __device__ __forceinline__ float4 ld_shared_v4_f32(uint32_t smem_address) {
   float4 value;
   asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
                : "=f"(value.x), "=f"(value.y), "=f"(value.z), "=f"(value.w)
-               : "r"(smem_address)
-               : "memory");
-  return value;
-}
-
-__device__ __forceinline__ uint4 ld_shared_v4_b32(uint32_t smem_address) {
-  uint4 value;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
                : "r"(smem_address)
                : "memory");
   return value;
