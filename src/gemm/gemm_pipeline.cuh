@@ -82,7 +82,7 @@ struct Bf16Stages {
 struct Fp8Stages {
   using Element = uint8_t;
   static constexpr int kTileN = 128, kSliceK = 128, kStages = 5;
-  static constexpr int kStoreSlots = 3;  // a third box per consumer: the epilogue waits less for earlier stores
+  static constexpr int kStoreSlots = 2;
   static constexpr bool kScales = true;
   static constexpr bool kColumnScales = false;
 };
