@@ -4,7 +4,8 @@
 
 Prints, for each kernel in the trace: its span from first to last event, and per kind of span (plan,
 dispatch, tile wait, mainloop G1, epilogue G2, ...) how many there are, their total and mean length,
-their share of the kernel's CTA-time (tracks x span) and the SMs' mean clock over them (cycles / time).
+their share of the kernel's CTA-time (tracks x span) and the SMs' mean clock over them (cycles / time),
+and the consumers' idle time between one tile's epilogue (or item) and the next tile's mainloop.
 With --png, draws per kernel every track (one per CTA and warpgroup) over time, one colour per kind of
 span, and under it the SMs' activity: how many tracks are in each kind of span at each moment, and the
 mean clock of the spans running then. With --json, writes the summary.
@@ -40,17 +41,39 @@ def summarise(kernels):
             kinds[e["name"]][0] += 1
             kinds[e["name"]][1] += e["dur"]
             kinds[e["name"]][2] += e["args"].get("cycles", 0)
+        gaps = tile_gaps(events)
         out.append({
             "kernel": name,
             "begin_us": begin,
             "span_us": end - begin,
             "tracks": len(tracks),
+            "tile_gaps": {"count": len(gaps), "total_us": sum(gaps),
+                          "mean_us": sum(gaps) / len(gaps) if gaps else 0.0},
             "kinds": {k: {"count": n, "total_us": total, "mean_us": total / n,
                           "share_of_track_time": total / (len(tracks) * (end - begin)) if end > begin else 0.0,
                           "mean_clock_mhz": cycles / total if total > 0 else 0.0}
                       for k, (n, total, cycles) in sorted(kinds.items())},
         })
     return out
+
+
+def tile_gaps(events):
+    """On each GEMM consumer track, the idle time from the end of one tile's work (its epilogue, or an
+    elementwise item) to the start of the next (a mainloop or an item): the fixed cost per tile that
+    neither span counts."""
+    ends = ("epilogue", "elementwise")
+    starts = ("mainloop", "elementwise")
+    by_track = collections.defaultdict(list)
+    for e in events:
+        if e["name"].startswith(ends) or e["name"].startswith(starts):
+            by_track[e["tid"]].append(e)
+    gaps = []
+    for spans in by_track.values():
+        spans.sort(key=lambda e: e["ts"])
+        for done, following in zip(spans, spans[1:]):
+            if done["name"].startswith(ends) and following["name"].startswith(starts):
+                gaps.append(max(0.0, following["ts"] - (done["ts"] + done["dur"])))
+    return gaps
 
 
 def activity(events, bins):
@@ -79,6 +102,9 @@ def activity(events, bins):
 def print_summary(summary):
     for k in summary:
         print(f"{k['kernel']}: {k['span_us']:.1f} us from {k['begin_us']:.1f}, {k['tracks']} tracks")
+        g = k["tile_gaps"]
+        if g["count"]:
+            print(f"  gap between tiles {g['count']:6d} gaps   total {g['total_us']:12.1f} us  mean {g['mean_us']:9.2f} us")
         for kind, s in k["kinds"].items():
             print(f"  {kind:16s} {s['count']:8d} spans  total {s['total_us']:12.1f} us  "
                   f"mean {s['mean_us']:9.2f} us  {100 * s['share_of_track_time']:5.1f}% of track time  "

@@ -45,6 +45,26 @@ def test_summary_counts_times_and_clocks(trace):
     assert other["kinds"]["mainloop G1"]["mean_clock_mhz"] == pytest.approx(1000.0)
 
 
+def test_tile_gaps_count_idle_time_between_tiles_per_track():
+    events = [
+        span("mainloop G1", 0, 1, 0.0, 10.0, 0),
+        span("epilogue G1", 0, 1, 10.0, 2.0, 0),
+        span("elementwise", 0, 1, 13.5, 4.0, 0),   # 1.5 after the epilogue
+        span("mainloop G2", 0, 1, 18.0, 3.0, 0),   # 0.5 after the item
+        span("epilogue G2", 0, 1, 21.0, 1.0, 0),
+        span("tile wait G1", 0, 0, 0.0, 30.0, 0),  # the producer's track: not a consumer's gap
+        span("mainloop G1", 0, 2, 5.0, 1.0, 0),    # another track: its first tile has no gap before it
+        span("epilogue G1", 0, 2, 6.0, 1.0, 0),
+        span("mainloop G1", 0, 2, 9.0, 1.0, 0),    # 2.0
+    ]
+    assert sorted(tl.tile_gaps(events)) == pytest.approx([0.5, 1.5, 2.0])
+
+
+def test_summary_reports_tile_gaps(trace):
+    fused, other = tl.summarise(tl.load(trace))
+    assert fused["tile_gaps"]["count"] == 0 and other["tile_gaps"]["count"] == 0  # no tile follows an epilogue
+
+
 def test_activity_profile(trace):
     _, events = tl.load(trace)[0]
     edges, counts, clock = tl.activity(events, bins=6)  # 2 us a bin over 12 us
