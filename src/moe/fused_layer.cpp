@@ -22,15 +22,15 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // dispatch wait for combines (the benchmark's ring sweep, docs/results.md).
 constexpr int64_t kDefaultRingMinibatches = 6;
 
-// Communication CTAs of a rank: it moves 4·H bytes per routed row (dispatch and combine) for 6·H·I
-// FLOPs of GEMM, so the CTAs that keep rows ahead of the GEMMs go as 1 / I against the GEMM CTAs. The
-// constant comes from the H200 comm-CTA sweeps of every catalogue shape at one rank with rows combined
-// (docs/results.md: best 8 of 132 at I = 3072, 10 at 2048, 16 at 1536, >= 32 at 768, <= 4 at 14336).
 // CTAs of each rank: the option, else the GPU's multiprocessors shared by the ranks launched on it.
 int resolved_ctas_per_rank(const FusedMoeOptions& options, int launch_ranks) {
   return options.ctas_per_rank > 0 ? options.ctas_per_rank : gpu_info().multiprocessors / launch_ranks;
 }
 
+// Communication CTAs of a rank: it moves 4·H bytes per routed row (dispatch and combine) for 6·H·I
+// FLOPs of GEMM, so the CTAs that keep rows ahead of the GEMMs go as 1 / I against the GEMM CTAs. The
+// constant comes from the H200 comm-CTA sweeps of every catalogue shape at one rank with rows combined
+// (docs/results.md: best 8 of 132 at I = 3072, 10 at 2048, 16 at 1536, >= 32 at 768, <= 4 at 14336).
 int default_comm_ctas(int ctas, int64_t intermediate) {
   const double per_gemm_cta = 190.0 / double(intermediate);
   return std::clamp(int(std::lround(ctas * per_gemm_cta / (1 + per_gemm_cta))), 1, std::max(1, ctas / 2));

@@ -128,8 +128,8 @@ class FusedLayer {
   // FusedMoeOptions::fp8_forward: the E4M3 rows of the forward (FusedParams::fp8_rows, PeerView::x_fp8)
   // and each launch rank's E4M3 weight copies, made by setup().
   struct Fp8ForwardState {
-    DeviceBuffer<uint8_t> tokens, x_ring,
-        hidden;  // tokens: [ranks, T_max, H] (virtual ranks; across GPUs in the window)
+    DeviceBuffer<uint8_t> tokens;  // [ranks, T_max, H] (virtual ranks; across GPUs the window holds them)
+    DeviceBuffer<uint8_t> x_ring, hidden;
     DeviceBuffer<float> token_scales, x_ring_scale, hidden_scale;
     std::vector<DeviceBuffer<uint8_t>> w13, w2;  // [launch rank]
     std::vector<DeviceBuffer<float>> w13_scale, w2_scale;
