@@ -683,14 +683,17 @@ __device__ __forceinline__ Fp8StageViews fp8_stage_views(SharedStorage<Fp8Stages
 // then steps to the next stage. NOTES: each thread's own arrival on the stage's empty barrier (a release,
 // after its wgmma wait) orders the scale reads before the refill. The scales are read before the issue so
 // that their latency passes under it.
+__device__ __forceinline__ Fp8Slice fp8_slice_of(SharedStorage<Fp8Stages>& s, const Fp8StageViews& v, uint32_t stage) {
+  const float b_scale = ptx::ld_shared_f32(v.b_scale + stage * sizeof(float));
+  const uint32_t a_at = v.a_scale + stage * sizeof(s.a_scale[0]);
+  return {stage, {ptx::ld_shared_f32(a_at) * b_scale, ptx::ld_shared_f32(a_at + 8 * sizeof(float)) * b_scale}};
+}
+
 __device__ __forceinline__ Fp8Slice issue_next_fp8_slice(SharedStorage<Fp8Stages>& s, const Fp8StageViews& v,
                                                          float (&part)[64], uint32_t& stage, uint32_t& phase,
                                                          IssueTurns& turns, const WaitSite& pipe_site, int consumer) {
   mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-  const float b_scale = ptx::ld_shared_f32(v.b_scale + stage * sizeof(float));
-  const uint32_t a_at = v.a_scale + stage * sizeof(s.a_scale[0]);
-  const Fp8Slice slice{stage,
-                       {ptx::ld_shared_f32(a_at) * b_scale, ptx::ld_shared_f32(a_at + 8 * sizeof(float)) * b_scale}};
+  const Fp8Slice slice = fp8_slice_of(s, v, stage);
   issue_fp8_slice(s, part, v.a_low, v.b_low, stage, turns, consumer);
   if (++stage == Fp8Stages::kStages) stage = 0, phase ^= 1;
   return slice;
@@ -701,21 +704,24 @@ __device__ __forceinline__ Fp8Slice issue_next_fp8_slice(SharedStorage<Fp8Stages
 // fp32. Promoting every 128 of K keeps the error independent of K: the tensor cores' FP8 sums carry fewer
 // bits than fp32. From kFp8PipelinedSlices slices on, two partial accumulators alternate (64 + 2 x 64
 // registers: the consumers' setmaxnreg budget, which ptxas honours since no wait traps). `first_issued`:
-// slice 0 is in flight already, into `even` (issued before the last tile's epilogue: take_next_fp8_tile).
+// slice 0 is in flight already, into `even` (issued before the last tile's epilogue: issue_next_tile_ahead).
 // `skip`: this consumer's rows are all padding: it releases each stage unread, still taking its turns.
 // NOTES: the consumers are bound by their own instruction issue here (64 FMAs a slice, two warps of each
 // scheduler), so the loop keeps per-slice bookkeeping to 32-bit adds.
-__device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, const Fp8StageViews& views,
-                                                 float (&acc)[64], float (&even)[64], float (&odd)[64], int k_blocks,
-                                                 bool skip, bool first_issued, const Fp8Slice& first, uint32_t& stage,
-                                                 uint32_t& phase, uint32_t*& pending_done, IssueTurns& turns,
-                                                 const WaitSite& pipe_site, int consumer, int thread) {
+__device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, float (&acc)[64], float (&even)[64],
+                                                 float (&odd)[64], int k_blocks, bool skip, bool first_issued,
+                                                 uint32_t& stage, uint32_t& phase, uint32_t*& pending_done,
+                                                 IssueTurns& turns, const WaitSite& pipe_site, int consumer,
+                                                 int thread) {
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
   if (skip) return skip_fp8_stages(s, k_blocks, stage, phase, pending_done, turns, pipe_site, consumer, thread);
+  const Fp8StageViews views = fp8_stage_views(s, consumer, thread);
   const auto issue = [&](float(&part)[64]) {
     return issue_next_fp8_slice(s, views, part, stage, phase, turns, pipe_site, consumer);
   };
+  // Slice 0 when issued before the last tile's epilogue: the stage before this one, its scales read again.
+  const auto issued_before = [&] { return fp8_slice_of(s, views, stage == 0 ? Fp8Stages::kStages - 1 : stage - 1); };
   // After the wait that completed the slice in `part` (slice kb of the tile).
   const auto finish = [&](float(&part)[64], const Fp8Slice& slice, int kb) {
     ptx::fence_registers(part);
@@ -726,16 +732,17 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, co
   };
   if (k_blocks < kFp8PipelinedSlices) {
     // Short K: one partial accumulator, each slice's wgmmas waited for before scaling it.
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      const Fp8Slice slice = kb == 0 && first_issued ? first : issue(even);
+    Fp8Slice slice = first_issued ? issued_before() : issue(even);
+    for (int kb = 0;;) {
       ptx::wgmma_wait_group<0>();
       finish(even, slice, kb);
+      if (++kb == k_blocks) return;
+      slice = issue(even);
     }
-    return;
   }
   // Slices alternate between two partial accumulators: a consumer issues slice k + 1 (in its turn) before
   // it scales slice k, so its own wgmmas stay queued while it scales.
-  Fp8Slice even_slice = first_issued ? first : issue(even), odd_slice{};
+  Fp8Slice even_slice = first_issued ? issued_before() : issue(even), odd_slice{};
   int kb = 0;
   for (; kb + 2 < k_blocks; kb += 2) {
     odd_slice = issue(odd);
@@ -757,34 +764,27 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, co
   }
 }
 
-// The E4M3 forward's next tile, taken before the current tile's epilogue (take_next_fp8_tile).
-struct Fp8TileAhead {
-  TileInfo tile;
-  Fp8Slice first;      // its slice 0, when issued
-  bool taken = false;  // the consumer's next tile is `tile`, not the next slot's
-  bool issued = false;
-};
-
-// E4M3 forward, after a tile's last slice was scaled and before its epilogue: if the fetcher has published
-// the next tile already, takes it, and when this consumer computes it (a GEMM tile, rows of its own)
-// issues its first slice into `even`, so that the tensor cores run it while the epilogue converts and
-// stores (the epilogue reads only `acc`; ~1-2 us a tile that idled them). A tile not yet published is not
-// waited for: the producer may be waiting, through the tile's inputs, for this tile's stores. NOTES: the
-// warpgroup issues wgmmas together, so its 128 threads take thread 0's test (one barrier with an OR).
-__device__ __forceinline__ void take_next_fp8_tile(SharedStorage<Fp8Stages>& s, const Fp8StageViews& views,
-                                                   float (&even)[64], Fp8TileAhead& ahead, uint32_t& slot,
-                                                   uint32_t& slot_phase, uint32_t& stage, uint32_t& phase,
-                                                   IssueTurns& turns, const WaitSite& pipe_site, int consumer,
-                                                   int thread) {
-  const bool published = thread == 0 && ptx::mbarrier_test_wait(&s.tile_full[slot], slot_phase);
-  ahead.taken = ptx::named_barrier_or(kEpilogueBarrierBase + consumer, 128, published);
-  ahead.issued = false;
-  if (ahead.taken) {
-    ahead.tile = take_tile(s, slot, slot_phase, pipe_site);
-    const TileInfo& t = ahead.tile;
-    ahead.issued = t.valid && t.gemm != kElementwiseTile && t.k_blocks > 0 && t.rows > consumer * kRowsPerConsumer;
+// E4M3 forward, after a tile's last slice was scaled and before its epilogue: when the fetcher has
+// published the next tile already and this consumer computes it (a GEMM tile, rows of its own), issues its
+// first slice into `even`, so that the tensor cores run it while the epilogue converts and stores (the
+// epilogue reads only `acc`). Returns whether it did; the tile itself is taken after the epilogue, as
+// always (its slot stays the consumers' until they take it), which keeps the registers held across the
+// epilogue to the slice in flight. A tile not yet published is not waited for: the producer may be
+// waiting, through the tile's inputs, for this tile's stores. NOTES: the warpgroup issues wgmmas
+// together, so its 128 threads take thread 0's verdict (one barrier with an OR); the slot's fields are read
+// after the tile_full test, whose acquire orders them after the fetcher's writes.
+__device__ __forceinline__ bool issue_next_tile_ahead(SharedStorage<Fp8Stages>& s, float (&even)[64], uint32_t slot,
+                                                      uint32_t slot_phase, uint32_t& stage, uint32_t& phase,
+                                                      IssueTurns& turns, const WaitSite& pipe_site, int consumer,
+                                                      int thread) {
+  bool computes = false;
+  if (thread == 0 && ptx::mbarrier_test_wait(&s.tile_full[slot], slot_phase)) {
+    const TileInfo& t = s.tiles[slot];
+    computes = t.valid && t.gemm != kElementwiseTile && t.k_blocks > 0 && t.rows > consumer * kRowsPerConsumer;
   }
-  if (ahead.issued) ahead.first = issue_next_fp8_slice(s, views, even, stage, phase, turns, pipe_site, consumer);
+  if (!ptx::named_barrier_or(kEpilogueBarrierBase + consumer, 128, computes)) return false;
+  issue_next_fp8_slice(s, fp8_stage_views(s, consumer, thread), even, stage, phase, turns, pipe_site, consumer);
+  return true;
 }
 
 // One k-grouped E4M3 tile (kWeightGradFp8): per K slice, four m64n128k32 wgmmas into one partial
@@ -845,23 +845,14 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0, store_slot = 0;
   IssueTurns turns;                  // E4M3 only
   uint32_t* pending_done = nullptr;  // thread 0: the last tile's counter, its stores still in flight
-  // E4M3 forward only: the partial accumulators, and the next tile when taken before an epilogue.
+  // E4M3 forward only: the partial accumulators, and the next tile's first slice when issued before an
+  // epilogue (issue_next_tile_ahead).
   float even[64], odd[64];
-  Fp8TileAhead ahead;
-  Fp8StageViews views{};
-  if constexpr (kKind == TileKind::kForwardFp8) views = fp8_stage_views(s, consumer, thread);
+  bool first_issued = false;
   for (;;) {
-    TileInfo tile;
-    bool first_issued = false;
-    if (kKind == TileKind::kForwardFp8 && ahead.taken) {
-      tile = ahead.tile;
-      first_issued = ahead.issued;
-      ahead.taken = false;
-    } else {
-      if (thread == 0 && pending_done != nullptr && !ptx::mbarrier_test_wait(&s.tile_full[slot], slot_phase))
-        release_done(pending_done);
-      tile = take_tile(s, slot, slot_phase, pipe_site);
-    }
+    if (thread == 0 && pending_done != nullptr && !ptx::mbarrier_test_wait(&s.tile_full[slot], slot_phase))
+      release_done(pending_done);
+    const TileInfo tile = take_tile(s, slot, slot_phase, pipe_site);
     if (!tile.valid) break;
     if constexpr (requires { tiles.finish_elementwise(tile, consumer, thread); }) {
       if (tile.gemm == kElementwiseTile) {
@@ -889,8 +880,8 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
     const bool padding = tile.rows <= consumer * kRowsPerConsumer;  // this consumer's 64 rows hold no route
     const timeline::Stamp started = timeline::now();
     if constexpr (kKind == TileKind::kForwardFp8) {
-      run_fp8_mainloop(s, views, acc, even, odd, tile.k_blocks, padding, first_issued, ahead.first, stage, phase,
-                       pending_done, turns, pipe_site, consumer, thread);
+      run_fp8_mainloop(s, acc, even, odd, tile.k_blocks, padding, first_issued, stage, phase, pending_done, turns,
+                       pipe_site, consumer, thread);
     } else if constexpr (kKind == TileKind::kWeightGradFp8) {
       run_fp8_column_scale_mainloop(s, acc, tile.k_blocks, padding, stage, phase, pending_done, turns, pipe_site,
                                     consumer, thread);
@@ -904,7 +895,7 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
     if (thread == 0)
       timeline::record(tiles.timeline(), TimelineSpan::kMainloop, started, tile.gemm, tile.m_block, tile.n_block);
     if constexpr (kKind == TileKind::kForwardFp8)
-      take_next_fp8_tile(s, views, even, ahead, slot, slot_phase, stage, phase, turns, pipe_site, consumer, thread);
+      first_issued = issue_next_tile_ahead(s, even, slot, slot_phase, stage, phase, turns, pipe_site, consumer, thread);
 
     const bool swiglu = kForward && op.epilogue == Epilogue::kSwiGLU;
     const StoreTarget to{op.c, op.row_scale, tile.c_row, tile.n_block * (swiglu ? kTileN / 2 : kTileN), tile.c_expert};
