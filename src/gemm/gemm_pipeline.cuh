@@ -660,89 +660,79 @@ struct SliceScales {
   float lo, hi;
 };
 
-// An issued slice: its stage (freed once its wgmmas completed) and its scales.
-struct Fp8Slice {
-  uint32_t stage;
-  SliceScales scales;
-};
-
-// What an E4M3 forward consumer issues and scales its slices from: stage 0's descriptor low words (its
-// 64 A rows, and B) and this thread's two A row scales and the B block scale in stage 0.
-struct Fp8StageViews {
-  uint32_t a_low, b_low, a_scale, b_scale;
-};
-
-__device__ __forceinline__ Fp8StageViews fp8_stage_views(SharedStorage<Fp8Stages>& s, int consumer, int thread) {
-  const int row = consumer * kRowsPerConsumer + (thread / 32) * 16 + thread % 32 / 4;  // and row + 8 (store_tile)
-  return {ptx::wgmma_desc_low_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128),
-          ptx::wgmma_desc_low_k_major_sw128(ptx::smem_addr(s.b[0])), ptx::smem_addr(&s.a_scale[0][row]),
-          ptx::smem_addr(&s.b_scale[0])};
-}
-
-// Waits for stage `stage`, reads its scales and issues its wgmmas into `part` in this consumer's turn,
-// then steps to the next stage. NOTES: each thread's own arrival on the stage's empty barrier (a release,
-// after its wgmma wait) orders the scale reads before the refill. The scales are read before the issue so
-// that their latency passes under it.
-__device__ __forceinline__ Fp8Slice fp8_slice_of(SharedStorage<Fp8Stages>& s, const Fp8StageViews& v, uint32_t stage) {
-  const float b_scale = ptx::ld_shared_f32(v.b_scale + stage * sizeof(float));
-  const uint32_t a_at = v.a_scale + stage * sizeof(s.a_scale[0]);
-  return {stage, {ptx::ld_shared_f32(a_at) * b_scale, ptx::ld_shared_f32(a_at + 8 * sizeof(float)) * b_scale}};
-}
-
-__device__ __forceinline__ Fp8Slice issue_next_fp8_slice(SharedStorage<Fp8Stages>& s, const Fp8StageViews& v,
-                                                         float (&part)[64], uint32_t& stage, uint32_t& phase,
-                                                         IssueTurns& turns, const WaitSite& pipe_site, int consumer) {
-  mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
-  const Fp8Slice slice = fp8_slice_of(s, v, stage);
-  issue_fp8_slice(s, part, v.a_low, v.b_low, stage, turns, consumer);
-  if (++stage == Fp8Stages::kStages) stage = 0, phase ^= 1;
-  return slice;
-}
-
 // One E4M3 tile's mainloop. A K slice is one scale block of both operands: its four m64n128k32 wgmmas
 // sum into a partial accumulator, which is then added to `acc` times (A row scale x B block scale) in
 // fp32. Promoting every 128 of K keeps the error independent of K: the tensor cores' FP8 sums carry fewer
 // bits than fp32. From kFp8PipelinedSlices slices on, two partial accumulators alternate (64 + 2 x 64
-// registers: the consumers' setmaxnreg budget, which ptxas honours since no wait traps). `first_issued`:
-// slice 0 is in flight already, into `even` (issued before the last tile's epilogue: issue_next_tile_ahead).
-// `skip`: this consumer's rows are all padding: it releases each stage unread, still taking its turns.
+// registers: the consumers' setmaxnreg budget, which ptxas honours since no wait traps). `skip`: this
+// consumer's rows are all padding: it releases each stage unread, still taking its turns.
 // NOTES: the consumers are bound by their own instruction issue here (64 FMAs a slice, two warps of each
-// scheduler), so the loop keeps per-slice bookkeeping to 32-bit adds.
-__device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, float (&acc)[64], float (&even)[64],
-                                                 float (&odd)[64], int k_blocks, bool skip, bool first_issued,
+// scheduler), so the loop keeps per-slice bookkeeping to 32-bit adds, and reads a slice's scales before
+// issuing its wgmmas so that the loads' latency passes under the issue.
+__device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, float (&acc)[64], int k_blocks, bool skip,
                                                  uint32_t& stage, uint32_t& phase, uint32_t*& pending_done,
                                                  IssueTurns& turns, const WaitSite& pipe_site, int consumer,
                                                  int thread) {
+  const int lane = thread % 32;
+  // This thread's rows of the fragment: row and row + 8 (see store_tile).
+  const int row = consumer * kRowsPerConsumer + (thread / 32) * 16 + lane / 4;
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
   if (skip) return skip_fp8_stages(s, k_blocks, stage, phase, pending_done, turns, pipe_site, consumer, thread);
-  const Fp8StageViews views = fp8_stage_views(s, consumer, thread);
-  const auto issue = [&](float(&part)[64]) {
-    return issue_next_fp8_slice(s, views, part, stage, phase, turns, pipe_site, consumer);
+  // Stage 0's descriptor low words and scale addresses, computed once.
+  const uint32_t a_low = ptx::wgmma_desc_low_k_major_sw128(ptx::smem_addr(s.a[0]) + consumer * kRowsPerConsumer * 128);
+  const uint32_t b_low = ptx::wgmma_desc_low_k_major_sw128(ptx::smem_addr(s.b[0]));
+  const uint32_t a_scale = ptx::smem_addr(&s.a_scale[0][row]), b_scale = ptx::smem_addr(&s.b_scale[0]);
+  // Once the stage is full. Each thread's own arrival on the stage's empty barrier (a release, after its
+  // wgmma wait) orders these reads before the refill.
+  const auto read_scales = [&](uint32_t at) {
+    const float slice_b_scale = ptx::ld_shared_f32(b_scale + at * sizeof(float));
+    const uint32_t a_at = a_scale + at * sizeof(s.a_scale[0]);
+    return SliceScales{ptx::ld_shared_f32(a_at) * slice_b_scale,
+                       ptx::ld_shared_f32(a_at + 8 * sizeof(float)) * slice_b_scale};
   };
-  // Slice 0 when issued before the last tile's epilogue: the stage before this one, its scales read again.
-  const auto issued_before = [&] { return fp8_slice_of(s, views, stage == 0 ? Fp8Stages::kStages - 1 : stage - 1); };
-  // After the wait that completed the slice in `part` (slice kb of the tile).
-  const auto finish = [&](float(&part)[64], const Fp8Slice& slice, int kb) {
-    ptx::fence_registers(part);
-    ptx::mbarrier_arrive(&s.empty[slice.stage]);  // every thread read the stage's scales
-    if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
+  const auto promote = [&](const float(&part)[64], SliceScales scales) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i % 4 < 2 ? slice.scales.lo : slice.scales.hi, acc[i]);
+    for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i % 4 < 2 ? scales.lo : scales.hi, acc[i]);
   };
   if (k_blocks < kFp8PipelinedSlices) {
     // Short K: one partial accumulator, each slice's wgmmas waited for before scaling it.
-    Fp8Slice slice = first_issued ? issued_before() : issue(even);
-    for (int kb = 0;;) {
+    float part[64];
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+      const SliceScales scales = read_scales(stage);
+      issue_fp8_slice(s, part, a_low, b_low, stage, turns, consumer);
       ptx::wgmma_wait_group<0>();
-      finish(even, slice, kb);
-      if (++kb == k_blocks) return;
-      slice = issue(even);
+      ptx::fence_registers(part);
+      ptx::mbarrier_arrive(&s.empty[stage]);  // every thread read the stage's scales
+      if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
+      promote(part, scales);
+      if (++stage == Fp8Stages::kStages) stage = 0, phase ^= 1;
     }
+    return;
   }
   // Slices alternate between two partial accumulators: a consumer issues slice k + 1 (in its turn) before
   // it scales slice k, so its own wgmmas stay queued while it scales.
-  Fp8Slice even_slice = first_issued ? issued_before() : issue(even), odd_slice{};
+  struct Issued {
+    uint32_t stage;
+    SliceScales scales;
+  };
+  const auto issue = [&](float(&part)[64]) {
+    mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
+    const Issued issued{stage, read_scales(stage)};
+    issue_fp8_slice(s, part, a_low, b_low, stage, turns, consumer);
+    if (++stage == Fp8Stages::kStages) stage = 0, phase ^= 1;
+    return issued;
+  };
+  // After the wait that completed the slice in `part` (slice kb of the tile).
+  const auto finish = [&](float(&part)[64], const Issued& slice, int kb) {
+    ptx::fence_registers(part);
+    ptx::mbarrier_arrive(&s.empty[slice.stage]);  // every thread read the stage's scales
+    if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
+    promote(part, slice.scales);
+  };
+  float even[64], odd[64];
+  Issued even_slice = issue(even), odd_slice{};
   int kb = 0;
   for (; kb + 2 < k_blocks; kb += 2) {
     odd_slice = issue(odd);
@@ -762,29 +752,6 @@ __device__ __forceinline__ void run_fp8_mainloop(SharedStorage<Fp8Stages>& s, fl
     ptx::wgmma_wait_group<0>();
     finish(even, even_slice, kb);
   }
-}
-
-// E4M3 forward, after a tile's last slice was scaled and before its epilogue: when the fetcher has
-// published the next tile already and this consumer computes it (a GEMM tile, rows of its own), issues its
-// first slice into `even`, so that the tensor cores run it while the epilogue converts and stores (the
-// epilogue reads only `acc`). Returns whether it did; the tile itself is taken after the epilogue, as
-// always (its slot stays the consumers' until they take it), which keeps the registers held across the
-// epilogue to the slice in flight. A tile not yet published is not waited for: the producer may be
-// waiting, through the tile's inputs, for this tile's stores. NOTES: the warpgroup issues wgmmas
-// together, so its 128 threads take thread 0's verdict (one barrier with an OR); the slot's fields are read
-// after the tile_full test, whose acquire orders them after the fetcher's writes.
-__device__ __forceinline__ bool issue_next_tile_ahead(SharedStorage<Fp8Stages>& s, float (&even)[64], uint32_t slot,
-                                                      uint32_t slot_phase, uint32_t& stage, uint32_t& phase,
-                                                      IssueTurns& turns, const WaitSite& pipe_site, int consumer,
-                                                      int thread) {
-  bool computes = false;
-  if (thread == 0 && ptx::mbarrier_test_wait(&s.tile_full[slot], slot_phase)) {
-    const TileInfo& t = s.tiles[slot];
-    computes = t.valid && t.gemm != kElementwiseTile && t.k_blocks > 0 && t.rows > consumer * kRowsPerConsumer;
-  }
-  if (!ptx::named_barrier_or(kEpilogueBarrierBase + consumer, 128, computes)) return false;
-  issue_next_fp8_slice(s, fp8_stage_views(s, consumer, thread), even, stage, phase, turns, pipe_site, consumer);
-  return true;
 }
 
 // One k-grouped E4M3 tile (kWeightGradFp8): per K slice, four m64n128k32 wgmmas into one partial
@@ -845,10 +812,6 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0, store_slot = 0;
   IssueTurns turns;                  // E4M3 only
   uint32_t* pending_done = nullptr;  // thread 0: the last tile's counter, its stores still in flight
-  // E4M3 forward only: the partial accumulators, and the next tile's first slice when issued before an
-  // epilogue (issue_next_tile_ahead).
-  float even[64], odd[64];
-  bool first_issued = false;
   for (;;) {
     if (thread == 0 && pending_done != nullptr && !ptx::mbarrier_test_wait(&s.tile_full[slot], slot_phase))
       release_done(pending_done);
@@ -880,8 +843,7 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
     const bool padding = tile.rows <= consumer * kRowsPerConsumer;  // this consumer's 64 rows hold no route
     const timeline::Stamp started = timeline::now();
     if constexpr (kKind == TileKind::kForwardFp8) {
-      run_fp8_mainloop(s, acc, even, odd, tile.k_blocks, padding, first_issued, stage, phase, pending_done, turns,
-                       pipe_site, consumer, thread);
+      run_fp8_mainloop(s, acc, tile.k_blocks, padding, stage, phase, pending_done, turns, pipe_site, consumer, thread);
     } else if constexpr (kKind == TileKind::kWeightGradFp8) {
       run_fp8_column_scale_mainloop(s, acc, tile.k_blocks, padding, stage, phase, pending_done, turns, pipe_site,
                                     consumer, thread);
@@ -894,8 +856,6 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
     const timeline::Stamp multiplied = timeline::now();
     if (thread == 0)
       timeline::record(tiles.timeline(), TimelineSpan::kMainloop, started, tile.gemm, tile.m_block, tile.n_block);
-    if constexpr (kKind == TileKind::kForwardFp8)
-      first_issued = issue_next_tile_ahead(s, even, slot, slot_phase, stage, phase, turns, pipe_site, consumer, thread);
 
     const bool swiglu = kForward && op.epilogue == Epilogue::kSwiGLU;
     const StoreTarget to{op.c, op.row_scale, tile.c_row, tile.n_block * (swiglu ? kTileN / 2 : kTileN), tile.c_expert};
@@ -926,10 +886,6 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
       timeline::record(tiles.timeline(), TimelineSpan::kEpilogue, multiplied, tile.gemm, tile.m_block, tile.n_block);
       if (op.done != nullptr) pending_done = op.done + tile.m_block;
     }
-    // The next tile's first slice, issued before the epilogue, has run by now: waited for here, every path
-    // into the next tile starts with no wgmma in flight (a wgmma that may or may not be in flight where
-    // two paths meet made ptxas serialize every wgmma of the kernel).
-    if constexpr (kKind == TileKind::kForwardFp8) ptx::wgmma_wait_group<0>();
   }
   if constexpr (is_fp8(kKind)) turns.finish(consumer);
   if (thread == 0) {

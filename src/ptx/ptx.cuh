@@ -289,22 +289,6 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// bar.sync that also returns, to every thread, whether any of the `threads` passed a true `pred`.
-__device__ __forceinline__ bool named_barrier_or(uint32_t id, uint32_t threads, bool pred) {
-  uint32_t any;
-  asm volatile(
-      "{\n"
-      ".reg .pred p, q;\n"
-      "setp.ne.u32 p, %3, 0;\n"
-      "barrier.red.or.pred q, %1, %2, p;\n"
-      "selp.u32 %0, 1, 0, q;\n"
-      "}\n"
-      : "=r"(any)
-      : "r"(id), "r"(threads), "r"(uint32_t(pred))
-      : "memory");
-  return any != 0;
-}
-
 // Counts this warp's threads on barrier `id` without waiting for the others.
 __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
