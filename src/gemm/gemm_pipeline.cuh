@@ -810,14 +810,6 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
   const int thread = threadIdx.x % 128;
   float acc[kTileN / 2];
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0, store_slot = 0;
-  // E4M3 forward: the store-slot count kept in shared memory between epilogues. In a register across the
-  // tile loop, the fused E4M3 kernel's consumers spilled it, and the SwiGLU epilogue waited on its reload
-  // from local memory (Nsight Compute: the epilogue's largest stall, long scoreboard).
-  __shared__ uint32_t fp8_store_slots[kConsumerWarpgroups];
-  if constexpr (kKind == TileKind::kForwardFp8) {
-    if (thread == 0) fp8_store_slots[consumer] = 0;
-    ptx::named_barrier_sync(kEpilogueBarrierBase + consumer, 128);  // before any thread reads it
-  }
   IssueTurns turns;                  // E4M3 only
   uint32_t* pending_done = nullptr;  // thread 0: the last tile's counter, its stores still in flight
   for (;;) {
@@ -867,7 +859,6 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
 
     const bool swiglu = kForward && op.epilogue == Epilogue::kSwiGLU;
     const StoreTarget to{op.c, op.row_scale, tile.c_row, tile.n_block * (swiglu ? kTileN / 2 : kTileN), tile.c_expert};
-    if constexpr (kKind == TileKind::kForwardFp8) store_slot = fp8_store_slots[consumer];
     if constexpr (kForward) {
       // Padding rows are left unwritten: nothing reads them (GroupedGemmArgs::expert_rows).
       if (!padding && swiglu) {
@@ -894,8 +885,6 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
     if (thread == 0) {
       timeline::record(tiles.timeline(), TimelineSpan::kEpilogue, multiplied, tile.gemm, tile.m_block, tile.n_block);
       if (op.done != nullptr) pending_done = op.done + tile.m_block;
-      // Read by the others in the next epilogue, after the barriers of the tile's mainloop or item between.
-      if constexpr (kKind == TileKind::kForwardFp8) fp8_store_slots[consumer] = store_slot;
     }
   }
   if constexpr (is_fp8(kKind)) turns.finish(consumer);
