@@ -65,7 +65,7 @@ def tile_gaps(events):
     starts = ("mainloop", "elementwise")
     by_track = collections.defaultdict(list)
     for e in events:
-        if e["name"].startswith(ends) or e["name"].startswith(starts):
+        if e["name"].startswith(ends + starts):
             by_track[e["tid"]].append(e)
     gaps = []
     for spans in by_track.values():
