@@ -38,6 +38,9 @@ class FusedBackwardTiles : public RankTiles {
                                 gemm::pipeline::GemmOperands* ops)
       : RankTiles(p, rs, lr, p.intermediate, p.hidden, ops) {
     slices_ = {p.intermediate / 8, kSwigluRows, backward::kSegmentGroups, kSliceSegments};
+    groups_ = int32_t(slices_.groups);
+    segments_per_row_ = int32_t(slices_.segments_per_row());
+    segments_ = int32_t(slices_.segments());
     if (threadIdx.x == 0) {
       ops[0] = {&maps.x_ring,  &maps.w2[lr], &maps.h_ring_store, gemm::Epilogue::kStore, nullptr,
                 rs.gemm1_done, nullptr};
@@ -91,17 +94,22 @@ class FusedBackwardTiles : public RankTiles {
   __device__ void run_elementwise(const gemm::pipeline::TileInfo& tile, int slice, const void* a, const void* b,
                                   int consumer, int thread) const {
     const int lane = thread % 32;
-    const int64_t segment = int64_t(slice) * kSliceSegments + consumer * 4 + thread / 32;
-    if (segment >= slices_.segments()) return;
-    const int64_t start = slices_.segment_start(segment), groups_per_row = slices_.groups;
-    const int32_t r = tile.n_block * kSwigluRows + int32_t(start / groups_per_row);  // row of the m-block
-    const int64_t first = start % groups_per_row;                                    // group of the row
-    const int groups = int(slices_.segment_end(segment) - start);
+    const int32_t segment = slice * kSliceSegments + consumer * 4 + thread / 32;  // of the item
+    if (segment >= segments_) return;
+    const int32_t item_row = segment / segments_per_row_, part = segment - item_row * segments_per_row_;
+    const int32_t r = tile.n_block * kSwigluRows + item_row;  // row of the m-block
     const int64_t row = int64_t(tile.m_block) * kBlockM + r, ring = int64_t(tile.c_row) + r;
     const BackwardRows& bw = p_.bwd;
-    uint4* dgu = reinterpret_cast<uint4*>(bw.dgu) + (ring * groups_per_row + first) * 2;
-    uint4* wa = reinterpret_cast<uint4*>(bw.wa) + ring * groups_per_row + first;
-    const int32_t token = rs_.row_token[row];
+    // The row's schedule entries and weight (copied beside the dy row by dispatch), all four in flight
+    // together: beside the GEMMs' traffic a load takes ~1 us, and loaded one after the other where each
+    // was needed they added ~2 us to a 32-row item on Qwen3-30B (13.6 against 11.3 us).
+    const int32_t token = ptx::ld_relaxed_gpu(rs_.row_token + row);
+    const int32_t source = ptx::ld_relaxed_gpu(rs_.row_source_rank + row), k = ptx::ld_relaxed_gpu(rs_.row_k + row);
+    const float w = ptx::ld_relaxed_gpu(bw.row_weight + ring);
+    const int32_t first = part * backward::kSegmentGroups;  // group of the row
+    const int groups = min(backward::kSegmentGroups, groups_ - first);
+    uint4* dgu = reinterpret_cast<uint4*>(bw.dgu) + (ring * groups_ + first) * 2;
+    uint4* wa = reinterpret_cast<uint4*>(bw.wa) + ring * groups_ + first;
     if (token < 0) {
       backward::swiglu_backward_padding_row(groups, dgu, wa, lane);
       if (first == 0) {
@@ -111,28 +119,34 @@ class FusedBackwardTiles : public RankTiles {
       }
       return;
     }
-    // Where the segment lies in the stages: groups from the slice's first.
-    const int64_t at = start - slices_.slice_start(slice);
-    const float w = bw.row_weight[ring];  // copied beside the dy row by dispatch
+    // Where the segment lies in the stages: groups from the slice's first, the rows back to back.
+    const int32_t slice_first = slice * kSliceSegments, slice_row = slice_first / segments_per_row_;
+    const int32_t at = (item_row - slice_row) * groups_ + first -
+                       (slice_first - slice_row * segments_per_row_) * backward::kSegmentGroups;
     const float dot = backward::swiglu_backward_segment(
         reinterpret_cast<const uint4*>(b) + 2 * at, reinterpret_cast<const uint4*>(a) + at, w, groups, dgu, wa, lane);
-    if (lane == 0) bw.segment_dots[ring * slices_.segments_per_row() + segment % slices_.segments_per_row()] = dot;
+    if (lane != 0) return;
+    if (segments_per_row_ == 1)  // the route's gradient is this sum, added to 0 as swiglu_backward_row adds it
+      bw.d_topk_weights[source][int64_t(token) * p_.topk + k] = 0.0f + dot;
+    else
+      bw.segment_dots[ring * segments_per_row_ + part] = dot;
   }
 
-  // Each route's router-weight gradient: its row's segment sums in order (as swiglu_backward_row adds
-  // them), then the release that lets D2 tiles (and the weight gradients) read the item's rows.
+  // Each route's router-weight gradient of rows of several segments: their sums in order (as
+  // swiglu_backward_row adds them); then the release that lets D2 tiles (and the weight gradients) read
+  // the item's rows.
   __device__ void finish_elementwise(const gemm::pipeline::TileInfo& tile, int consumer, int thread) const {
     const BackwardRows& bw = p_.bwd;
-    if (consumer == 0 && thread < kSwigluRows) {
+    if (consumer == 0 && thread < kSwigluRows && segments_per_row_ > 1) {
       const int32_t r = tile.n_block * kSwigluRows + thread;
       const int64_t row = int64_t(tile.m_block) * kBlockM + r, ring = int64_t(tile.c_row) + r;
-      const int32_t token = rs_.row_token[row];
-      if (token >= 0) {
-        float dot = 0.0f;
-        const int64_t segments = slices_.segments_per_row();
-        for (int64_t s = 0; s < segments; ++s) dot += bw.segment_dots[ring * segments + s];
-        bw.d_topk_weights[rs_.row_source_rank[row]][int64_t(token) * p_.topk + rs_.row_k[row]] = dot;
-      }
+      // Every load in flight at once, as in run_elementwise (a padding row's sums are never used).
+      const int32_t token = ptx::ld_relaxed_gpu(rs_.row_token + row);
+      const int32_t source = ptx::ld_relaxed_gpu(rs_.row_source_rank + row), k = ptx::ld_relaxed_gpu(rs_.row_k + row);
+      float dot = 0.0f;
+      for (int32_t s = 0; s < segments_per_row_; ++s)
+        dot += ptx::ld_relaxed_gpu(bw.segment_dots + ring * segments_per_row_ + s);
+      if (token >= 0) bw.d_topk_weights[source][int64_t(token) * p_.topk + k] = dot;
     }
     // Every warp's stores before the release. Across GPUs the router-weight gradients went to the source
     // ranks' memory: a system-scope fence, so that the pushes of the dx rows behind this release (the
@@ -149,6 +163,7 @@ class FusedBackwardTiles : public RankTiles {
 
  private:
   ElementwiseSlices slices_;  // of an S item: rows of da in 16-byte groups, their segments and slices
+  int32_t groups_, segments_per_row_, segments_;  // slices_' in 32 bits, for the consumers' index math
 };
 
 }  // namespace pounce::moe
