@@ -103,14 +103,13 @@ class FusedBackwardTiles : public RankTiles {
     // The row's schedule entries and weight (copied beside the dy row by dispatch), all four in flight
     // together: beside the GEMMs' traffic a load takes ~1 us, and loaded one after the other where each
     // was needed they added ~2 us to a 32-row item on Qwen3-30B (13.6 against 11.3 us).
-    const int32_t token = ptx::ld_relaxed_gpu(rs_.row_token + row);
-    const int32_t source = ptx::ld_relaxed_gpu(rs_.row_source_rank + row), k = ptx::ld_relaxed_gpu(rs_.row_k + row);
+    const RowRoute route = route_of(row);
     const float w = ptx::ld_relaxed_gpu(bw.row_weight + ring);
     const int32_t first = part * backward::kSegmentGroups;  // group of the row
     const int groups = min(backward::kSegmentGroups, groups_ - first);
     uint4* dgu = reinterpret_cast<uint4*>(bw.dgu) + (ring * groups_ + first) * 2;
     uint4* wa = reinterpret_cast<uint4*>(bw.wa) + ring * groups_ + first;
-    if (token < 0) {
+    if (route.token < 0) {
       backward::swiglu_backward_padding_row(groups, dgu, wa, lane);
       if (first == 0) {
         const int64_t h_vecs = p_.hidden / 8;
@@ -127,7 +126,7 @@ class FusedBackwardTiles : public RankTiles {
         reinterpret_cast<const uint4*>(b) + 2 * at, reinterpret_cast<const uint4*>(a) + at, w, groups, dgu, wa, lane);
     if (lane != 0) return;
     if (segments_per_row_ == 1)  // the route's gradient is this sum, added to 0 as swiglu_backward_row adds it
-      bw.d_topk_weights[source][int64_t(token) * p_.topk + k] = 0.0f + dot;
+      bw.d_topk_weights[route.source][int64_t(route.token) * p_.topk + route.k] = 0.0f + dot;
     else
       bw.segment_dots[ring * segments_per_row_ + part] = dot;
   }
@@ -141,12 +140,11 @@ class FusedBackwardTiles : public RankTiles {
       const int32_t r = tile.n_block * kSwigluRows + thread;
       const int64_t row = int64_t(tile.m_block) * kBlockM + r, ring = int64_t(tile.c_row) + r;
       // Every load in flight at once, as in run_elementwise (a padding row's sums are never used).
-      const int32_t token = ptx::ld_relaxed_gpu(rs_.row_token + row);
-      const int32_t source = ptx::ld_relaxed_gpu(rs_.row_source_rank + row), k = ptx::ld_relaxed_gpu(rs_.row_k + row);
+      const RowRoute route = route_of(row);
       float dot = 0.0f;
       for (int32_t s = 0; s < segments_per_row_; ++s)
         dot += ptx::ld_relaxed_gpu(bw.segment_dots + ring * segments_per_row_ + s);
-      if (token >= 0) bw.d_topk_weights[source][int64_t(token) * p_.topk + k] = dot;
+      if (route.token >= 0) bw.d_topk_weights[route.source][int64_t(route.token) * p_.topk + route.k] = dot;
     }
     // Every warp's stores before the release. Across GPUs the router-weight gradients went to the source
     // ranks' memory: a system-scope fence, so that the pushes of the dx rows behind this release (the
@@ -162,6 +160,16 @@ class FusedBackwardTiles : public RankTiles {
   }
 
  private:
+  // A schedule row's route (token -1: padding), its three entries in flight together: strong loads, which
+  // ptxas leaves where they are written, where it sinks plain ones into their uses one after the other.
+  struct RowRoute {
+    int32_t token, source, k;
+  };
+  __device__ RowRoute route_of(int64_t row) const {
+    return {ptx::ld_relaxed_gpu(rs_.row_token + row), ptx::ld_relaxed_gpu(rs_.row_source_rank + row),
+            ptx::ld_relaxed_gpu(rs_.row_k + row)};
+  }
+
   ElementwiseSlices slices_;  // of an S item: rows of da in 16-byte groups, their segments and slices
   int32_t groups_, segments_per_row_, segments_;  // slices_' in 32 bits, for the consumers' index math
 };
