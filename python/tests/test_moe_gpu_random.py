@@ -1,0 +1,88 @@
+"""pounce.MoE on drawn configurations against the eager fp32 MoE: shapes (H and I any multiple of 64, odd
+token counts, top-k from 1 to 12), rank counts (one, and 2 to 8 virtual ranks, odd ones included),
+routings (uniform, half the experts empty, every token on the same experts, exact-zero weights), the
+fused backward, a bounded ring that the forward reuses and the backward replays, and several steps on
+one module with the token count and the routing changing between them. Skipped without a Hopper GPU."""
+
+import random
+
+import pytest
+from support import needs_hopper, pounce, random_routing, reference_moe, reference_route_outputs, relative_error, torch
+from test_moe_gpu import expect_close, expect_route_dots_close
+
+pytestmark = needs_hopper
+
+PATTERNS = ("uniform", "skewed", "zero-weights", "hot")
+CONFIGS = 12
+
+
+def draw_config(seed):
+    """One configuration, reproducible from its seed: the layer's shape, ranks, options and step sizes."""
+    r = random.Random(seed)
+    P = r.choice([None, None, 2, 3, 5, 6, 7, 8])
+    E = (P or 1) * r.randint(1, 48 // (P or 1))
+    k = r.randint(1, min(E, 12))
+    H, I = 64 * r.randint(1, 12), 64 * r.randint(1, 8)
+    options = {}
+    if r.random() < 0.5:
+        options["fused_backward"] = 1
+    if r.random() < 0.3:  # a ring of two 128-row minibatches: reused within a forward, replayed by the backward
+        options.update(minibatch_rows=128, ring_blocks=2)
+    steps = [r.randint(1, 700) for _ in range(3)]
+    steps[r.randrange(3)] |= 1  # an odd token count in every configuration
+    if seed % 6 == 2:
+        steps[1] = 0  # a step without tokens between two with
+    if seed % 6 == 0:
+        steps[2] = 1
+    return dict(P=P, E=E, k=k, H=H, I=I, options=options, steps=steps, seed=seed)
+
+
+def config_id(seed):
+    c = draw_config(seed)
+    options = ",".join(f"{k}={v}" for k, v in c["options"].items())
+    return f"s{seed}_P{c['P'] or 1}_E{c['E']}_k{c['k']}_H{c['H']}_I{c['I']}_T{'-'.join(map(str, c['steps']))}" + (
+        f"_{options}" if options else ""
+    )
+
+
+def routing(T, E, k, pattern, g):
+    if pattern == "hot":  # every token on the same k experts: one expert's rows span many m-blocks
+        experts = torch.randperm(E, generator=g)[:k].to(torch.int32)
+        ids = experts.repeat(T, 1)
+        return ids.cuda(), torch.rand(T, k, generator=g).cuda()
+    return random_routing(T, E, k, pattern=pattern, generator=g, device="cuda")
+
+
+@pytest.mark.parametrize("seed", range(CONFIGS), ids=config_id)
+def test_drawn_configuration_over_steps_matches_the_eager_reference(seed):
+    c = draw_config(seed)
+    g = torch.Generator().manual_seed(seed)
+    moe = pounce.MoE(c["H"], c["I"], c["E"], c["k"], virtual_ranks=c["P"], device="cuda", options=c["options"])
+    with torch.no_grad():
+        moe.w13.copy_(torch.randn(moe.w13.shape, generator=g) * 0.1)
+        moe.w2.copy_(torch.randn(moe.w2.shape, generator=g) * 0.1)
+    for step, T in enumerate(c["steps"]):
+        pattern = PATTERNS[(seed + step) % len(PATTERNS)]
+        where = f"step {step} (T {T}, {pattern})"
+        x = torch.randn(T, c["H"], generator=g).bfloat16().cuda().requires_grad_()
+        ids, weights = routing(T, c["E"], c["k"], pattern, g)
+        weights.requires_grad_()
+        moe.w13.grad = moe.w2.grad = None
+        y = moe(x, ids, weights)
+        dy = torch.randn(y.shape, generator=g).to(y)
+        y.backward(dy)
+
+        leaves = [t.detach().float().requires_grad_() for t in (x, weights, moe.w13, moe.w2)]
+        want = reference_moe(leaves[0], ids, *leaves[1:])
+        want.backward(dy.float())
+        expect_close(f"{where}: y", y, want)
+        for name, got, leaf in zip(("dx", "dw13", "dw2"), (x, moe.w13, moe.w2), (leaves[0], leaves[2], leaves[3])):
+            expect_close(f"{where}: {name}", got.grad, leaf.grad)
+        if T == 0:
+            continue
+        with torch.no_grad():
+            route_outputs = reference_route_outputs(x, ids, moe.w13, moe.w2)
+        expect_route_dots_close(weights.grad, leaves[1].grad, dy, route_outputs)
+        if pattern == "zero-weights":
+            assert y[0].abs().sum() == 0, f"{where}: token 0 has only zero weights"
+    moe.check_device_errors()
