@@ -1,8 +1,9 @@
 """pounce.MoE on drawn configurations against the eager fp32 MoE: shapes (H and I any multiple of 64, odd
-token counts, top-k from 1 to 12), rank counts (one, and 2 to 8 virtual ranks, odd ones included),
+token counts and none, top-k from 1 to 12), rank counts (one, and 2 to 8 virtual ranks, odd ones included),
 routings (uniform, half the experts empty, every token on the same experts, exact-zero weights), the
 fused backward, a bounded ring that the forward reuses and the backward replays, and several steps on
-one module with the token count and the routing changing between them. Skipped without a Hopper GPU."""
+one module with the token count and the routing changing between them; then the layer shapes of real
+models. Skipped without a Hopper GPU."""
 
 import random
 
@@ -87,4 +88,42 @@ def test_drawn_configuration_over_steps_matches_the_eager_reference(seed):
         expect_route_dots_close(weights.grad, leaves[1].grad, dy, route_outputs)
         if pattern == "zero-weights":
             assert y[0].abs().sum() == 0, f"{where}: token 0 has only zero weights"
+    moe.check_device_errors()
+
+
+# Model shapes: (name, H, I, experts on this GPU, k, T, virtual ranks, options); weights at the usual
+# 1/sqrt(fan-in) scale, Zipf-like skew from the drawn logits.
+MODEL_SHAPES = [
+    ("deepseek_v3_rank", 7168, 2048, 32, 8, 1024, None, {"fused_backward": 1}),
+    ("kimi_k2_3_ranks", 7168, 2048, 48, 8, 777, 3, {}),
+    ("qwen3_30b_4_ranks", 2048, 768, 128, 8, 2048, 4, {"fused_backward": 1}),
+    ("mixtral_2_ranks", 4096, 14336, 8, 2, 513, 2, {"fused_backward": 1}),
+]
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES, ids=lambda s: s[0])
+def test_model_shape_matches_the_eager_reference(shape):
+    name, H, I, E, k, T, P, options = shape
+    g = torch.Generator().manual_seed(len(name))
+    moe = pounce.MoE(H, I, E, k, virtual_ranks=P, device="cuda", options=options)
+    with torch.no_grad():
+        moe.w13.copy_(torch.randn(moe.w13.shape, generator=g) / H**0.5)
+        moe.w2.copy_(torch.randn(moe.w2.shape, generator=g) / I**0.5)
+    x = torch.randn(T, H, generator=g).bfloat16().cuda().requires_grad_()
+    logits = torch.randn(T, E, generator=g) + torch.linspace(2, -2, E)  # some experts busier than others
+    ids = logits.topk(k, dim=-1).indices.to(torch.int32).cuda()
+    weights = torch.rand(T, k, generator=g).cuda().requires_grad_()
+    y = moe(x, ids, weights)
+    dy = torch.randn(y.shape, generator=g).to(y)
+    y.backward(dy)
+
+    leaves = [t.detach().float().requires_grad_() for t in (x, weights, moe.w13, moe.w2)]
+    want = reference_moe(leaves[0], ids, *leaves[1:])
+    want.backward(dy.float())
+    expect_close("y", y, want)
+    for grad_name, got, leaf in zip(("dx", "dw13", "dw2"), (x, moe.w13, moe.w2), (leaves[0], leaves[2], leaves[3])):
+        expect_close(grad_name, got.grad, leaf.grad)
+    with torch.no_grad():
+        route_outputs = reference_route_outputs(x, ids, moe.w13, moe.w2)
+    expect_route_dots_close(weights.grad, leaves[1].grad, dy, route_outputs)
     moe.check_device_errors()
