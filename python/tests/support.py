@@ -68,3 +68,44 @@ def random_routing(tokens, experts, topk, *, pattern="uniform", generator=None, 
 def relative_error(got, want):
     got, want = got.double(), want.double()
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def expect_close(name, got, want, tolerance=1e-2):
+    if want.abs().sum() == 0:
+        assert got.abs().sum() == 0, f"{name} should be exactly zero"
+    else:
+        error = relative_error(got, want)
+        assert error < tolerance, f"{name}: relative L2 error {error:.2e}"
+
+
+def expect_route_dots_close(got, want, dy, route_outputs):
+    """d_topk_weights[t, j] = <dy[t], o[t, j]>: dot products of H terms that may cancel. Each is held to
+    2^-8 of |dy[t]| |o[t, j]| (an emulation of the bf16 rows and gate/up values stays within 2^-9.6 of it;
+    a wrong route misses by ~|dy| |o| / sqrt(H)); with enough routes for the sum to be well conditioned,
+    all of them together also to 1e-2 relative L2 (which catches an error common to every route)."""
+    bound = 2.0**-8 * dy.float().norm(dim=-1, keepdim=True) * route_outputs.norm(dim=-1)
+    excess = (got.float() - want.float()).abs() - bound
+    worst = int(excess.argmax())
+    assert excess.max() <= 0, (
+        f"d_topk_weights: route {divmod(worst, got.shape[-1])} is {got.flatten()[worst]:.5g}, "
+        f"expected {want.flatten()[worst]:.5g} within {bound.flatten()[worst]:.3g}"
+    )
+    if got.numel() >= 64:
+        expect_close("d_topk_weights", got, want)
+
+
+def expect_matches_reference(moe, x, topk_ids, topk_weights, y, dy, where=""):
+    """y = moe(x, topk_ids, topk_weights) and the gradients its backward of dy left in x, topk_weights and
+    the module's weights, against the eager fp32 MoE on the same values."""
+    leaves = [t.detach().float().requires_grad_() for t in (x, topk_weights, moe.w13, moe.w2)]
+    want = reference_moe(leaves[0], topk_ids, *leaves[1:])
+    want.backward(dy.float())
+    expect_close(f"{where}y", y, want)
+    for name, got, leaf in zip(("dx", "dw13", "dw2"), (x, moe.w13, moe.w2), (leaves[0], leaves[2], leaves[3])):
+        # Without tokens the reference's graph never reaches the leaves: their gradients are zero.
+        expect_close(f"{where}{name}", got.grad, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+    if x.shape[0] == 0:
+        return
+    with torch.no_grad():
+        route_outputs = reference_route_outputs(x, topk_ids, moe.w13, moe.w2)
+    expect_route_dots_close(topk_weights.grad, leaves[1].grad, dy, route_outputs)

@@ -3,7 +3,7 @@ module, the function, torch.library.opcheck, torch.compile(fullgraph=True) and C
 and device errors named. Skipped without a Hopper GPU."""
 
 import pytest
-from support import needs_hopper, pounce, random_routing, reference_moe, reference_route_outputs, relative_error, torch
+from support import expect_close, expect_matches_reference, needs_hopper, pounce, random_routing, reference_moe, torch
 
 pytestmark = needs_hopper
 
@@ -35,30 +35,6 @@ def make(case, seed=0):
     return moe, x, ids, weights
 
 
-def expect_close(name, got, want, tolerance=1e-2):
-    if want.abs().sum() == 0:
-        assert got.abs().sum() == 0, f"{name} should be exactly zero"
-    else:
-        error = relative_error(got, want)
-        assert error < tolerance, f"{name}: relative L2 error {error:.2e}"
-
-
-def expect_route_dots_close(got, want, dy, route_outputs):
-    """d_topk_weights[t, j] = <dy[t], o[t, j]>: dot products of H terms that may cancel. Each is held to
-    2^-8 of |dy[t]| |o[t, j]| (an emulation of the bf16 rows and gate/up values stays within 2^-9.6 of it;
-    a wrong route misses by ~|dy| |o| / sqrt(H)); with enough routes for the sum to be well conditioned,
-    all of them together also to 1e-2 relative L2 (which catches an error common to every route)."""
-    bound = 2.0**-8 * dy.float().norm(dim=-1, keepdim=True) * route_outputs.norm(dim=-1)
-    excess = (got.float() - want.float()).abs() - bound
-    worst = int(excess.argmax())
-    assert excess.max() <= 0, (
-        f"d_topk_weights: route {divmod(worst, got.shape[-1])} is {got.flatten()[worst]:.5g}, "
-        f"expected {want.flatten()[worst]:.5g} within {bound.flatten()[worst]:.3g}"
-    )
-    if got.numel() >= 64:
-        expect_close("d_topk_weights", got, want)
-
-
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_forward_and_gradients_match_the_eager_reference(case):
     moe, x, ids, weights = make(case)
@@ -67,16 +43,7 @@ def test_forward_and_gradients_match_the_eager_reference(case):
     y = moe(x, ids, weights)
     dy = torch.randn_like(y)
     y.backward(dy)
-
-    leaves = [t.detach().float().requires_grad_() for t in (x, weights, moe.w13, moe.w2)]
-    want = reference_moe(leaves[0], ids, *leaves[1:])
-    want.backward(dy.float())
-    expect_close("y", y, want)
-    for name, got, leaf in zip(("dx", "dw13", "dw2"), (x, moe.w13, moe.w2), (leaves[0], leaves[2], leaves[3])):
-        expect_close(name, got.grad, leaf.grad)
-    with torch.no_grad():
-        route_outputs = reference_route_outputs(x, ids, moe.w13, moe.w2)
-    expect_route_dots_close(weights.grad, leaves[1].grad, dy, route_outputs)
+    expect_matches_reference(moe, x, ids, weights, y, dy)
     with torch.no_grad():
         assert torch.equal(moe(x, ids, weights), y), "forwards repeat bitwise"
     if case[5] == "zero-weights":

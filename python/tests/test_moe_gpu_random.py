@@ -8,8 +8,7 @@ models. Skipped without a Hopper GPU."""
 import random
 
 import pytest
-from support import needs_hopper, pounce, random_routing, reference_moe, reference_route_outputs, relative_error, torch
-from test_moe_gpu import expect_close, expect_route_dots_close
+from support import expect_matches_reference, needs_hopper, pounce, random_routing, torch
 
 pytestmark = needs_hopper
 
@@ -72,20 +71,7 @@ def test_drawn_configuration_over_steps_matches_the_eager_reference(seed):
         y = moe(x, ids, weights)
         dy = torch.randn(y.shape, generator=g).to(y)
         y.backward(dy)
-
-        leaves = [t.detach().float().requires_grad_() for t in (x, weights, moe.w13, moe.w2)]
-        want = reference_moe(leaves[0], ids, *leaves[1:])
-        want.backward(dy.float())
-        expect_close(f"{where}: y", y, want)
-        for name, got, leaf in zip(("dx", "dw13", "dw2"), (x, moe.w13, moe.w2), (leaves[0], leaves[2], leaves[3])):
-            # Without tokens the reference's graph never reaches the leaves: their gradients are zero.
-            want_grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            expect_close(f"{where}: {name}", got.grad, want_grad)
-        if T == 0:
-            continue
-        with torch.no_grad():
-            route_outputs = reference_route_outputs(x, ids, moe.w13, moe.w2)
-        expect_route_dots_close(weights.grad, leaves[1].grad, dy, route_outputs)
+        expect_matches_reference(moe, x, ids, weights, y, dy, where=f"{where}: ")
         if pattern == "zero-weights":
             assert y[0].abs().sum() == 0, f"{where}: token 0 has only zero weights"
     moe.check_device_errors()
@@ -116,14 +102,5 @@ def test_model_shape_matches_the_eager_reference(shape):
     y = moe(x, ids, weights)
     dy = torch.randn(y.shape, generator=g).to(y)
     y.backward(dy)
-
-    leaves = [t.detach().float().requires_grad_() for t in (x, weights, moe.w13, moe.w2)]
-    want = reference_moe(leaves[0], ids, *leaves[1:])
-    want.backward(dy.float())
-    expect_close("y", y, want)
-    for grad_name, got, leaf in zip(("dx", "dw13", "dw2"), (x, moe.w13, moe.w2), (leaves[0], leaves[2], leaves[3])):
-        expect_close(grad_name, got.grad, leaf.grad)
-    with torch.no_grad():
-        route_outputs = reference_route_outputs(x, ids, moe.w13, moe.w2)
-    expect_route_dots_close(weights.grad, leaves[1].grad, dy, route_outputs)
+    expect_matches_reference(moe, x, ids, weights, y, dy)
     moe.check_device_errors()
