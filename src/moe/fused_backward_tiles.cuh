@@ -84,9 +84,11 @@ class FusedBackwardTiles : public RankTiles {
     const uint4* da = reinterpret_cast<const uint4*>(p_.h_ring) + (tile.c_row + first_row) * groups + first;
     const uint4* gate_up =
         reinterpret_cast<const uint4*>(p_.bwd.gate_up_kept) + ((tile.keep_row + first_row) * groups + first) * 2;
+    // Both are read once, here: evict-first keeps them from pushing the GEMM tiles' operands out of L2.
+    const uint64_t read_once = ptx::l2_evict_first_policy();
     ptx::mbarrier_arrive_expect_tx(full, 3 * bytes);
-    ptx::bulk_load(a, da, bytes, full);
-    ptx::bulk_load(b, gate_up, 2 * bytes, full);
+    ptx::bulk_load(a, da, bytes, full, read_once);
+    ptx::bulk_load(b, gate_up, 2 * bytes, full, read_once);
   }
 
   // A consumer warp: its segment of the slice. Padding rows get zero dgu and w.a, and zero dy rows too:

@@ -214,6 +214,24 @@ __device__ __forceinline__ void bulk_load(void* smem_dst, const void* global_src
                : "memory");
 }
 
+// An L2 policy for data read once: its lines are the first evicted, so they do not push out what other
+// CTAs read again (GEMM operands).
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// bulk_load with an L2 cache policy (l2_evict_first_policy).
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* global_src, uint32_t bytes, uint64_t* bar,
+                                          uint64_t l2_policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::
+          "r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(global_src)), "r"(bytes), "r"(smem_addr(bar)), "l"(l2_policy)
+      : "memory");
+}
+
 // Global -> shared, kBytes (4, 8 or 16, both addresses aligned to it), asynchronous (no register holds
 // the value: the issuing thread goes on).
 template <int kBytes>
