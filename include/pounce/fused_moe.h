@@ -55,7 +55,7 @@ struct FusedMoeOptions {
   bool backward_replays = true;  // a backward without its kept forward replays it (false: throws instead)
   // On one GPU, a backward from a kept forward runs its data path as one persistent kernel, the forward's
   // with the directions swapped (same bits as the chain of kernels). Off by default: there the two are
-  // level on large experts and the chain is up to 8 % faster on small ones (docs/backward.md). A layer
+  // within 1-3 % on large experts and the chain is ~4 % faster on small ones (docs/backward.md). A layer
   // across GPUs always runs the persistent kernel.
   bool fused_backward = false;
   // The backward chain's two data-gradient GEMMs in E4M3 (docs/backward.md#fp8-data-gradients), on copies
