@@ -50,7 +50,11 @@ def reference_moe(x, topk_ids, topk_weights, w13, w2):
 def random_routing(tokens, experts, topk, *, pattern="uniform", generator=None, device="cpu"):
     """topk_ids [T, k] int32 (distinct experts per token) and topk_weights [T, k] fp32.
     pattern: "uniform"; "skewed" (most routes to the first experts, the last ones empty); "zero-weights"
-    (uniform ids, a third of the weights exactly 0 and token 0 with only zeros)."""
+    (uniform ids, a third of the weights exactly 0 and token 0 with only zeros); "hot" (every token on the
+    same k experts, so one expert's rows span many m-blocks)."""
+    if pattern == "hot":
+        ids = torch.randperm(experts, generator=generator)[:topk].to(torch.int32).repeat(tokens, 1)
+        return ids.to(device), torch.rand(tokens, topk, generator=generator).to(device)
     if pattern == "skewed":
         bias = torch.linspace(4, -4, experts)
         bias[experts // 2 :] = -1e9  # the second half of the experts gets nothing

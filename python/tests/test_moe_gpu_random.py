@@ -45,14 +45,6 @@ def config_id(seed):
     )
 
 
-def routing(T, E, k, pattern, g):
-    if pattern == "hot":  # every token on the same k experts: one expert's rows span many m-blocks
-        experts = torch.randperm(E, generator=g)[:k].to(torch.int32)
-        ids = experts.repeat(T, 1)
-        return ids.cuda(), torch.rand(T, k, generator=g).cuda()
-    return random_routing(T, E, k, pattern=pattern, generator=g, device="cuda")
-
-
 @pytest.mark.parametrize("seed", range(CONFIGS), ids=config_id)
 def test_drawn_configuration_over_steps_matches_the_eager_reference(seed):
     c = draw_config(seed)
@@ -65,7 +57,7 @@ def test_drawn_configuration_over_steps_matches_the_eager_reference(seed):
         pattern = PATTERNS[(seed + step) % len(PATTERNS)]
         where = f"step {step} (T {T}, {pattern})"
         x = torch.randn(T, c["H"], generator=g).bfloat16().cuda().requires_grad_()
-        ids, weights = routing(T, c["E"], c["k"], pattern, g)
+        ids, weights = random_routing(T, c["E"], c["k"], pattern=pattern, generator=g, device="cuda")
         weights.requires_grad_()
         moe.w13.grad = moe.w2.grad = None
         y = moe(x, ids, weights)
