@@ -10,8 +10,8 @@ import json
 import pathlib
 import re
 
-JSONS = ["bench-uniform", "bench-zipf", "torch", "copy", "dispatch", "ep"]
-LOGS = ["pounce_tests_gpu", "pounce_experiment_tests", "pytest", "sanitizer", "bench", "bench-zipf", "copy", "dispatch",
+JSONS = ["bench-uniform", "bench-zipf", "bench-balanced", "torch", "copy", "dispatch", "ep"]
+LOGS = ["pounce_tests_gpu", "pounce_experiment_tests", "pytest", "sanitizer", "bench", "bench-balanced", "bench-zipf", "copy", "dispatch",
         "ep", "torch"]
 
 

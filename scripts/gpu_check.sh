@@ -10,8 +10,9 @@
 #   --prebuilt  use the binaries and libpounce.so in build/bin, built beforehand (here or on another
 #               machine with the same toolkit, then copied into build/bin) instead of building: saves the
 #               build's minutes
-#   --phases    a comma-separated subset of tests,sanitize,bench,zipf,movers,torch,train,train-fused,train-fp8,
-#               timeline,ab (default: all but the train phases, timeline and ab, sanitize only with --sanitize),
+#   --phases    a comma-separated subset of tests,sanitize,bench,zipf,balanced,movers,torch,train,
+#               train-fused,train-fp8,timeline,ab (default: all but the train phases, timeline and ab,
+#               sanitize only with --sanitize),
 #               to split one check over several shorter runs into the same OUTDIR; torch reads the bench
 #               phase's JSON there.
 #               train runs python -m pounce.train into OUTDIR/train, train-fused the same with
@@ -38,7 +39,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ -z "$phases" ] && phases=tests,bench,zipf,movers,torch && [ $sanitize = 1 ] && phases=$phases,sanitize
+[ -z "$phases" ] && phases=tests,bench,zipf,balanced,movers,torch && [ $sanitize = 1 ] && phases=$phases,sanitize
 has() { [[ ",$phases," == *",$1,"* ]]; }
 mkdir -p "$out"
 out=$(realpath "$out")
@@ -119,6 +120,13 @@ if has zipf && [ $quick = 0 ]; then
   timeout 300 "$bin/pounce_bench" --shapes all --routing zipf --reps 10 --json "$out/bench-zipf.json" \
     > "$out/bench-zipf.log" 2>&1 || status=1
   sed -n '/^shape /,$p' "$out/bench-zipf.log"
+fi
+if has balanced && [ $quick = 0 ]; then
+  # Every expert the same number of rows (whole m-blocks on the catalogue shapes: no padding), the
+  # condition under which equal-rows grouped GEMM benchmarks are quoted.
+  timeout 300 "$bin/pounce_bench" --shapes all --routing balanced --reps 10 --no-backward \
+    --json "$out/bench-balanced.json" > "$out/bench-balanced.log" 2>&1 || status=1
+  sed -n '/^shape /,$p' "$out/bench-balanced.log"
 fi
 if has movers; then
   # The row movers (GB/s per comm CTA) and the dispatch-only pull-versus-push probe (virtual ranks on

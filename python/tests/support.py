@@ -49,9 +49,10 @@ def reference_moe(x, topk_ids, topk_weights, w13, w2):
 
 def random_routing(tokens, experts, topk, *, pattern="uniform", generator=None, device="cpu"):
     """topk_ids [T, k] int32 (distinct experts per token) and topk_weights [T, k] fp32.
-    pattern: "uniform"; "skewed" (most routes to the first experts, the last ones empty); "zero-weights"
-    (uniform ids, a third of the weights exactly 0 and token 0 with only zeros); "hot" (every token on the
-    same k experts, so one expert's rows span many m-blocks)."""
+    pattern: "uniform"; "zipf" (expert popularity ~ 1 / rank^1.2 over a random ranking: a few hot experts);
+    "skewed" (most routes to the first experts, the last ones empty); "zero-weights" (uniform ids, a third
+    of the weights exactly 0 and token 0 with only zeros); "hot" (every token on the same k experts, so
+    one expert's rows span many m-blocks)."""
     if pattern == "hot":
         ids = torch.randperm(experts, generator=generator)[:topk].to(torch.int32).repeat(tokens, 1)
         return ids.to(device), torch.rand(tokens, topk, generator=generator).to(device)
@@ -59,8 +60,16 @@ def random_routing(tokens, experts, topk, *, pattern="uniform", generator=None, 
         bias = torch.linspace(4, -4, experts)
         bias[experts // 2 :] = -1e9  # the second half of the experts gets nothing
         logits = torch.randn(tokens, experts, generator=generator) + bias
-    else:
+    elif pattern == "zipf":
+        # k experts drawn without replacement with probability ~ popularity: a top-k over
+        # log(popularity) + Gumbel noise.
+        rank = torch.randperm(experts, generator=generator).double() + 1
+        gumbel = -torch.log(-torch.log(torch.rand(tokens, experts, generator=generator, dtype=torch.float64)))
+        logits = -1.2 * torch.log(rank) + gumbel
+    elif pattern in ("uniform", "zero-weights"):
         logits = torch.randn(tokens, experts, generator=generator)
+    else:
+        raise ValueError(f"random_routing: unknown pattern {pattern!r}")
     ids = logits.topk(topk, dim=-1).indices.to(torch.int32)
     weights = torch.rand(tokens, topk, generator=generator)
     if pattern == "zero-weights":

@@ -1,6 +1,6 @@
 """pounce.MoE on drawn configurations against the eager fp32 MoE: shapes (H and I any multiple of 64, odd
 token counts and none, top-k from 1 to 12), rank counts (one, and 2 to 8 virtual ranks, odd ones included),
-routings (uniform, half the experts empty, every token on the same experts, exact-zero weights), the
+routings (uniform, Zipf, half the experts empty, every token on the same experts, exact-zero weights), the
 fused backward, a bounded ring that the forward reuses and the backward replays, and several steps on
 one module with the token count and the routing changing between them; then the layer shapes of real
 models. Skipped without a Hopper GPU."""
@@ -12,7 +12,7 @@ from support import expect_matches_reference, needs_hopper, pounce, random_routi
 
 pytestmark = needs_hopper
 
-PATTERNS = ("uniform", "skewed", "zero-weights", "hot")
+PATTERNS = ("uniform", "zipf", "skewed", "zero-weights", "hot")
 CONFIGS = 12
 
 

@@ -19,7 +19,13 @@ def problem(T, H, I, E, k, pattern, seed=0):
 
 @pytest.mark.parametrize(
     "T, H, I, E, k, pattern",
-    [(40, 64, 64, 8, 2, "uniform"), (33, 128, 64, 16, 4, "skewed"), (20, 64, 128, 4, 3, "zero-weights"), (0, 64, 64, 4, 1, "uniform")],
+    [
+        (40, 64, 64, 8, 2, "uniform"),
+        (33, 128, 64, 16, 4, "skewed"),
+        (20, 64, 128, 4, 3, "zero-weights"),
+        (50, 64, 64, 16, 3, "zipf"),
+        (0, 64, 64, 4, 1, "uniform"),
+    ],
 )
 def test_backward_op_matches_autograd_of_the_reference(T, H, I, E, k, pattern):
     x, ids, weights, w13, w2 = problem(T, H, I, E, k, pattern)
@@ -40,6 +46,27 @@ def test_backward_op_matches_autograd_of_the_reference(T, H, I, E, k, pattern):
             assert got.abs().sum() == 0, name
     if pattern == "skewed":  # the empty experts get exactly zero gradients
         assert dw13[E // 2 :].abs().sum() == 0 and dw2[E // 2 :].abs().sum() == 0
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "zipf", "skewed", "zero-weights", "hot"])
+def test_random_routing_gives_distinct_experts_in_the_named_shape(pattern):
+    T, E, k = 4096, 32, 4
+    ids, weights = random_routing(T, E, k, pattern=pattern, generator=torch.Generator().manual_seed(3))
+    assert ids.shape == (T, k) and ids.dtype == torch.int32 and weights.shape == (T, k)
+    assert ((ids >= 0) & (ids < E)).all()
+    assert (ids.sort(dim=-1).values.diff(dim=-1) > 0).all(), "a token's experts must be distinct"
+    load = torch.bincount(ids.flatten().long(), minlength=E)
+    share = T * k / E
+    if pattern == "zipf":
+        assert load.max() > 3 * share, "zipf: the hottest expert should draw several times its share"
+    elif pattern == "hot":
+        assert (load > 0).sum() == k
+    elif pattern == "skewed":
+        assert load[E // 2 :].sum() == 0
+    else:
+        assert load.max() < 1.5 * share
+    with pytest.raises(ValueError, match="unknown pattern"):
+        random_routing(T, E, k, pattern="zipfian")
 
 
 def inputs(T=8, H=64, I=64, E=4, k=2):

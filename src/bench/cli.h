@@ -21,8 +21,8 @@ inline CLI::Validator at_least(int min) {
 inline std::vector<std::string> routing_names() {
   using reference::RoutingPattern;
   std::vector<std::string> names;
-  for (RoutingPattern p :
-       {RoutingPattern::kUniform, RoutingPattern::kZipf, RoutingPattern::kOneExpert, RoutingPattern::kHalfEmpty})
+  for (RoutingPattern p : {RoutingPattern::kUniform, RoutingPattern::kZipf, RoutingPattern::kOneExpert,
+                           RoutingPattern::kHalfEmpty, RoutingPattern::kBalanced})
     names.push_back(reference::routing_pattern_name(p));
   return names;
 }

@@ -13,7 +13,8 @@ RoutingPattern parse_routing_pattern(const std::string& name) {
   if (name == "zipf") return RoutingPattern::kZipf;
   if (name == "one_expert") return RoutingPattern::kOneExpert;
   if (name == "half_empty") return RoutingPattern::kHalfEmpty;
-  POUNCE_FAIL("unknown routing pattern '", name, "' (expected uniform, zipf, one_expert or half_empty)");
+  if (name == "balanced") return RoutingPattern::kBalanced;
+  POUNCE_FAIL("unknown routing pattern '", name, "' (expected uniform, zipf, one_expert, half_empty or balanced)");
 }
 
 const char* routing_pattern_name(RoutingPattern pattern) {
@@ -26,6 +27,8 @@ const char* routing_pattern_name(RoutingPattern pattern) {
       return "one_expert";
     case RoutingPattern::kHalfEmpty:
       return "half_empty";
+    case RoutingPattern::kBalanced:
+      return "balanced";
   }
   return "?";
 }
@@ -87,6 +90,11 @@ std::vector<int32_t> synthetic_topk_ids(RoutingPattern pattern, int64_t tokens, 
       for (int64_t t = 0; t < tokens; ++t) pick_distinct(kept, topk, rng, &ids[t * topk]);
       break;
     }
+    case RoutingPattern::kBalanced:
+      // Route i = t k + j goes to expert all[i % E]: the k routes of a token are k consecutive entries of
+      // the cycle (distinct, since k <= E), and every expert is hit once per E routes.
+      for (int64_t i = 0; i < tokens * topk; ++i) ids[i] = all[i % experts];
+      break;
   }
   return ids;
 }

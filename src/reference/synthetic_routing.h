@@ -14,9 +14,12 @@ enum class RoutingPattern {
   kZipf,       // expert popularity ~ 1 / rank^1.2 over a random ranking: a few hot experts
   kOneExpert,  // every token's first choice is one hot expert; the rest uniform
   kHalfEmpty,  // only a random half of the experts receive tokens (needs k <= E/2)
+  kBalanced,   // every expert receives floor(T k / E) or ceil(T k / E) routes: the equal-rows case that
+               // grouped GEMM benchmarks measure (no padding when T k / E is a multiple of 128)
 };
 
-RoutingPattern parse_routing_pattern(const std::string& name);  // "uniform", "zipf", "one_expert", "half_empty"
+// "uniform", "zipf", "one_expert", "half_empty", "balanced"
+RoutingPattern parse_routing_pattern(const std::string& name);
 const char* routing_pattern_name(RoutingPattern pattern);
 
 // [tokens, topk] expert ids.
