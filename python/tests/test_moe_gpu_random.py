@@ -64,7 +64,7 @@ def test_drawn_configuration_over_steps_matches_the_eager_reference(seed):
         dy = torch.randn(y.shape, generator=g).to(y)
         y.backward(dy)
         expect_matches_reference(moe, x, ids, weights, y, dy, where=f"{where}: ")
-        if pattern == "zero-weights":
+        if pattern == "zero-weights" and T > 0:
             assert y[0].abs().sum() == 0, f"{where}: token 0 has only zero weights"
     moe.check_device_errors()
 

@@ -466,6 +466,9 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     auto sweep = [&](const std::string& what, const std::vector<std::pair<std::string, FusedMoeOptions>>& settings,
                      int ranks = 1) {
       const bool fp8 = settings.front().second.fp8_forward;
+      for (const auto& [name, options] : settings)
+        POUNCE_REQUIRE(options.fp8_forward == fp8, "sweep '", what, "': setting '", name,
+                       "' mixes the E4M3 and BF16 forwards, which have different baselines");
       std::vector<std::unique_ptr<FusedMoe>> layers;
       std::vector<Candidate> candidates;
       for (const auto& [name, options] : settings) {
@@ -478,7 +481,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
         for (int r = 0; r < ranks; ++r)
           local[r] = {w13.data() + r * (E / ranks) * 2 * I * H, w2.data() + r * (E / ranks) * H * I};
         layers.back()->set_weights(local);
-        if (fp8) layers.back()->refresh_fp8_weights(stream);
+        if (options.fp8_forward) layers.back()->refresh_fp8_weights(stream);
         FusedMoe* layer = layers.back().get();
         candidates.push_back({name, Role::kFused,
                               [&, layer, ranks](int rep) {
@@ -552,6 +555,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                             bounded});
       }
       sweeps["ring"] = sweep("fused: ring", settings);
+      settings.clear();
       Json ranks = Json::object();
       for (const char* P : {"1", "2", "4", "8"})
         ranks[std::string("P") + P] = sweep("fused: virtual ranks", {{std::string("P=") + P, {}}}, std::atoi(P));
