@@ -84,6 +84,7 @@ static std::string likely_cause(const DeviceErrorRecord& r) {
     case WaitTarget::kStageEmpty:
     case WaitTarget::kTileInfo:
     case WaitTarget::kTileInfoFree:
+    case WaitTarget::kTileClaim:
     case WaitTarget::kCopyLanded:
       out << "a copy or GEMM pipeline inside one CTA of rank " << r.rank << " stopped (a faulting TMA or bulk "
           << "copy: check that the weights and tensors are valid device memory of the layer's GPU)";
@@ -151,6 +152,9 @@ std::string DeviceErrorSlot::describe() const {
       break;
     case WaitTarget::kTileInfoFree:
       out << "tile slot " << r.index << " never released by the consumers, phase " << r.expected;
+      break;
+    case WaitTarget::kTileClaim:
+      out << "the loader never let the tile fetcher claim its next tile, phase " << r.expected;
       break;
     case WaitTarget::kRowsInBounds:
       out << "expert_offsets[experts] = " << r.observed << " exceeds the " << r.expected << " rows of the A buffer";

@@ -57,6 +57,7 @@ enum class WaitTarget : uint32_t {
                           // expected (128), or lies below the offset before it (or below 0)
   kHiddenQuantized = 19,  // the E4M3 forward's counter of m-block index's hidden rows quantized for GEMM2
   kTokensQuantized = 20,  // the E4M3 forward's count of rank index's CTAs that quantized their tokens
+  kTileClaim = 21,        // the loader's go for the tile fetcher's next claim (a GEMM pipeline's own barrier)
 };
 
 struct DeviceErrorRecord {

@@ -152,6 +152,7 @@ struct SharedStorage {
                             // its warp (free_stage) unless the warp's lanes read the stage themselves)
   uint64_t tile_full[kTileSlots];
   uint64_t tile_empty[kTileSlots];  // one arrival per consumer warp (, the loader's, the scale loader's)
+  uint64_t claim;                   // claims_late: the loader's go for the next tile's claim, once per tile
   TileInfo tiles[kTileSlots];
 };
 // Dynamic shared memory of a kernel whose tiles are of kind kKind: + slack to align the dynamic base.
@@ -182,6 +183,9 @@ __device__ __forceinline__ SharedStorage<Stages>& shared_storage(uint8_t* smem_r
 //                              stage format's, kBf16Registers or kFp8Registers)
 //   static constexpr bool kFetchAhead   optional (default true): whether a thread of its own fetches tiles
 //                              ahead of the loader (fetches_ahead)
+//   static constexpr int kClaimLeadSlices   optional (default 0: as soon as a slot is free): with
+//                              kFetchAhead, the fetcher claims the next tile only once the loader has this
+//                              many K slices of the current one left to load (claims_late)
 // and, when its queue holds kElementwiseTile items (stage A and B are raw bytes to them; E4M3 stages are
 // the same size as BF16 ones, and their scale loader only arrives for the item's slices),
 //   void load_elementwise(const TileInfo& tile, int slice, void* a, void* b, uint64_t* full) const
@@ -259,6 +263,22 @@ constexpr bool fetches_ahead() {
   else
     return true;
 }
+// A fetcher ahead of the loader claims a tile (its ticket) as soon as a slot is free, a whole tile before
+// the loader needs it. Where tiles wait for one another's outputs, a tile claimed that early can sit in
+// one CTA's slot while others idle; a source with kClaimLeadSlices claims only when the loader is that
+// many slices from the end of the current tile: early enough for the claim's round trips and the wait
+// for the tile's inputs to pass under the loads in flight, late enough to take the tile that is next.
+template <class Tiles>
+constexpr int claim_lead_slices() {
+  if constexpr (requires { Tiles::kClaimLeadSlices; })
+    return Tiles::kClaimLeadSlices;
+  else
+    return 0;
+}
+template <class Tiles>
+constexpr bool claims_late() {
+  return fetches_ahead<Tiles>() && claim_lead_slices<Tiles>() > 0;
+}
 
 // Takes the next tile from the source and publishes it into slot `slot`.
 template <class Tiles, class Storage>
@@ -276,14 +296,22 @@ __device__ TileInfo fetch_tile(Storage& s, Tiles& tiles, uint32_t& slot, uint32_
 }
 
 // Issues the loads of one tile's K slices (or an elementwise item's slices) into the stage ring.
+// claims_late: arrives on the claim barrier when claim_lead_slices() slices of the tile are left to load
+// (at once for a shorter tile), once per tile.
 template <class Tiles, class Storage>
 __device__ void load_tile(Storage& s, const Tiles& tiles, const TileInfo& info, uint32_t& stage, uint32_t& phase,
                           const WaitSite& pipe_site) {
   using Stages = StagesOf<Tiles::kKind>;
   constexpr int kStages = Storage::kStages;
+  const int claim_at = claims_late<Tiles>() ? max(0, info.k_blocks - claim_lead_slices<Tiles>()) : -1;
+  const auto maybe_claim = [&](int slice) {
+    if (slice == claim_at) ptx::mbarrier_arrive(&s.claim);
+  };
+  if (info.k_blocks == 0) maybe_claim(0);
   if constexpr (requires { tiles.load_elementwise(info, 0, s.a[0], s.b[0], &s.full[0]); }) {
     if (info.gemm == kElementwiseTile) {
       for (int slice = 0; slice < info.k_blocks; ++slice) {
+        maybe_claim(slice);
         mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
         tiles.load_elementwise(info, slice, s.a[stage], s.b[stage], &s.full[stage]);
         if (++stage == kStages) stage = 0, phase ^= 1;
@@ -293,6 +321,7 @@ __device__ void load_tile(Storage& s, const Tiles& tiles, const TileInfo& info, 
   }
   const GemmOperands& op = tiles.operands(info.gemm);
   for (int kb = 0; kb < info.k_blocks; ++kb) {
+    maybe_claim(kb);
     mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
     ptx::mbarrier_arrive_expect_tx(&s.full[stage], Storage::kStageBytes);
     load_slice<kBlockM, Tiles::kKind == TileKind::kWeightGrad, Stages::kSliceK>(s.a[stage], op.a, info.a, kb,
@@ -305,11 +334,16 @@ __device__ void load_tile(Storage& s, const Tiles& tiles, const TileInfo& info, 
   }
 }
 
-// fetches_ahead: the fetcher thread.
+// fetches_ahead: the fetcher thread. claims_late: each tile after the first waits for the loader's go,
+// given while it loads the tile before (so at most one go is pending: phases alternate).
 template <class Tiles, class Storage>
 __device__ void run_tile_fetcher(Storage& s, Tiles& tiles, const WaitSite& pipe_site) {
-  uint32_t slot = 0, slot_phase = 0;
+  uint32_t slot = 0, slot_phase = 0, claim_phase = 0;
   while (fetch_tile(s, tiles, slot, slot_phase, pipe_site).valid) {
+    if constexpr (claims_late<Tiles>()) {
+      mbarrier_wait_bounded(&s.claim, claim_phase, pipe_site, WaitTarget::kTileClaim, 0);
+      claim_phase ^= 1;
+    }
   }
 }
 
@@ -925,6 +959,7 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
       ptx::mbarrier_init(&s.tile_empty[i],
                          kConsumerWarps + (fetches_ahead<Tiles>() ? 1 : 0) + (Stages::kScales ? 1 : 0));
     }
+    ptx::mbarrier_init(&s.claim, 1);
     ptx::fence_mbarrier_init();
   }
   __syncthreads();
