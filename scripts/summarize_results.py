@@ -52,6 +52,17 @@ def main():
             print(f"| {s['shape']} | {title} | {p:.0f} | {p / dense:.3f} | {loop:.0f} | {grouped:.0f} | "
                   f"{p / max(loop, grouped):.2f}x | {tcol} | {rel} | {via_loop} |")
 
+    rows_bf16_fp8 = gemm_fractions(bench)
+    if rows_bf16_fp8:
+        print("\nEach grouped GEMM alone over the dense GEMM timed beside it: BF16 over cuBLAS's BF16 GEMM, E4M3 over "
+              "cuBLASLt's FP8 GEMM (fast accumulation); padding rows: rows of the experts' m-blocks that hold no route:\n")
+        print("| shape | GEMM | padding rows | BF16 TFLOP/s | of dense | E4M3 TFLOP/s | of FP8 dense |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for r in rows_bf16_fp8:
+            e4m3 = (f"{r['e4m3_tflops']:.0f} | {r['e4m3_of_dense']:.3f}" if r["e4m3_tflops"] is not None else "- | -")
+            print(f"| {r['shape']} | {r['gemm']} | {r['padding_rows']} | {r['bf16_tflops']:.0f} | "
+                  f"{r['bf16_of_dense']:.3f} | {e4m3} |")
+
     print("\nFused layer (one launch: plan, dispatch, GEMM1+SwiGLU, GEMM2, combine, weighted sum), forward. "
           "Unfused: host schedule (free, outside the timing) / device schedule (the chain from device routing, "
           "as the fused layer runs):\n")
@@ -100,6 +111,28 @@ def main():
                     continue
                 ms = e["timing"]["median_ms"]
                 print(f"| {name} | {e['impl']} | {ms:.3f} | {e['tflops']:.0f} | {e['tflops'] / dense:.3f} | {u / ms:.2f}x |")
+
+
+def gemm_fractions(bench):
+    """Per shape and GEMM of the forward: pounce's BF16 grouped GEMM over the BF16 dense GEMM of its comparison,
+    and its E4M3 one over the FP8 dense GEMM of its own (None where the shape ran no E4M3 GEMMs)."""
+    out = []
+    for s in bench["shapes"]:
+        if "grouped_gemms" not in s:
+            continue
+        for key, name, ours in (("gemm1_gate_up", "GEMM1", "pounce (SwiGLU fused)"), ("gemm2_down", "GEMM2", "pounce")):
+            r = rows(s["grouped_gemms"][key])
+            row = {"shape": s["shape"], "gemm": name, "padding_rows": s["padded_rows"] - s["routes"],
+                   "bf16_tflops": r[ours]["tflops"], "bf16_of_dense": r[ours]["tflops"] / r[DENSE]["tflops"],
+                   "e4m3_tflops": None, "e4m3_of_dense": None}
+            fp8 = s.get("grouped_gemms_fp8", {}).get(key)
+            if fp8:
+                f = rows(fp8["rows"] if isinstance(fp8, dict) else fp8)
+                dense_fp8 = next(e for impl, e in f.items() if impl.startswith("cublasLt dense fp8"))
+                row["e4m3_tflops"] = f["pounce fp8"]["tflops"]
+                row["e4m3_of_dense"] = f["pounce fp8"]["tflops"] / dense_fp8["tflops"]
+            out.append(row)
+    return out
 
 
 def backward_table(bench, torch):
