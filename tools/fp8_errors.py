@@ -1,20 +1,27 @@
 #!/usr/bin/env python3
-"""What keeping the training forward's gate/up rows in E4M3 would cost the backward, measured on the CPU.
+"""FP8 choices that are not built, measured on the CPU in fp64 before building them.
 
-A training forward keeps each route's pre-SwiGLU gate/up row (2I values) for the backward, in bf16 today.
-Kept in E4M3 with a power-of-two scale per 128 values (the 1 x 128 blocks of pounce's FP8 rows) they would
-take half the memory and half the bytes the backward's SwiGLU pass reads. This study runs the layer's
-backward in fp64 from the exact gate/up rows, from their bf16 rounding (what pounce keeps now) and from
-their E4M3 quantization, and prints each gradient's error against the exact one: relative L2 over the
-tensor and the worst row's relative error (a token's row of dx or of the router-weight gradients, an
-expert's row of dW13 / dW2). For scale it also gives the error of pounce's E4M3 data gradients (dy and
-d(gate, up) quantized 1 x 128, both weights 128 x 128) from the bf16 rows.
+kept-rows: what keeping the training forward's gate/up rows in E4M3 would cost the backward. A training
+forward keeps each route's pre-SwiGLU gate/up row (2I values) for the backward, in bf16 today. Kept in
+E4M3 with a power-of-two scale per 128 values (the 1 x 128 blocks of pounce's FP8 rows) they would take
+half the memory and half the bytes the backward's SwiGLU pass reads. The study runs the layer's backward
+from the exact gate/up rows, from their bf16 rounding (what pounce keeps now) and from their E4M3
+quantization, and prints each gradient's error against the exact one: relative L2 over the tensor and the
+worst row's relative error (a token's row of dx or of the router-weight gradients, an expert's row of
+dW13 / dW2). For scale it also gives the error of pounce's E4M3 data gradients (dy and d(gate, up)
+quantized 1 x 128, both weights 128 x 128) from the bf16 rows.
 
-Inputs are drawn like a trained layer's: x, dy ~ N(0, 1), weights ~ N(0, 1 / fan-in), uniform routing,
-softmax router weights; every tensor rounded to bf16 first. The gate/up layout is pounce's (groups of 8
-gate and 8 up columns), so a 1 x 128 block holds 64 gate and 64 up values.
+scales: what fp32 block scales (amax / 448) would gain over the power-of-two ones pounce uses (the
+smallest 2^e with amax <= 448 * 2^e, exact to apply and E8M0-representable): the error of the E4M3
+activations (1 x 128) and of a GEMM with them and E4M3 weights (128 x 128), both ways.
 
-usage: tools/fp8_kept_rows.py [--shapes NAME ...] [--tokens T] [--experts E] [--topk K] [--seed S] [--json FILE]
+Inputs are drawn like a trained layer's: x, dy ~ N(0, 1) (x with a log-normal spread of token norms in
+the scales study), weights ~ N(0, 1 / fan-in), uniform routing, softmax router weights; every tensor
+rounded to bf16 first. The gate/up layout is pounce's (groups of 8 gate and 8 up columns), so a 1 x 128
+block of a kept row holds 64 gate and 64 up values.
+
+usage: tools/fp8_errors.py [kept-rows | scales] [--shapes NAME ...] [--tokens T] [--experts E] [--topk K]
+                           [--seed S] [--json FILE]
 """
 import argparse
 import json
@@ -37,11 +44,16 @@ def power_of_two_scales(amax):
     return torch.where(amax > 0, torch.exp2(e), torch.ones_like(amax))
 
 
-def e4m3_blocks(t, rows, cols):
-    """t quantized to E4M3 in blocks of rows x cols with power-of-two scales, returned dequantized."""
+def fp32_scales(amax):
+    """amax / 448 (1 where a block is all zeros): the block's largest magnitude lands on E4M3's largest."""
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def e4m3_blocks(t, rows, cols, scales=power_of_two_scales):
+    """t quantized to E4M3 in blocks of rows x cols, one scale per block, returned dequantized."""
     *lead, m, n = t.shape
     blocks = t.reshape(*lead, m // rows, rows, n // cols, cols)
-    scale = power_of_two_scales(blocks.abs().amax(dim=(-3, -1), keepdim=True))
+    scale = scales(blocks.abs().amax(dim=(-3, -1), keepdim=True))
     return ((blocks / scale).to(torch.float8_e4m3fn).double() * scale).reshape(t.shape)
 
 
@@ -112,7 +124,7 @@ def errors(got, want):
     return {"relative_l2": ((got - want).norm() / want.norm()).item(), "worst_row": worst}
 
 
-def study(hidden, intermediate, experts, topk, tokens, seed):
+def kept_rows_study(hidden, intermediate, experts, topk, tokens, seed):
     p = draw(hidden, intermediate, experts, topk, tokens, seed)
     exact = {}
     for e in range(experts):
@@ -129,8 +141,24 @@ def study(hidden, intermediate, experts, topk, tokens, seed):
     return out
 
 
+def scales_study(hidden, intermediate, tokens, seed):
+    """Relative L2 of the E4M3 activations and of GEMM1 (x W13^T) with power-of-two and with fp32 scales."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
+    x = bf16(x * torch.exp(torch.randn(tokens, 1, generator=g, dtype=torch.float64)))
+    w = bf16(torch.randn(2 * intermediate, hidden, generator=g, dtype=torch.float64) * hidden**-0.5)
+    y = x @ w.T
+    out = {}
+    for name, scales in (("power of two", power_of_two_scales), ("fp32", fp32_scales)):
+        xq = e4m3_blocks(x, 1, 128, scales)
+        yq = xq @ e4m3_blocks(w, 128, 128, scales).T
+        out[name] = {"activations": ((xq - x).norm() / x.norm()).item(), "gemm1": ((yq - y).norm() / y.norm()).item()}
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("study", nargs="?", default="kept-rows", choices=["kept-rows", "scales"])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--experts", type=int, default=8)
@@ -141,7 +169,13 @@ def main():
     results = {}
     for name in args.shapes:
         hidden, intermediate = SHAPES[name]
-        results[name] = study(hidden, intermediate, args.experts, args.topk, args.tokens, args.seed)
+        if args.study == "scales":
+            results[name] = r = scales_study(hidden, intermediate, args.tokens, args.seed)
+            print(f"{name}: E4M3 with power-of-two scales: activations {r['power of two']['activations']:.3e}, "
+                  f"GEMM1 {r['power of two']['gemm1']:.3e}; with fp32 scales: {r['fp32']['activations']:.3e}, "
+                  f"{r['fp32']['gemm1']:.3e} (relative L2, {args.tokens} tokens)")
+            continue
+        results[name] = kept_rows_study(hidden, intermediate, args.experts, args.topk, args.tokens, args.seed)
         print(f"\n{name}: H {hidden}, I {intermediate}, {args.experts} experts, top-{args.topk}, {args.tokens} tokens; "
               "relative L2 (worst row) against the backward from exact gate/up rows\n")
         print("| gradient | " + " | ".join(results[name]) + " |")
@@ -152,9 +186,9 @@ def main():
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         with open(args.json, "w") as f:
-            json.dump({"device": "cpu (fp64)", "torch": torch.__version__, "git_commit": commit or None,
-                       "tokens": args.tokens, "experts": args.experts, "topk": args.topk, "seed": args.seed,
-                       "shapes": results}, f, indent=1)
+            json.dump({"study": args.study, "device": "cpu (fp64)", "torch": torch.__version__,
+                       "git_commit": commit or None, "tokens": args.tokens, "experts": args.experts,
+                       "topk": args.topk, "seed": args.seed, "shapes": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""tools/fp8_kept_rows.py on the CPU: its SwiGLU backward against autograd, its block quantizer (power-of-two
-scales, every block within E4M3's range, values on the E4M3 grid), and the study's ordering of errors on
-a small layer (bf16 rows near bf16 rounding, E4M3 rows at E4M3's)."""
+"""tools/fp8_errors.py on the CPU: its SwiGLU backward against autograd, its block quantizer (power-of-two
+scales, every block within E4M3's range, values on the E4M3 grid), and both studies' ordering of errors
+on small layers (bf16 rows near bf16 rounding, E4M3 rows at E4M3's; fp32 scales no worse than powers of
+two)."""
 
 import importlib.util
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("fp8_kept_rows", ROOT / "tools" / "fp8_kept_rows.py")
+spec = importlib.util.spec_from_file_location("fp8_errors", ROOT / "tools" / "fp8_errors.py")
 study = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(study)
 
@@ -45,10 +46,17 @@ def test_block_quantizer_stays_in_range_on_the_e4m3_grid():
 
 
 def test_study_orders_the_errors():
-    out = study.study(hidden=256, intermediate=128, experts=4, topk=2, tokens=64, seed=3)
+    out = study.kept_rows_study(hidden=256, intermediate=128, experts=4, topk=2, tokens=64, seed=3)
     for name in study.GRADIENTS:
         bf16, e4m3 = out["bf16"][name]["relative_l2"], out["e4m3"][name]["relative_l2"]
         assert 0 < bf16 < 1e-2, (name, bf16)
         assert 5e-3 < e4m3 < 0.1 and e4m3 > 3 * bf16, (name, e4m3, bf16)
     # The E4M3 data gradients leave dW2 alone (dy rows and w a stay bf16 there).
     assert out["bf16 rows, E4M3 data gradients"]["dw2"] == out["bf16"]["dw2"]
+
+
+def test_scales_study_fp32_scales_are_no_worse():
+    out = study.scales_study(hidden=512, intermediate=256, tokens=64, seed=4)
+    for what in ("activations", "gemm1"):
+        pow2, fp32 = out["power of two"][what], out["fp32"][what]
+        assert 1e-2 < fp32 <= pow2 < 0.1, (what, pow2, fp32)
