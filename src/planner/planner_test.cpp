@@ -223,7 +223,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ScheduleCase{1, RoutingPattern::kUniform}, ScheduleCase{2, RoutingPattern::kUniform},
                       ScheduleCase{4, RoutingPattern::kZipf}, ScheduleCase{8, RoutingPattern::kUniform},
                       ScheduleCase{8, RoutingPattern::kZipf}, ScheduleCase{4, RoutingPattern::kOneExpert},
-                      ScheduleCase{2, RoutingPattern::kHalfEmpty}));
+                      ScheduleCase{2, RoutingPattern::kHalfEmpty}, ScheduleCase{4, RoutingPattern::kBalanced}));
 
 TEST(Schedule, EveryRouteLandsOnExactlyOneRank) {
   auto rng = testing::fresh_rng();
