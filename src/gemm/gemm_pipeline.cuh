@@ -6,7 +6,7 @@
 //   warpgroup 0: producer. The tile fetcher takes tiles from a TileSource (which also waits, bounded,
 //                for the tile's inputs to be ready) and publishes each to the others; the loader
 //                streams each tile's A/B K-slices with TMA into a kStages-deep mbarrier ring (two
-//                threads, or one: fetches_ahead).
+//                threads).
 //   warpgroups 1-2: consumers. Each owns 64 of the tile's 128 rows: wgmma from shared memory, fp32
 //                accumulators in registers, then the epilogue (SwiGLU, row scale) writes bf16 into a
 //                swizzled staging box that a TMA store copies out while the next tile's mainloop runs.
@@ -151,7 +151,7 @@ struct SharedStorage {
   uint64_t empty[kStages];  // consumers done reading    (one arrival per consumer thread: lane 0 arrives for
                             // its warp (free_stage) unless the warp's lanes read the stage themselves)
   uint64_t tile_full[kTileSlots];
-  uint64_t tile_empty[kTileSlots];  // one arrival per consumer warp (, the loader's, the scale loader's)
+  uint64_t tile_empty[kTileSlots];  // one arrival per consumer warp and the loader (and the scale loader)
   uint64_t claim;                   // claims_late: the loader's go for the next tile's claim, once per tile
   TileInfo tiles[kTileSlots];
 };
@@ -175,17 +175,14 @@ __device__ __forceinline__ SharedStorage<Stages>& shared_storage(uint8_t* smem_r
 // The tile fetcher asks its TileSource for tiles; TileSource::kKind is one of the kinds above.
 //   bool next(TileInfo& tile)  takes the next tile and waits (bounded) until its A rows are ready, then
 //                              fences them for TMA; false when there are no more tiles or a wait gave
-//                              up. Called by one thread (with kFetchAhead, not the loader, which
-//                              fences again).
+//                              up. Called by the fetcher thread (not the loader, which fences again).
 //   const GemmOperands& operands(int gemm) const
 //   const TimelineSink& timeline() const      where the CTA's spans go (common/timeline.cuh)
 //   static constexpr RegisterSplit kRegisters   optional: the producer / consumer registers (default: the
 //                              stage format's, kBf16Registers or kFp8Registers)
-//   static constexpr bool kFetchAhead   optional (default true): whether a thread of its own fetches tiles
-//                              ahead of the loader (fetches_ahead)
-//   static constexpr int kClaimLeadSlices   optional (default 0: as soon as a slot is free): with
-//                              kFetchAhead, the fetcher claims the next tile only once the loader has this
-//                              many K slices of the current one left to load (claims_late)
+//   static constexpr int kClaimLeadSlices   optional (default 0: as soon as a slot is free): the fetcher
+//                              claims the next tile only once the loader has this many K slices of the
+//                              current one left to load (claims_late)
 // and, when its queue holds kElementwiseTile items (stage A and B are raw bytes to them; E4M3 stages are
 // the same size as BF16 ones, and their scale loader only arrives for the item's slices),
 //   void load_elementwise(const TileInfo& tile, int slice, void* a, void* b, uint64_t* full) const
@@ -251,18 +248,10 @@ __device__ __forceinline__ void load_slice(Element* dst, const CUtensorMap* map,
 //   the tile fetcher takes tiles from the source in order, its waits for their inputs included, and
 //   publishes each into a slot;
 //   the loader issues each tile's loads stage by stage.
-// Apart (two threads; TileSource::kFetchAhead), the fetcher's round trips for a tile (the ticket, its
-// decode, the readiness counter) run while the loader still streams the tiles before it: in one thread
-// they sat between a tile's last load and the next one's first, an idle gap for the tensor cores on every
-// tile of a few K slices. A source whose tiles wait for one another (the fused kernel's) keeps both in
-// one thread: fetching ahead took tickets for tiles that other CTAs could have started sooner.
-template <class Tiles>
-constexpr bool fetches_ahead() {
-  if constexpr (requires { Tiles::kFetchAhead; })
-    return Tiles::kFetchAhead;
-  else
-    return true;
-}
+// Apart (two threads), the fetcher's round trips for a tile (the ticket, its decode, the readiness
+// counter) run while the loader still streams the tiles before it: in one thread they sat between a
+// tile's last load and the next one's first, an idle gap for the tensor cores on every tile of a few K
+// slices.
 // A fetcher ahead of the loader claims a tile (its ticket) as soon as a slot is free, a whole tile before
 // the loader needs it. Where tiles wait for one another's outputs, a tile claimed that early can sit in
 // one CTA's slot while others idle; a source with kClaimLeadSlices claims only when the loader is that
@@ -277,7 +266,7 @@ constexpr int claim_lead_slices() {
 }
 template <class Tiles>
 constexpr bool claims_late() {
-  return fetches_ahead<Tiles>() && claim_lead_slices<Tiles>() > 0;
+  return claim_lead_slices<Tiles>() > 0;
 }
 
 // Takes the next tile from the source and publishes it into slot `slot`.
@@ -334,7 +323,7 @@ __device__ void load_tile(Storage& s, const Tiles& tiles, const TileInfo& info, 
   }
 }
 
-// fetches_ahead: the fetcher thread. claims_late: each tile after the first waits for the loader's go,
+// The fetcher thread. claims_late: each tile after the first waits for the loader's go,
 // given while it loads the tile before (so at most one go is pending: phases alternate).
 template <class Tiles, class Storage>
 __device__ void run_tile_fetcher(Storage& s, Tiles& tiles, const WaitSite& pipe_site) {
@@ -347,7 +336,7 @@ __device__ void run_tile_fetcher(Storage& s, Tiles& tiles, const WaitSite& pipe_
   }
 }
 
-// fetches_ahead: the loader thread, a reader of the slots like the consumers.
+// The loader thread, a reader of the slots like the consumers.
 template <class Tiles, class Storage>
 __device__ void run_loader(Storage& s, const Tiles& tiles, const WaitSite& pipe_site) {
   uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
@@ -360,17 +349,6 @@ __device__ void run_loader(Storage& s, const Tiles& tiles, const WaitSite& pipe_
     // NOTES: the fetcher acquired the tile's inputs (other CTAs' writes, through the generic proxy) and
     // this thread acquired the fetcher's slot; the loads below read through the async proxy.
     ptx::fence_proxy_async_global();
-    load_tile(s, tiles, info, stage, phase, pipe_site);
-  }
-}
-
-// Otherwise one thread fetches a tile, then loads it (the source fences its inputs for TMA in next()).
-template <class Tiles, class Storage>
-__device__ void run_producer(Storage& s, Tiles& tiles, const WaitSite& pipe_site) {
-  uint32_t stage = 0, phase = 0, slot = 0, slot_phase = 0;
-  for (;;) {
-    const TileInfo info = fetch_tile(s, tiles, slot, slot_phase, pipe_site);
-    if (!info.valid) return;
     load_tile(s, tiles, info, stage, phase, pipe_site);
   }
 }
@@ -956,8 +934,7 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
     }
     for (int i = 0; i < kTileSlots; ++i) {
       ptx::mbarrier_init(&s.tile_full[i], 1);
-      ptx::mbarrier_init(&s.tile_empty[i],
-                         kConsumerWarps + (fetches_ahead<Tiles>() ? 1 : 0) + (Stages::kScales ? 1 : 0));
+      ptx::mbarrier_init(&s.tile_empty[i], kConsumerWarps + 1 + (Stages::kScales ? 1 : 0));
     }
     ptx::mbarrier_init(&s.claim, 1);
     ptx::fence_mbarrier_init();
@@ -973,11 +950,8 @@ __device__ void run_gemm_cta(uint8_t* smem_raw, Tiles& tiles, const WaitSite& pi
         ptx::prefetch_tensormap(tiles.operands(g).a);
         ptx::prefetch_tensormap(tiles.operands(g).b);
       }
-      if constexpr (fetches_ahead<Tiles>())
-        run_loader(s, tiles, pipe_site);
-      else
-        run_producer(s, tiles, pipe_site);
-    } else if (fetches_ahead<Tiles>() && threadIdx.x == kTileFetcherThread) {
+      run_loader(s, tiles, pipe_site);
+    } else if (threadIdx.x == kTileFetcherThread) {
       run_tile_fetcher(s, tiles, pipe_site);
     } else if constexpr (Stages::kScales) {
       if (threadIdx.x / 32 == 1) run_scale_loader(s, tiles, pipe_site);

@@ -71,7 +71,7 @@ class QueueTiles {
       const int32_t offset = p.expert_offsets[e];
       return offset % kBlockM != 0 || offset < (e > 0 ? p.expert_offsets[e - 1] : 0);
     };
-    constexpr int kFetcherWarp = (pipeline::fetches_ahead<QueueTiles>() ? pipeline::kTileFetcherThread : 0) / 32;
+    constexpr int kFetcherWarp = pipeline::kTileFetcherThread / 32;
     if (threadIdx.x / 32 == kFetcherWarp) {
       const int lane = threadIdx.x % 32;
       bool bad = false;

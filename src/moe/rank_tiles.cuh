@@ -13,12 +13,11 @@ namespace pounce::moe {
 
 class RankTiles {
  public:
-  // Fetched by a thread of its own, but claimed late (gemm::pipeline::claims_late): the fused kernel's
-  // tiles wait for one another, and claiming a whole tile ahead made its forward 2-12 % slower on one H200
+  // Claimed late (gemm::pipeline::claims_late): the fused kernel's tiles wait for one another, and
+  // claiming a whole tile ahead made its forward 2-12 % slower on one H200
   // (results/archive/h200/2026-12-02-tile-fetcher-ab.txt). Four BF16 slices (~3 us in the fused kernel)
   // cover the claim's round trips and the input wait; the E4M3 source claims eight of its shorter slices
   // ahead (results/archive/h200/2026-12-03-claim-late-ab.txt).
-  static constexpr bool kFetchAhead = true;
   static constexpr int kClaimLeadSlices = 4;
 
   __device__ const gemm::pipeline::GemmOperands& operands(int gemm) const { return ops_[gemm]; }
