@@ -127,7 +127,7 @@ def gemm_fractions(bench):
                    "e4m3_tflops": None, "e4m3_of_dense": None}
             fp8 = s.get("grouped_gemms_fp8", {}).get(key)
             if fp8:
-                f = rows(fp8["rows"] if isinstance(fp8, dict) else fp8)
+                f = rows(fp8["rows"])
                 dense_fp8 = next(e for impl, e in f.items() if impl.startswith("cublasLt dense fp8"))
                 row["e4m3_tflops"] = f["pounce fp8"]["tflops"]
                 row["e4m3_of_dense"] = f["pounce fp8"]["tflops"] / dense_fp8["tflops"]
