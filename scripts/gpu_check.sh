@@ -11,12 +11,12 @@
 #               machine with the same toolkit, then copied into build/bin) instead of building: saves the
 #               build's minutes
 #   --phases    a comma-separated subset of tests,sanitize,bench,zipf,balanced,movers,torch,train,
-#               train-fused,train-fp8,timeline,ab (default: all but the train phases, timeline and ab,
+#               train-chain,train-fp8,timeline,ab (default: all but the train phases, timeline and ab,
 #               sanitize only with --sanitize),
 #               to split one check over several shorter runs into the same OUTDIR; torch reads the bench
 #               phase's JSON there.
-#               train runs python -m pounce.train into OUTDIR/train, train-fused the same with
-#               --fused-backward into OUTDIR/train-fused, train-fp8 with --fp8-data-gradients
+#               train runs python -m pounce.train into OUTDIR/train, train-chain the same with
+#               --backward chain into OUTDIR/train-chain, train-fp8 with --fp8-data-gradients
 #               --fp8-weight-gradients into OUTDIR/train-fp8. timeline uses a second build with
 #               -DPOUNCE_TIMELINE=ON (build-timeline/bin with --prebuilt): its test, what recording costs
 #               the forward, and the traces of a forward and a training step in OUTDIR/timeline. ab times
@@ -151,12 +151,13 @@ if has torch; then
     > "$out/torch.log" 2>&1 || status=1
   cat "$out/torch.log"
 fi
-# The training comparison (python -m pounce.train) over this build's library; train-fused: the same with
-# pounce's backward as the persistent kernel (--fused-backward); train-fp8: its backward GEMMs in FP8.
-for phase in train train-fused train-fp8; do
+# The training comparison (python -m pounce.train) over this build's library, pounce's backward the
+# persistent kernel; train-chain: the same with the backward's chain of kernels; train-fp8: its backward
+# GEMMs in FP8 (which run in the chain).
+for phase in train train-chain train-fp8; do
   has $phase || continue
   flags=()
-  [ $phase = train-fused ] && flags=(--fused-backward)
+  [ $phase = train-chain ] && flags=(--backward chain)
   [ $phase = train-fp8 ] && flags=(--fp8-data-gradients --fp8-weight-gradients)
   PYTHONPATH=python POUNCE_LIBRARY=$(realpath "$bin/libpounce.so") timeout 400 python3 -m pounce.train \
     ${flags[@]+"${flags[@]}"} --out "$out/$phase" > "$out/$phase.log" 2>&1 || status=1

@@ -516,8 +516,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--val-batches", type=int, default=8, help="batches of validation windows")
     p.add_argument("--moe-warmup", type=int, default=5, help="warm-up repetitions of the MoE layers alone")
     p.add_argument("--moe-reps", type=int, default=30, help="timed repetitions of the MoE layers alone")
-    p.add_argument("--fused-backward", action="store_true",
-                   help="pounce's backward as one persistent kernel (FusedMoeOptions::fused_backward)")
+    p.add_argument("--backward", choices=("fused", "chain"),
+                   help="pounce's backward from the rows its forward kept: one persistent kernel "
+                        "(FusedMoeOptions::fused_backward) or the chain of kernels; default: fused, the chain "
+                        "with --fp8-forward or --fp8-data-gradients (which run only there)")
     p.add_argument("--fp8-forward", action="store_true",
                    help="the fused forward in E4M3 (FusedMoeOptions::fp8_forward)")
     p.add_argument("--fp8-data-gradients", action="store_true",
@@ -528,11 +530,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def backward_kind(args) -> str:
+    """"fused" or "chain": --backward, else the persistent kernel unless an FP8 option needs the chain."""
+    if args.backward:
+        return args.backward
+    return "chain" if args.fp8_forward or args.fp8_data_gradients else "fused"
+
+
 def pounce_options(args) -> dict:
-    """pounce.MoE's options for this run: the fused backward kernel, the E4M3 forward, FP8 gradients, when
-    asked for."""
+    """pounce.MoE's options for this run: the fused backward kernel (by default), the E4M3 forward, FP8
+    gradients, when asked for."""
     options = {}
-    if args.fused_backward:
+    if backward_kind(args) == "fused":
         options["fused_backward"] = 1
     if args.fp8_forward:
         options["fp8_forward"] = 1
@@ -556,6 +565,7 @@ def parse_args(argv=None):
         args = p.parse_args(argv)
         args.tiny = True
     args.device = device
+    args.backward = backward_kind(args)
     return args
 
 
@@ -618,7 +628,7 @@ def main(argv=None) -> int:
     parameters = sum(p.numel() for p in next(iter(models.values())).parameters())
     print(f"model: {args.layers} layers, hidden {args.hidden}, {args.experts} experts (top-{args.topk}, "
           f"intermediate {args.intermediate}), {parameters / 1e6:.1f}M parameters; "
-          f"{args.batch} x {args.seq} tokens per step")
+          f"{args.batch} x {args.seq} tokens per step; pounce's backward: {args.backward}")
     losses, step_ms, optimizers, last_batch = train(args, models, train_text, device)
 
     val = validation_batches(val_text, args.batch, args.seq, args.val_batches)

@@ -86,9 +86,17 @@ def test_loss_comparison():
 
 
 def test_flags_become_pounce_moe_options():
-    assert train.pounce_options(train.parse_args(["--tiny", "--device", "cpu"])) == {}
-    args = train.parse_args(["--tiny", "--device", "cpu", "--fp8-forward", "--fp8-data-gradients", "--fused-backward"])
-    assert train.pounce_options(args) == {"fused_backward": 1, "fp8_forward": 1, "fp8_data_gradients": 1}
+    def options(*flags):
+        return train.pounce_options(train.parse_args(["--tiny", "--device", "cpu", *flags]))
+
+    assert options() == {"fused_backward": 1}  # the persistent kernel by default
+    assert options("--backward", "chain") == {}
+    assert options("--fp8-weight-gradients") == {"fused_backward": 1, "fp8_weight_gradients": 1}
+    # The E4M3 forward and FP8 data gradients run with the chain only: it becomes the default there ...
+    assert options("--fp8-forward", "--fp8-data-gradients") == {"fp8_forward": 1, "fp8_data_gradients": 1}
+    # ... and asking for both is passed on, for pounce.MoE to refuse by name.
+    assert options("--fp8-data-gradients", "--backward", "fused") == {"fused_backward": 1, "fp8_data_gradients": 1}
+    assert train.parse_args(["--tiny", "--device", "cpu"]).backward == "fused"
 
 
 TINY_CPU = ["--tiny", "--device", "cpu", "--steps", "3", "--warmup-steps", "1"]

@@ -741,6 +741,39 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     backward_candidates.push_back(dense_reference);
     result["backward"] =
         compare(s.name, "backward", backward_flops, backward_candidates, o, dense_tflops, report, stream);
+    if (o.sweeps) {
+      // The fused backward's communication CTAs (dy rows pulled, dx rows summed), each count its own
+      // layer with its own kept forward on set 0, timed interleaved with the chain from `fused`'s kept
+      // forward (still set 0's: no forward of `fused` runs in between) and the dense GEMM.
+      std::vector<std::unique_ptr<FusedMoe>> layers;
+      std::vector<Candidate> candidates;
+      for (int comm : {0, 4, 8, 12, 16, 24, 32, 48}) {
+        layers.push_back(
+            std::make_unique<FusedMoe>(one_rank, FusedMoeOptions{.comm_ctas = comm, .fused_backward = true}));
+        FusedMoe* layer = layers.back().get();
+        layer->set_weights({w13.data(), w2.data()});
+        layer->forward({x[0].data(), d_ids.data(), d_weights.data(), T, y_fused.data()}, stream,
+                       /*keep_for_backward=*/true);
+        candidates.push_back(
+            {"fused backward, comm CTAs " +
+                 (comm == 0 ? "default (" + std::to_string(layer->comm_ctas()) + ")" : std::to_string(comm)),
+             Role::kFused,
+             [&, layer](int) {
+               layer->backward({x[0].data(), d_ids.data(), d_weights.data(), T, nullptr},
+                               {dy[0].data(), dx.data(), d_topk.data(), dw13.data(), dw2.data()},
+                               WeightGradOutput::kF32, stream);
+               kept_replays += layer->last_backward_replayed();
+             },
+             dx_set0});
+      }
+      candidates.push_back(backward_candidates[1]);  // the chain from the kept forward
+      candidates.push_back(dense_reference);
+      result["fused_backward_sweeps"] = {{"comm_ctas",
+                                          {{"timings", compare(s.name, "fused backward: comm CTAs", backward_flops,
+                                                               candidates, o, dense_tflops, report, stream)}}}};
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      for (const auto& layer : layers) layer->check_device_errors();
+    }
     const double forward_flops = 6.0 * routes * double(H) * double(I);
     // What keeping costs the forward: GEMM1's epilogue stores 2I more columns per row.
     result["training_forward"] =
