@@ -701,26 +701,35 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     };
     // The kept backward is timed on set 0 alone: what a forward keeps is valid until the next forward.
     training_forward(0);
-    FusedMoe fused_backward_layer(one_rank, {.fused_backward = true});
-    fused_backward_layer.set_weights({w13.data(), w2.data()});
-    fused_backward_layer.forward({x[0].data(), d_ids.data(), d_weights.data(), T, y_fused.data()}, stream,
-                                 /*keep_for_backward=*/true);
-    const auto fused_backward = [&] {
-      fused_backward_layer.backward({x[0].data(), d_ids.data(), d_weights.data(), T, nullptr},
-                                    {dy[0].data(), dx.data(), d_topk.data(), dw13.data(), dw2.data()},
-                                    WeightGradOutput::kF32, stream);
-      kept_replays += fused_backward_layer.last_backward_replayed();
+    // A layer of its own whose backward is the persistent kernel (`comm_ctas`: 0 for the default), with its
+    // training forward on set 0 kept; and that backward.
+    const auto kept_fused_backward_layer = [&](int comm_ctas) {
+      auto layer =
+          std::make_unique<FusedMoe>(one_rank, FusedMoeOptions{.comm_ctas = comm_ctas, .fused_backward = true});
+      layer->set_weights({w13.data(), w2.data()});
+      layer->forward({x[0].data(), d_ids.data(), d_weights.data(), T, y_fused.data()}, stream,
+                     /*keep_for_backward=*/true);
+      return layer;
     };
+    const auto fused_backward = [&](FusedMoe& layer) {
+      layer.backward({x[0].data(), d_ids.data(), d_weights.data(), T, nullptr},
+                     {dy[0].data(), dx.data(), d_topk.data(), dw13.data(), dw2.data()}, WeightGradOutput::kF32, stream);
+      kept_replays += layer.last_backward_replayed();
+    };
+    const std::unique_ptr<FusedMoe> fused_backward_layer = kept_fused_backward_layer(0);
     const double routes = double(plan.routes), backward_flops = 12.0 * routes * double(H) * double(I);
     const auto dx_check = [&](const char* reference) {
       return Output{dx.data(), [&](int rep) { return dx_first[rep % kSets].data(); }, T, H, nullptr, reference};
     };
     const Output dx_set0{dx.data(), [&](int) { return dx_first[0].data(); }, T, H, nullptr, "the replay's first run"};
+    const Candidate chain_from_kept{"pounce backward, from the kept forward", Role::kUnfused,
+                                    [&](int) { layer_backward(0, true); }, dx_set0};
     std::vector<Candidate> backward_candidates = {
         {"pounce backward, replay (plans, recomputes GEMM1)", Role::kUnfused,
          [&](int rep) { replay(rep % kSets, dx.data()); }, dx_check("the replay's own first run")},
-        {"pounce backward, from the kept forward", Role::kUnfused, [&](int) { layer_backward(0, true); }, dx_set0},
-        {"pounce backward, from the kept forward, fused kernel", Role::kFused, [&](int) { fused_backward(); }, dx_set0},
+        chain_from_kept,
+        {"pounce backward, from the kept forward, fused kernel", Role::kFused,
+         [&](int) { fused_backward(*fused_backward_layer); }, dx_set0},
         {"pounce backward, from the kept forward, bf16 weight gradients", Role::kFused,
          [&](int) { layer_backward(0, true, WeightGradOutput::kBf16); }, dx_set0}};
     if (fp8_shape) {
@@ -748,25 +757,14 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       std::vector<std::unique_ptr<FusedMoe>> layers;
       std::vector<Candidate> candidates;
       for (int comm : {0, 4, 8, 12, 16, 24, 32, 48}) {
-        layers.push_back(
-            std::make_unique<FusedMoe>(one_rank, FusedMoeOptions{.comm_ctas = comm, .fused_backward = true}));
+        layers.push_back(kept_fused_backward_layer(comm));
         FusedMoe* layer = layers.back().get();
-        layer->set_weights({w13.data(), w2.data()});
-        layer->forward({x[0].data(), d_ids.data(), d_weights.data(), T, y_fused.data()}, stream,
-                       /*keep_for_backward=*/true);
         candidates.push_back(
             {"fused backward, comm CTAs " +
                  (comm == 0 ? "default (" + std::to_string(layer->comm_ctas()) + ")" : std::to_string(comm)),
-             Role::kFused,
-             [&, layer](int) {
-               layer->backward({x[0].data(), d_ids.data(), d_weights.data(), T, nullptr},
-                               {dy[0].data(), dx.data(), d_topk.data(), dw13.data(), dw2.data()},
-                               WeightGradOutput::kF32, stream);
-               kept_replays += layer->last_backward_replayed();
-             },
-             dx_set0});
+             Role::kFused, [&, layer](int) { fused_backward(*layer); }, dx_set0});
       }
-      candidates.push_back(backward_candidates[1]);  // the chain from the kept forward
+      candidates.push_back(chain_from_kept);
       candidates.push_back(dense_reference);
       result["fused_backward_sweeps"] = {{"comm_ctas",
                                           {{"timings", compare(s.name, "fused backward: comm CTAs", backward_flops,
