@@ -701,11 +701,11 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     };
     // The kept backward is timed on set 0 alone: what a forward keeps is valid until the next forward.
     training_forward(0);
-    // A layer of its own whose backward is the persistent kernel (`comm_ctas`: 0 for the default), with its
-    // training forward on set 0 kept; and that backward.
-    const auto kept_fused_backward_layer = [&](int comm_ctas) {
-      auto layer =
-          std::make_unique<FusedMoe>(one_rank, FusedMoeOptions{.comm_ctas = comm_ctas, .fused_backward = true});
+    // A layer of its own whose backward is the persistent kernel (`comm_ctas`, `minibatch_rows`: 0 for the
+    // defaults), with its training forward on set 0 kept; and that backward.
+    const auto kept_fused_backward_layer = [&](int comm_ctas, int64_t minibatch_rows = 0) {
+      auto layer = std::make_unique<FusedMoe>(
+          one_rank, FusedMoeOptions{.comm_ctas = comm_ctas, .minibatch_rows = minibatch_rows, .fused_backward = true});
       layer->set_weights({w13.data(), w2.data()});
       layer->forward({x[0].data(), d_ids.data(), d_weights.data(), T, y_fused.data()}, stream,
                      /*keep_for_backward=*/true);
@@ -769,8 +769,31 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       result["fused_backward_sweeps"] = {{"comm_ctas",
                                           {{"timings", compare(s.name, "fused backward: comm CTAs", backward_flops,
                                                                candidates, o, dense_tflops, report, stream)}}}};
-      CUDA_CHECK(cudaStreamSynchronize(stream));
-      for (const auto& layer : layers) layer->check_device_errors();
+      const auto check_and_free = [&] {
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+        for (const auto& layer : layers) layer->check_device_errors();
+        layers.clear();
+        candidates.clear();
+      };
+      check_and_free();
+      // Its minibatch (the queue's steps of D1, S and D2 work, and the m-blocks whose tiles share weight
+      // columns in L2), the same way.
+      const int64_t default_blocks = fused_backward_layer->minibatch_rows() / kBlockM;
+      for (int64_t blocks : {int64_t(0), int64_t(2), int64_t(4), int64_t(8), int64_t(16), int64_t(32)}) {
+        if (blocks == default_blocks) continue;
+        layers.push_back(kept_fused_backward_layer(0, blocks * kBlockM));
+        FusedMoe* layer = layers.back().get();
+        candidates.push_back(
+            {"fused backward, minibatch " + (blocks == 0 ? "default (" + std::to_string(default_blocks) + " m-blocks)"
+                                                         : std::to_string(blocks) + " m-blocks"),
+             Role::kFused, [&, layer](int) { fused_backward(*layer); }, dx_set0});
+      }
+      candidates.push_back(chain_from_kept);
+      candidates.push_back(dense_reference);
+      result["fused_backward_sweeps"]["minibatch"] = {
+          {"timings",
+           compare(s.name, "fused backward: minibatch", backward_flops, candidates, o, dense_tflops, report, stream)}};
+      check_and_free();
     }
     const double forward_flops = 6.0 * routes * double(H) * double(I);
     // What keeping costs the forward: GEMM1's epilogue stores 2I more columns per row.
