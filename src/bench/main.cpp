@@ -45,8 +45,8 @@ void add_options(CLI::App& app, Options& o) {
                  "folder for in-kernel timelines (a POUNCE_TIMELINE build): a forward's and a training step's "
                  "Chrome traces per shape, and what recording costs the forward");
   app.add_flag("--sweeps", o.sweeps,
-               "fused layer sweeps: comm CTAs at every shape; minibatch, engine rows, "
-               "ring and virtual ranks at the default shape");
+               "fused layer sweeps: comm CTAs, minibatch and the fused backward's comm CTAs and minibatch at "
+               "every shape; engine rows, ring and virtual ranks at the default shape");
 }
 
 // ---- no GPU: the host reference at a small shape ---------------------------------------------------

@@ -525,14 +525,15 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     }
     sweeps["comm_ctas"] = sweep("fused: comm CTAs", settings);
     settings.clear();
+    // Minibatches at every shape: the default follows GEMM1's width (two waves of its tiles).
+    for (int blocks : {2, 4, 8, 16, 32, 64}) {
+      FusedMoeOptions m;
+      m.minibatch_rows = int64_t(blocks) * kBlockM;
+      settings.push_back({"minibatch " + std::to_string(blocks) + " m-blocks", m});
+    }
+    sweeps["minibatch"] = sweep("fused: minibatch", settings);
+    settings.clear();
     if (s.name == default_shape().name) {
-      for (int blocks : {2, 4, 8, 16, 32, 64}) {
-        FusedMoeOptions m;
-        m.minibatch_rows = int64_t(blocks) * kBlockM;
-        settings.push_back({"minibatch " + std::to_string(blocks) + " m-blocks", m});
-      }
-      sweeps["minibatch"] = sweep("fused: minibatch", settings);
-      settings.clear();
       for (int rows : {0, 32, 48, 64, 96, 128}) {
         FusedMoeOptions m;
         m.engine_rows = rows;
