@@ -46,7 +46,8 @@ struct FusedMoeOptions {
   int comm_ctas = 0;                            // of those, CTAs that move rows (dispatch, combine); 0: from the shape
   int engine_rows = -1;                         // rows of each 128-row copy item the bulk-copy engine moves (the CTA's
                                                 // warps move the rest); -1: balanced for the row length
-  int64_t minibatch_rows = 0;                   // routed rows per minibatch; 0: two waves of GEMM1 tiles
+  int64_t minibatch_rows = 0;                   // routed rows per minibatch (the fused backward's: at least 16
+                                                // m-blocks); 0: two waves of GEMM1 tiles
   int64_t ring_blocks = 0;                      // ring size in 128-row blocks per rank; 0: as ring_bytes allows
   int64_t ring_bytes = 0;                       // ring budget per rank; 0: one rank: every routed row (then nothing is
                                                 // combined), more ranks: 1 GiB or six minibatches, whichever is
