@@ -174,6 +174,7 @@ class FusedMoe {
   int comm_ctas() const;
   int engine_rows() const;
   int64_t minibatch_rows() const;
+  int64_t backward_minibatch_rows() const;  // of the fused backward (FusedMoeOptions::fused_backward)
   int64_t ring_blocks() const;
   bool in_place() const;  // one rank whose ring holds every routed row: nothing is combined
   int64_t max_m_blocks() const;

@@ -703,14 +703,19 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     // The kept backward is timed on set 0 alone: what a forward keeps is valid until the next forward.
     training_forward(0);
     // A layer of its own whose backward is the persistent kernel (`comm_ctas`, `minibatch_rows`: 0 for the
-    // defaults), with its training forward on set 0 kept; and that backward.
-    const auto kept_fused_backward_layer = [&](int comm_ctas, int64_t minibatch_rows = 0) {
-      auto layer = std::make_unique<FusedMoe>(
+    // defaults), with its training forward on set 0 kept (keep_forward); and that backward.
+    const auto fused_backward_layer_with = [&](int comm_ctas, int64_t minibatch_rows = 0) {
+      return std::make_unique<FusedMoe>(
           one_rank, FusedMoeOptions{.comm_ctas = comm_ctas, .minibatch_rows = minibatch_rows, .fused_backward = true});
+    };
+    const auto keep_forward = [&](std::unique_ptr<FusedMoe> layer) {
       layer->set_weights({w13.data(), w2.data()});
       layer->forward({x[0].data(), d_ids.data(), d_weights.data(), T, y_fused.data()}, stream,
                      /*keep_for_backward=*/true);
       return layer;
+    };
+    const auto kept_fused_backward_layer = [&](int comm_ctas) {
+      return keep_forward(fused_backward_layer_with(comm_ctas));
     };
     const auto fused_backward = [&](FusedMoe& layer) {
       layer.backward({x[0].data(), d_ids.data(), d_weights.data(), T, nullptr},
@@ -778,16 +783,18 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       };
       check_and_free();
       // Its minibatch (the queue's steps of D1, S and D2 work, and the m-blocks whose tiles share weight
-      // columns in L2), the same way.
-      const int64_t default_blocks = fused_backward_layer->minibatch_rows() / kBlockM;
-      for (int64_t blocks : {int64_t(0), int64_t(2), int64_t(4), int64_t(8), int64_t(16), int64_t(32)}) {
-        if (blocks == default_blocks) continue;
-        layers.push_back(kept_fused_backward_layer(0, blocks * kBlockM));
-        FusedMoe* layer = layers.back().get();
-        candidates.push_back(
-            {"fused backward, minibatch " + (blocks == 0 ? "default (" + std::to_string(default_blocks) + " m-blocks)"
-                                                         : std::to_string(blocks) + " m-blocks"),
-             Role::kFused, [&, layer](int) { fused_backward(*layer); }, dx_set0});
+      // columns in L2), the same way: each size the layer resolves once (it runs at least 16 m-blocks).
+      std::vector<int64_t> swept_rows;
+      for (int64_t blocks : {int64_t(0), int64_t(16), int64_t(32), int64_t(64)}) {
+        auto layer = fused_backward_layer_with(0, blocks * kBlockM);
+        const int64_t rows = layer->backward_minibatch_rows();
+        if (std::find(swept_rows.begin(), swept_rows.end(), rows) != swept_rows.end()) continue;
+        swept_rows.push_back(rows);
+        layers.push_back(keep_forward(std::move(layer)));
+        FusedMoe* kept = layers.back().get();
+        candidates.push_back({"fused backward, minibatch " + std::to_string(rows / kBlockM) + " m-blocks" +
+                                  (blocks == 0 ? " (default)" : ""),
+                              Role::kFused, [&, kept](int) { fused_backward(*kept); }, dx_set0});
       }
       candidates.push_back(chain_from_kept);
       candidates.push_back(dense_reference);

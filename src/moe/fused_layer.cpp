@@ -22,7 +22,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // dispatch wait for combines (the benchmark's ring sweep, docs/results.md).
 constexpr int64_t kDefaultRingMinibatches = 6;
 
-// The fused backward's minibatch, at least (FusedLayer::fused_backward): the stand-alone engine's band.
+// The fused backward's minibatch, at least (FusedLayer::backward_minibatch_rows): the stand-alone
+// engine's band.
 constexpr int64_t kBackwardMinibatchBlocks = 16;
 
 // CTAs of each rank: the option, else the GPU's multiprocessors shared by the ranks launched on it.
@@ -735,6 +736,15 @@ int64_t FusedLayer::FusedBackwardState::bytes() const {
   return bytes;
 }
 
+// The forward's minibatch, at least kBackwardMinibatchBlocks m-blocks: a step's dgrad tiles of one
+// n-block read the same weight columns (K up to 2I long), so its m-blocks are what shares them in L2, as
+// a band of the stand-alone engine does; the backward's ring holds every m-block, so a longer step only
+// lengthens the opening (the first minibatch's dy rows, pulled before the queue starts).
+int64_t FusedLayer::backward_minibatch_rows() const {
+  const int64_t blocks = std::max<int64_t>(params_.blocks_per_minibatch, kBackwardMinibatchBlocks);
+  return std::min(blocks, std::max<int64_t>(capacity_.max_m_blocks, 1)) * kBlockM;
+}
+
 // The backward from a kept forward: one persistent launch for the data path (the forward's kernel with
 // dy in place of x: moe/fused_kernel.cu), then each rank's weight gradients from the rows it left. The
 // launch plans again: the planner gives the kept forward's schedule bit for bit. On virtual ranks the
@@ -792,12 +802,7 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
   p.keep_gate_up = 0;
   p.stall_rank = -1;
   p.ring_blocks = int32_t(M);
-  // Minibatches of at least kBackwardMinibatchBlocks m-blocks: a step's dgrad tiles of one n-block read
-  // the same weight columns (K up to 2I long), so its m-blocks are what shares them in L2, as a band of
-  // the stand-alone engine does; the ring holds every m-block, so a longer step only lengthens the
-  // opening (the first minibatch's dy rows, pulled before the queue starts).
-  p.blocks_per_minibatch = int32_t(std::min<int64_t>(
-      std::max<int64_t>(M, 1), std::max<int64_t>(params_.blocks_per_minibatch, kBackwardMinibatchBlocks)));
+  p.blocks_per_minibatch = int32_t(backward_minibatch_rows() / kBlockM);
   p.in_place = P == 1;
   if (P == 1 && !params_.in_place) p.comm_ctas = in_place_comm_ctas(p.ctas_per_rank, H);
   p.steps = backward_counter_steps(config_);

@@ -57,6 +57,7 @@ class FusedLayer {
   int comm_ctas() const { return params_.comm_ctas; }
   int engine_rows() const { return params_.engine_rows; }
   int64_t minibatch_rows() const { return int64_t(params_.blocks_per_minibatch) * kBlockM; }
+  int64_t backward_minibatch_rows() const;
   int64_t ring_blocks() const { return params_.ring_blocks; }
   // One rank whose ring holds every m-block: GEMM2's rows are summed where they are, no combine step.
   bool in_place() const { return params_.in_place != 0; }

@@ -32,6 +32,7 @@ int FusedMoe::ctas_per_rank() const { return layer_->ctas_per_rank(); }
 int FusedMoe::comm_ctas() const { return layer_->comm_ctas(); }
 int FusedMoe::engine_rows() const { return layer_->engine_rows(); }
 int64_t FusedMoe::minibatch_rows() const { return layer_->minibatch_rows(); }
+int64_t FusedMoe::backward_minibatch_rows() const { return layer_->backward_minibatch_rows(); }
 int64_t FusedMoe::ring_blocks() const { return layer_->ring_blocks(); }
 bool FusedMoe::in_place() const { return layer_->in_place(); }
 int64_t FusedMoe::max_m_blocks() const { return layer_->max_m_blocks(); }

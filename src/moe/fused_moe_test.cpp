@@ -451,6 +451,9 @@ TEST(FusedMoe, DefaultRingHoldsSixMinibatches) {
                             .max_tokens_per_rank = m.tokens};
       FusedMoe layer(config);
       EXPECT_GE(layer.ring_blocks(), std::min(6 * blocks(layer), layer.max_m_blocks()));
+      // The fused backward's minibatch: the forward's, at least 16 m-blocks, at most all of them.
+      EXPECT_EQ(layer.backward_minibatch_rows(),
+                std::min(std::max<int64_t>(blocks(layer), 16), layer.max_m_blocks()) * kBlockM);
       EXPECT_LE(layer.ring_blocks() * kBlockM * (2 * m.hidden + m.intermediate) * 2, int64_t(1) << 30);
     }
   // Minibatches so large that six of them exceed 1 GiB: the default grows to six.
