@@ -148,6 +148,12 @@ class FusedMoe {
   // (collective: every rank calls it) runs the persistent kernel from the kept rows only, and throws
   // without them. The first backward allocates its buffers (a replay, or a kept forward whose ring does
   // not hold every x row, needs more): run one of each kind before capturing a graph.
+  // The backward's route rows (dy, d(gate, up), w.a and dx of every routed row: most of its memory) carry
+  // nothing from one backward to the next, so the layers of one config on one GPU share one set: a model
+  // of n such layers holds them once. Their backwards therefore run one after another: from one host
+  // thread at a time, and a backward on another stream than the previous one of the set waits for it on
+  // the GPU (not inside a CUDA graph capture: graphs replayed concurrently on several streams must not
+  // hold backwards of layers with the same config).
   void backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
                 cudaStream_t stream);
   void backward(const RankIO& forward_input, const RankGrads& grads, WeightGradOutput mode, cudaStream_t stream) {
@@ -179,8 +185,13 @@ class FusedMoe {
   bool in_place() const;  // one rank whose ring holds every routed row: nothing is combined
   int64_t max_m_blocks() const;
   // Device memory the layer allocated on this GPU (ring, schedule, counters, combine slots; after the
-  // first backward, the backward's buffers too), weights and the caller's tensors not included.
+  // first backward, the backward's buffers too), weights and the caller's tensors not included. Of it,
+  // shared_device_bytes() is the backward's route rows, shared with the other layers of the same config
+  // on this GPU (see backward()); layers with the same shared_buffers_id() hold the same set, so the
+  // memory of several layers is their device_bytes() less their shared part, plus each set once.
   int64_t device_bytes() const;
+  int64_t shared_device_bytes() const;
+  const void* shared_buffers_id() const;
   // Whether the latest backward had to replay its forward (nothing kept for it; see backward()).
   bool last_backward_replayed() const;
 

@@ -16,7 +16,7 @@ extern "C" {
 
 /* Raised whenever a struct below changes layout or a function is added; bindings compare it with
  * pounce_abi_version(). */
-#define POUNCE_C_ABI_VERSION 8
+#define POUNCE_C_ABI_VERSION 9
 #define POUNCE_NCCL_UNIQUE_ID_BYTES 128
 
 enum {
@@ -88,6 +88,8 @@ typedef struct pounce_moe_info {
   int64_t device_bytes; /* device memory the layer allocated on this GPU (not weights, not the caller's tensors) */
   int32_t in_place;     /* 1: one rank whose ring holds every routed row, nothing is combined */
   int32_t last_backward_replayed; /* 1: the latest backward found nothing kept and replayed its forward */
+  int64_t shared_bytes; /* of device_bytes, the backward's route rows: shared by the layers of one config on a GPU */
+  uint64_t shared_id;   /* equal for layers that share them (count shared_bytes once per id) */
 } pounce_moe_info;
 
 typedef struct pounce_moe pounce_moe; /* a layer: pounce::FusedMoe, and the NCCL communicator it owns, if any */

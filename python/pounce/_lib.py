@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 NCCL_UNIQUE_ID_BYTES = 128
 
 
@@ -83,6 +83,8 @@ class Info(ctypes.Structure):
         ("device_bytes", ctypes.c_int64),
         ("in_place", ctypes.c_int32),
         ("last_backward_replayed", ctypes.c_int32),
+        ("shared_bytes", ctypes.c_int64),
+        ("shared_id", ctypes.c_uint64),
     ]
 
 

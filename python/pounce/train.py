@@ -357,7 +357,10 @@ def step_memory(model, optimizer, inputs, targets, balance_weight) -> dict:
     torch.cuda.synchronize()
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     resident = tensor_bytes(model.parameters()) + tensor_bytes(state)
-    layers = sum(m.layer.info()["device_bytes"] for m in model.modules() if isinstance(m, pounce.MoE))
+    # Each layer's own buffers, and each set of route rows the layers share once.
+    infos = [m.layer.info() for m in model.modules() if isinstance(m, pounce.MoE)]
+    shared = {info["shared_id"]: info["shared_bytes"] for info in infos}
+    layers = sum(info["device_bytes"] - info["shared_bytes"] for info in infos) + sum(shared.values())
     pytorch = resident + torch.cuda.max_memory_allocated() - before
     return {"peak_bytes": pytorch + layers, "pytorch_peak_bytes": pytorch, "pounce_layer_bytes": layers,
             "parameters_and_optimizer_bytes": resident}

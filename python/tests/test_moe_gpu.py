@@ -69,6 +69,30 @@ def test_backward_uses_the_kept_forward_and_replays_an_earlier_one():
         expect_close("dx", t.grad, leaf.grad)
 
 
+def test_layers_of_one_shape_share_the_backwards_rows():
+    """Two MoE layers of one shape, as in a model: both forwards, then both backwards in reverse order;
+    they hold one set of the backward's route rows, and each layer's gradients match the eager reference."""
+    layers = [make(CASES[1], seed=seed) for seed in (0, 1)]
+    inputs, outputs = [], []
+    for moe, x, ids, weights in layers:
+        x.requires_grad_()
+        weights.requires_grad_()
+        inputs.append((x, ids, weights))
+        outputs.append(moe(x, ids, weights))
+    dys = [torch.randn_like(y) for y in outputs]
+    for y, dy in reversed(list(zip(outputs, dys))):
+        y.backward(dy)
+    infos = [moe.layer.info() for moe, *_ in layers]
+    assert infos[0]["shared_id"] == infos[1]["shared_id"] and infos[0]["shared_bytes"] > 0
+    assert infos[0]["device_bytes"] == infos[1]["device_bytes"] > infos[0]["shared_bytes"]
+    for (moe, *_), (x, ids, weights), y, dy in zip(layers, inputs, outputs, dys):
+        assert moe.layer.info()["last_backward_replayed"] is False
+        expect_matches_reference(moe, x, ids, weights, y, dy)
+    other, x, ids, weights = make((CASES[1][0] + 4,) + CASES[1][1:])  # sized for more tokens: another shape
+    other(x, ids, weights)
+    assert other.layer.info()["shared_id"] != infos[0]["shared_id"]
+
+
 def fp8_layers(H, I, E, k, virtual_ranks, option, generator):
     """A layer with `option` (its E4M3 weight copies) on random weights, and a bf16 one of the same shape."""
     moe = pounce.MoE(H, I, E, k, virtual_ranks=virtual_ranks, device="cuda", options={option: 1})

@@ -251,7 +251,9 @@ int pounce_moe_get_info(const pounce_moe* layer, pounce_moe_info* out) {
             .max_m_blocks = moe.max_m_blocks(),
             .device_bytes = moe.device_bytes(),
             .in_place = moe.in_place() ? 1 : 0,
-            .last_backward_replayed = moe.last_backward_replayed() ? 1 : 0};
+            .last_backward_replayed = moe.last_backward_replayed() ? 1 : 0,
+            .shared_bytes = moe.shared_device_bytes(),
+            .shared_id = reinterpret_cast<uintptr_t>(moe.shared_buffers_id())};
   });
 }
 

@@ -199,6 +199,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   check_config(config);
   CUDA_CHECK(cudaGetDevice(&device_));
   capacity_ = planner::worst_case_capacity(config);
+  shared_rows_ = SharedBackwardRows::of(config, launch_ranks);
   const int P = config.ranks;
   POUNCE_REQUIRE(gpu_is_hopper(), "fused MoE needs a Hopper GPU (sm_90a); this one is ",
                  gpu_info().present ? gpu_info().name : gpu_info().why_absent);
@@ -665,7 +666,8 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
     // More ranks: dx rows travel back through the forward's combine slots, free once it is done.
     std::vector<__nv_bfloat16*> slots;
     if (config_.ranks > 1) slots.assign(params_.peers.slots, params_.peers.slots + config_.ranks);
-    backward_ = std::make_unique<BackwardChain>(config_, slots);
+    backward_ = std::make_unique<BackwardChain>(
+        config_, slots, std::shared_ptr<BackwardRowBuffers>(shared_rows_, &shared_rows_->buffers()));
     if (timeline_) backward_->set_timeline(backward_timeline());
   }
   std::vector<BackwardSource> sources(L);
@@ -715,13 +717,17 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
   // The host's view misses forwards replayed by CUDA graphs: the device checks the rows are still these.
   if (kept) launch_check_kept_forward(params_, fingerprint(forward_inputs), stream);
   last_backward_replayed_ = !kept;
-  if (kept && (fused_backward_enabled_ || across_gpus))
-    return fused_backward(forward_inputs, grads, sources, experts, stream);
-  for (int lr = 0; lr < L; ++lr) {
-    const KeptForward rows = kept_rows(lr);
-    backward_->run(params_.first_rank + lr, sources, experts[lr], kept ? &rows : nullptr, stream);
+  SharedBackwardRows::Use use(*shared_rows_, stream);  // the route rows are this backward's until finish()
+  if (kept && (fused_backward_enabled_ || across_gpus)) {
+    fused_backward(forward_inputs, grads, sources, experts, stream);
+  } else {
+    for (int lr = 0; lr < L; ++lr) {
+      const KeptForward rows = kept_rows(lr);
+      backward_->run(params_.first_rank + lr, sources, experts[lr], kept ? &rows : nullptr, stream);
+    }
+    backward_->finish(sources, stream);
   }
-  backward_->finish(sources, stream);
+  use.finish();
 }
 
 // Timeline kernel tags: the forward, then the backward chain's GEMMs in BackwardGemm order, then the fused
@@ -729,11 +735,7 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
 constexpr uint8_t kForwardKernel = 0, kFirstBackwardKernel = 1, kFusedBackwardKernel = 1 + kBackwardGemms;
 
 int64_t FusedLayer::FusedBackwardState::bytes() const {
-  int64_t bytes = 0;
-  for (size_t b : {counters.bytes(), epoch.bytes(), peer_words.bytes(), dy_rows.bytes(), da.bytes(), dgu.bytes(),
-                   wa.bytes(), dx_rows.bytes(), segment_dots.bytes(), row_weight.bytes(), x_rows.bytes()})
-    bytes += int64_t(b);
-  return bytes;
+  return int64_t(counters.bytes() + epoch.bytes() + peer_words.bytes());
 }
 
 // The forward's minibatch, at least kBackwardMinibatchBlocks m-blocks: a step's dgrad tiles of one
@@ -766,32 +768,54 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
   const int64_t M = capacity_.max_m_blocks, ring_rows = L * M * kBlockM;
   const int64_t T = std::max<int64_t>(config_.max_tokens_per_rank, 1);
   const CounterLayout layout{M};
-  if (!fused_backward_) {
+  // The rows are shared (moe/backward/backward_rows.h): made by the first fused backward of a layer of
+  // this shape. The kernel writes every row before it reads it, except dy's padding rows: the first GEMM
+  // reads them before their S items zero them for the weight gradients. They start zero, and hold zeros
+  // or another layer's dy rows later (what the GEMM makes of them lands in padding rows too).
+  BackwardRowBuffers::Fused& fused_rows = shared_rows_->buffers().fused;
+  const bool make_rows = fused_rows.dy_rows.size() == 0, make_x_rows = P > 1 && fused_rows.x_rows.size() == 0;
+  if (!fused_backward_ || make_rows || make_x_rows) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone,
                    "FusedMoe::backward: the first backward from a kept forward allocates its rows, which a CUDA graph "
                    "capture cannot: run one before capturing");
-    auto s = std::make_unique<FusedBackwardState>();
+    BackwardRowBuffers::Fused made;  // moved into place only once all of it fits
     try {
-      s->counters = DeviceBuffer<uint32_t>(L * layout.words());
-      s->epoch = DeviceBuffer<uint32_t>(1);
-      s->peer_words = DeviceBuffer<uint32_t>(P * (T + P));
-      s->dy_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
-      s->da = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
-      s->dgu = DeviceBuffer<__nv_bfloat16>(ring_rows * 2 * I);
-      s->wa = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
-      s->dx_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
-      s->segment_dots = DeviceBuffer<float>(ring_rows * backward::segments_per_row(I / 8));
-      s->row_weight = DeviceBuffer<float>(ring_rows);
-      if (P > 1) s->x_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);  // in place the forward's ring has them
+      if (make_rows) {
+        made.dy_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
+        made.da = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
+        made.dgu = DeviceBuffer<__nv_bfloat16>(ring_rows * 2 * I);
+        made.wa = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
+        made.dx_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
+        made.segment_dots = DeviceBuffer<float>(ring_rows * backward::segments_per_row(I / 8));
+        made.row_weight = DeviceBuffer<float>(ring_rows);
+        made.dy_rows.fill_bytes(0);
+      }
+      if (make_x_rows)
+        made.x_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);  // in place the forward's ring has them
     } catch (const Error& e) {
       POUNCE_FAIL("FusedMoe::backward: the fused backward's row buffers (", ring_rows,
                   " rows: every m-block of the capacity, sized for every route of ", T, " tokens on each of ", P,
                   " ranks landing on this one) do not fit: ", e.what(), "; a smaller max_tokens_per_rank shrinks them");
     }
+    if (make_rows) {
+      fused_rows.dy_rows = std::move(made.dy_rows);
+      fused_rows.da = std::move(made.da);
+      fused_rows.dgu = std::move(made.dgu);
+      fused_rows.wa = std::move(made.wa);
+      fused_rows.dx_rows = std::move(made.dx_rows);
+      fused_rows.segment_dots = std::move(made.segment_dots);
+      fused_rows.row_weight = std::move(made.row_weight);
+    }
+    if (make_x_rows) fused_rows.x_rows = std::move(made.x_rows);
+  }
+  if (!fused_backward_) {
+    auto s = std::make_unique<FusedBackwardState>();
+    s->counters = DeviceBuffer<uint32_t>(L * layout.words());
+    s->epoch = DeviceBuffer<uint32_t>(1);
+    s->peer_words = DeviceBuffer<uint32_t>(P * (T + P));
     for (auto* words : {&s->counters, &s->epoch, &s->peer_words}) words->fill_bytes(0);
-    s->dy_rows.fill_bytes(0);  // padding rows feed the first GEMM before their S item zeroes them
     fused_backward_ = std::move(s);
   }
   FusedBackwardState& s = *fused_backward_;
@@ -807,19 +831,19 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
   if (P == 1 && !params_.in_place) p.comm_ctas = in_place_comm_ctas(p.ctas_per_rank, H);
   p.steps = backward_counter_steps(config_);
   p.epoch_word = s.epoch.data();
-  p.x_ring = s.dy_rows.data();
-  p.h_ring = s.da.data();
-  p.out_ring = s.dx_rows.data();
+  p.x_ring = fused_rows.dy_rows.data();
+  p.h_ring = fused_rows.da.data();
+  p.out_ring = fused_rows.dx_rows.data();
   if (timeline_) p.timeline.kernel = kFusedBackwardKernel;
   p.bwd = {gate_up_kept_.data(),
-           s.dgu.data(),
-           s.wa.data(),
+           fused_rows.dgu.data(),
+           fused_rows.wa.data(),
            {},
            {},
-           s.segment_dots.data(),
-           s.row_weight.data(),
+           fused_rows.segment_dots.data(),
+           fused_rows.row_weight.data(),
            {},
-           P > 1 ? s.x_rows.data() : nullptr};
+           P > 1 ? fused_rows.x_rows.data() : nullptr};
   const int kept_parity = int(forwards_ % 2), dy_parity = 1 - kept_parity;
   const int rank = params_.first_rank;
   if (window_) {
@@ -864,10 +888,10 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
   }
   FusedMaps maps{};
   using gemm::make_bf16_tensor_map, gemm::kStoreBoxCols, gemm::kStoreBoxRows;
-  maps.x_ring = make_bf16_tensor_map(s.dy_rows.data(), H, ring_rows, kBlockK, kBlockM);
-  maps.h_ring_store = make_bf16_tensor_map(s.da.data(), I, ring_rows, kStoreBoxCols, kStoreBoxRows);
-  maps.h_ring_load = make_bf16_tensor_map(s.dgu.data(), 2 * I, ring_rows, kBlockK, kBlockM);
-  maps.out_ring_store = make_bf16_tensor_map(s.dx_rows.data(), H, ring_rows, kStoreBoxCols, kStoreBoxRows);
+  maps.x_ring = make_bf16_tensor_map(fused_rows.dy_rows.data(), H, ring_rows, kBlockK, kBlockM);
+  maps.h_ring_store = make_bf16_tensor_map(fused_rows.da.data(), I, ring_rows, kStoreBoxCols, kStoreBoxRows);
+  maps.h_ring_load = make_bf16_tensor_map(fused_rows.dgu.data(), 2 * I, ring_rows, kBlockK, kBlockM);
+  maps.out_ring_store = make_bf16_tensor_map(fused_rows.dx_rows.data(), H, ring_rows, kStoreBoxCols, kStoreBoxRows);
   for (int lr = 0; lr < L; ++lr) {  // the weights read N-major: [E * K, N], boxes 64 wide
     maps.w2[lr] = make_bf16_tensor_map(weights_[lr].w2, I, E * H, 64, kBlockK);
     maps.w13[lr] = make_bf16_tensor_map(weights_[lr].w13, H, E * 2 * I, 64, kBlockK);
@@ -880,17 +904,18 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
 
   // The x rows of the weight gradients: in place, the forward's ring; with more ranks, the kernel's X
   // items pulled them from the source ranks' kept forward inputs (across GPUs the window copies, which
-  // no rank overwrites before the forward after next starts) into s.x_rows, in schedule order.
+  // no rank overwrites before the forward after next starts) into fused_rows.x_rows, in schedule order.
   std::vector<const __nv_bfloat16*> x(P);
   for (int r = 0; r < P; ++r) x[r] = window_ ? window_x_[kept_parity][r] : sources[r].x;
   const int64_t rank_rows = M * kBlockM;
   for (int lr = 0; lr < L; ++lr) {
     KeptForward rows = kept_rows(lr);
-    if (P > 1) rows.x_rows = s.x_rows.data() + lr * rank_rows * H;
-    backward_->run_weight_gradients(rank + lr, x, experts[lr], rows,
-                                    {s.dy_rows.data() + lr * rank_rows * H, s.dgu.data() + lr * rank_rows * 2 * I,
-                                     s.wa.data() + lr * rank_rows * I},
-                                    stream);
+    if (P > 1) rows.x_rows = fused_rows.x_rows.data() + lr * rank_rows * H;
+    backward_->run_weight_gradients(
+        rank + lr, x, experts[lr], rows,
+        {fused_rows.dy_rows.data() + lr * rank_rows * H, fused_rows.dgu.data() + lr * rank_rows * 2 * I,
+         fused_rows.wa.data() + lr * rank_rows * I},
+        stream);
   }
 }
 
@@ -921,8 +946,9 @@ std::string FusedLayer::stop_timeline() {
 }
 
 int64_t FusedLayer::device_bytes() const {
-  int64_t bytes =
-      window_bytes_ + (backward_ ? backward_->device_bytes() : 0) + (fused_backward_ ? fused_backward_->bytes() : 0);
+  // The shared route rows once, whichever of the layers made them.
+  int64_t bytes = window_bytes_ + (backward_ ? backward_->device_bytes() - backward_->route_row_bytes() : 0) +
+                  (fused_backward_ ? fused_backward_->bytes() : 0) + shared_rows_->bytes();
   for (size_t b : {chunk_counts_.bytes(), expert_routes_.bytes(), expert_offsets_.bytes(), row_source_rank_.bytes(),
                    row_token_.bytes(), row_k_.bytes(), minibatch_starts_.bytes(), sizes_.bytes(), topk_tables_.bytes(),
                    route_row_.bytes(), counters_.bytes(), x_ring_.bytes(), h_ring_.bytes(), out_ring_.bytes(),

@@ -29,6 +29,7 @@
 #include "common/device_buffer.h"
 #include "common/device_error.h"
 #include "moe/backward/backward_chain.h"
+#include "moe/backward/backward_rows.h"
 #include "moe/fused_kernel.h"
 #include "planner/schedule.h"
 #include "pounce/fused_moe.h"
@@ -64,6 +65,10 @@ class FusedLayer {
   int64_t max_m_blocks() const { return capacity_.max_m_blocks; }
   int ranks_on_this_gpu() const { return params_.launch_ranks; }
   int64_t device_bytes() const;
+  // The part of device_bytes() shared with the other layers of the same shape on this GPU (the
+  // backward's route rows: moe/backward/backward_rows.h), and which set that is.
+  int64_t shared_device_bytes() const { return shared_rows_->bytes(); }
+  const void* shared_buffers_id() const { return shared_rows_.get(); }
   bool last_backward_replayed() const { return last_backward_replayed_; }
   void start_timeline(int64_t max_events);
   std::string stop_timeline();
@@ -138,17 +143,16 @@ class FusedLayer {
   };
   std::unique_ptr<Fp8ForwardState> fp8_forward_;
   void setup_fp8_forward(int64_t ring_rows);
-  // The fused backward's own counters, number and peer words (virtual ranks), and its rows: a ring
-  // holding every m-block of every launch rank, kept for the weight gradients. Made by the first fused
-  // backward.
+  // The fused backward's own counters, number and peer words (virtual ranks), made by the first fused
+  // backward. Its rows (a ring holding every m-block of every launch rank, kept for the weight
+  // gradients) are shared_rows_'s.
   struct FusedBackwardState {
     DeviceBuffer<uint32_t> counters, epoch, peer_words;
-    DeviceBuffer<__nv_bfloat16> dy_rows, da, dgu, wa, dx_rows;
-    DeviceBuffer<__nv_bfloat16> x_rows;  // more than one rank: the x rows the kernel pulled (BackwardRows::x_rows)
-    DeviceBuffer<float> segment_dots, row_weight;
     int64_t bytes() const;
   };
   std::unique_ptr<FusedBackwardState> fused_backward_;
+  // The backward's route rows, shared with every layer of this shape on this GPU.
+  std::shared_ptr<SharedBackwardRows> shared_rows_;
   std::unique_ptr<Timeline> timeline_;  // between start_timeline and stop_timeline
   std::unique_ptr<comm::NcclWindow> window_;
   int64_t window_bytes_ = 0;

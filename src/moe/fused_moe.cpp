@@ -37,6 +37,8 @@ int64_t FusedMoe::ring_blocks() const { return layer_->ring_blocks(); }
 bool FusedMoe::in_place() const { return layer_->in_place(); }
 int64_t FusedMoe::max_m_blocks() const { return layer_->max_m_blocks(); }
 int64_t FusedMoe::device_bytes() const { return layer_->device_bytes(); }
+int64_t FusedMoe::shared_device_bytes() const { return layer_->shared_device_bytes(); }
+const void* FusedMoe::shared_buffers_id() const { return layer_->shared_buffers_id(); }
 bool FusedMoe::last_backward_replayed() const { return layer_->last_backward_replayed(); }
 void FusedMoe::start_timeline(int64_t max_events) { layer_->start_timeline(max_events); }
 std::string FusedMoe::stop_timeline() { return layer_->stop_timeline(); }

@@ -964,36 +964,58 @@ void append(std::vector<T>& to, const std::vector<T>& from) {
   to.insert(to.end(), from.begin(), from.end());
 }
 
-// Runs the public backward of every rank of p on poisoned outputs and downloads what it wrote.
-Gradients run_backward(FusedMoe& layer, const Problem& p, const std::vector<DeviceBuffer<uint16_t>>& d_dy) {
-  const EpConfig& c = p.config;
-  const int P = c.ranks;
-  const int64_t H = c.hidden, I = c.intermediate, E = c.local_experts(), k = c.topk;
+// Where a backward of every rank of p writes, poisoned first.
+struct GradientBuffers {
   std::vector<DeviceBuffer<uint16_t>> dx;
   std::vector<DeviceBuffer<float>> d_topk, dw13, dw2;
-  std::vector<RankGrads> grads;
-  for (int r = 0; r < P; ++r) {
-    const int64_t T = p.tokens[r];
-    dx.emplace_back(T * H);
-    d_topk.emplace_back(T * k);
-    dw13.emplace_back(E * 2 * I * H);
-    dw2.emplace_back(E * H * I);
-    for (auto* b : {&d_topk[r], &dw13[r], &dw2[r]}) b->fill_bytes(0xFF);
-    dx[r].fill_bytes(0xFF);
-    grads.push_back({bf16(d_dy[r]), bf16(dx[r]), d_topk[r].data(), dw13[r].data(), dw2[r].data()});
+
+  Gradients download() const {
+    Gradients got;
+    for (size_t r = 0; r < dx.size(); ++r) {
+      append(got.dx, dx[r].download());
+      append(got.d_topk, d_topk[r].download());
+      append(got.dw13, dw13[r].download());
+      append(got.dw2, dw2[r].download());
+    }
+    return got;
   }
-  layer.backward(p.io(), grads, WeightGradOutput::kF32, nullptr);
+};
+
+// Fresh buffers for a backward of every rank of p, poisoned (synchronously: done before any later launch).
+GradientBuffers poisoned_gradients(const Problem& p) {
+  const EpConfig& c = p.config;
+  const int64_t H = c.hidden, I = c.intermediate, E = c.local_experts(), k = c.topk;
+  GradientBuffers out;
+  for (int r = 0; r < c.ranks; ++r) {
+    const int64_t T = p.tokens[r];
+    out.dx.emplace_back(T * H);
+    out.d_topk.emplace_back(T * k);
+    out.dw13.emplace_back(E * 2 * I * H);
+    out.dw2.emplace_back(E * H * I);
+    for (auto* b : {&out.d_topk[r], &out.dw13[r], &out.dw2[r]}) b->fill_bytes(0xFF);
+    out.dx[r].fill_bytes(0xFF);
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());
+  return out;
+}
+
+// Enqueues the public backward of every rank of p on `stream`, into `out`.
+void enqueue_backward(FusedMoe& layer, const Problem& p, const std::vector<DeviceBuffer<uint16_t>>& d_dy,
+                      const GradientBuffers& out, cudaStream_t stream) {
+  std::vector<RankGrads> grads;
+  for (int r = 0; r < p.config.ranks; ++r)
+    grads.push_back({bf16(d_dy[r]), bf16(out.dx[r]), out.d_topk[r].data(), out.dw13[r].data(), out.dw2[r].data()});
+  layer.backward(p.io(), grads, WeightGradOutput::kF32, stream);
+}
+
+// Runs the public backward of every rank of p on poisoned outputs and downloads what it wrote.
+Gradients run_backward(FusedMoe& layer, const Problem& p, const std::vector<DeviceBuffer<uint16_t>>& d_dy) {
+  const GradientBuffers out = poisoned_gradients(p);
+  enqueue_backward(layer, p, d_dy, out, nullptr);
   const cudaError_t synced = cudaDeviceSynchronize();
   layer.check_device_errors();
   CUDA_CHECK(synced);
-  Gradients got;
-  for (int r = 0; r < P; ++r) {
-    append(got.dx, dx[r].download());
-    append(got.d_topk, d_topk[r].download());
-    append(got.dw13, dw13[r].download());
-    append(got.dw2, dw2[r].download());
-  }
-  return got;
+  return out.download();
 }
 
 // The host reference's gradients of every rank's tokens, concatenated in rank order.
@@ -1421,6 +1443,84 @@ TEST(FusedMoe, BackwardReplaysWhenItsForwardIsNotTheLatest) {
   CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_TRUE(run_backward(strict_layer, p, d_dy) == got);
   EXPECT_FALSE(strict_layer.last_backward_replayed());
+}
+
+// The layers of one config on a GPU share the backward's route rows (FusedMoe::shared_buffers_id): the
+// second layer's first backward allocates none of its own, and neither another layer's backward between
+// a layer's forward and its backward nor the two backwards enqueued on two streams without a host
+// synchronization between them (the second waits for the first on the GPU) changes any of their bits.
+// A layer of another config has rows of its own.
+TEST(FusedMoe, LayersOfOneConfigShareTheBackwardsRows) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  for (const bool fused : {true, false}) {
+    for (const Case& c : {Case{1, 6000, 512, 512, 8, 4, RoutingPattern::kZipf},
+                          Case{3, 700, 256, 128, 12, 3, RoutingPattern::kUniform}}) {
+      SCOPED_TRACE(std::string(fused ? "fused" : "chain") + ", " + ::testing::PrintToString(c));
+      Problem a = make_problem(rng, c), b = make_problem(rng, c);
+      const FusedMoeOptions options{.fused_backward = fused};
+      FusedMoe layer_a(a.config, options), layer_b(b.config, options);
+      a.load_weights(layer_a);
+      b.load_weights(layer_b);
+      EpConfig other = c.ranks == 1 ? a.config : b.config;
+      other.max_tokens_per_rank += 1;
+      EXPECT_EQ(layer_a.shared_buffers_id(), layer_b.shared_buffers_id());
+      EXPECT_NE(FusedMoe(other, options).shared_buffers_id(), layer_a.shared_buffers_id());
+      std::vector<std::vector<float>> dy_a, dy_b;
+      std::vector<DeviceBuffer<uint16_t>> d_dy_a, d_dy_b;
+      for (int r = 0; r < c.ranks; ++r) {
+        dy_a.push_back(testing::random_bf16_values(rng, a.tokens[r] * c.hidden));
+        dy_b.push_back(testing::random_bf16_values(rng, b.tokens[r] * c.hidden));
+        d_dy_a.emplace_back(testing::to_bf16_bits(dy_a.back()));
+        d_dy_b.emplace_back(testing::to_bf16_bits(dy_b.back()));
+      }
+      const auto train = [](FusedMoe& layer, Problem& p, cudaStream_t stream) {
+        layer.forward(p.io(), stream, /*keep_for_backward=*/true);
+      };
+
+      // One after the other: each checked against the host reference.
+      train(layer_a, a, nullptr);
+      const Gradients want_a = run_backward(layer_a, a, d_dy_a);
+      expect_gradients(want_a, reference_backward(a, dy_a), a.config);
+      train(layer_b, b, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      size_t free_before = 0, free_after = 0, total = 0;
+      CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+      const Gradients want_b = run_backward(layer_b, b, d_dy_b);
+      CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+      expect_gradients(want_b, reference_backward(b, dy_b), b.config);
+      EXPECT_GT(layer_a.shared_device_bytes(), 0);
+      EXPECT_EQ(layer_a.shared_device_bytes(), layer_b.shared_device_bytes());
+      EXPECT_EQ(layer_a.device_bytes(), layer_b.device_bytes());
+      EXPECT_LT(int64_t(free_before) - int64_t(free_after), layer_a.shared_device_bytes() / 2)
+          << "the second layer's first backward allocated rows of its own";
+
+      // Both forwards, then the backwards in the other order.
+      train(layer_a, a, nullptr);
+      train(layer_b, b, nullptr);
+      EXPECT_TRUE(run_backward(layer_b, b, d_dy_b) == want_b);
+      EXPECT_TRUE(run_backward(layer_a, a, d_dy_a) == want_a);
+      EXPECT_FALSE(layer_a.last_backward_replayed() || layer_b.last_backward_replayed());
+
+      // On two streams, enqueued back to back.
+      cudaStream_t stream_a = nullptr, stream_b = nullptr;
+      CUDA_CHECK(cudaStreamCreateWithFlags(&stream_a, cudaStreamNonBlocking));
+      CUDA_CHECK(cudaStreamCreateWithFlags(&stream_b, cudaStreamNonBlocking));
+      const GradientBuffers got_a = poisoned_gradients(a), got_b = poisoned_gradients(b);
+      train(layer_a, a, stream_a);
+      train(layer_b, b, stream_b);
+      enqueue_backward(layer_a, a, d_dy_a, got_a, stream_a);
+      enqueue_backward(layer_b, b, d_dy_b, got_b, stream_b);
+      const cudaError_t synced = cudaDeviceSynchronize();
+      layer_a.check_device_errors();
+      layer_b.check_device_errors();
+      CUDA_CHECK(synced);
+      EXPECT_TRUE(got_a.download() == want_a) << "two streams";
+      EXPECT_TRUE(got_b.download() == want_b) << "two streams";
+      CUDA_CHECK(cudaStreamDestroy(stream_a));
+      CUDA_CHECK(cudaStreamDestroy(stream_b));
+    }
+  }
 }
 
 // A forward and a backward captured once in a CUDA graph and replayed on new data in the same buffers:

@@ -29,8 +29,12 @@ void BackwardChain::allocate(DeviceBuffer<T>& buffer, int64_t count, const char*
   }
 }
 
-BackwardChain::BackwardChain(const EpConfig& config, std::span<__nv_bfloat16* const> slots)
-    : config_(config), slots_(slots.begin(), slots.end()), planner_(config, kBlockM) {
+BackwardChain::BackwardChain(const EpConfig& config, std::span<__nv_bfloat16* const> slots,
+                             std::shared_ptr<BackwardRowBuffers> rows)
+    : config_(config),
+      slots_(slots.begin(), slots.end()),
+      planner_(config, kBlockM),
+      buffers_(rows ? std::move(rows) : std::make_shared<BackwardRowBuffers>()) {
   check_config(config);
   POUNCE_REQUIRE(config.ranks == 1 || int(slots.size()) == config.ranks, "MoE backward: ", config.ranks,
                  " ranks need every rank's dx slots, got ", slots.size());
@@ -87,8 +91,8 @@ void BackwardChain::check_experts(int rank, const ExpertGradients& experts) cons
 
 void BackwardChain::allocate_transposed_rows(cudaStream_t stream) {
   const int64_t H = config_.hidden, I = config_.intermediate;
-  for (const auto& [rows, cols] :
-       {std::pair(&dy_t_, H), std::pair(&wa_t_, I), std::pair(&dgu_t_, 2 * I), std::pair(&x_t_, H)}) {
+  for (const auto& [rows, cols] : {std::pair(&buffers_->dy_t, H), std::pair(&buffers_->wa_t, I),
+                                   std::pair(&buffers_->dgu_t, 2 * I), std::pair(&buffers_->x_t, H)}) {
     allocate(rows->q, rows_ * cols, "FP8 transposed route rows", stream);
     allocate(rows->scales, rows_ / 128 * cols, "FP8 transposed route rows", stream);
   }
@@ -97,10 +101,11 @@ void BackwardChain::allocate_transposed_rows(cudaStream_t stream) {
 // Each route-row buffer the weight gradients read, quantized along its rows into its transpose.
 void BackwardChain::quantize_transposed_rows(cudaStream_t stream) {
   const int64_t H = config_.hidden, I = config_.intermediate;
-  const std::tuple<const __nv_bfloat16*, TransposedRows*, int64_t> buffers[] = {{route_rows_.dy, &dy_t_, H},
-                                                                                {route_rows_.wa, &wa_t_, I},
-                                                                                {route_rows_.dgu, &dgu_t_, 2 * I},
-                                                                                {rows_in_use_.x_rows, &x_t_, H}};
+  const std::tuple<const __nv_bfloat16*, TransposedRows*, int64_t> buffers[] = {
+      {route_rows_.dy, &buffers_->dy_t, H},
+      {route_rows_.wa, &buffers_->wa_t, I},
+      {route_rows_.dgu, &buffers_->dgu_t, 2 * I},
+      {rows_in_use_.x_rows, &buffers_->x_t, H}};
   // Only the schedule's rows in use: the k-grouped GEMMs read no further (a capacity of many ranks' worst
   // case may hold several times as many).
   const int32_t* rows_in_use = rows_in_use_.expert_offsets + config_.local_experts();
@@ -127,26 +132,26 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
   }
 
   last_experts_ = experts;
-  allocate(dy_rows_, rows_ * H, "route rows", stream);
-  allocate(da_, rows_ * I, "route rows", stream);
-  allocate(dgu_, rows_ * 2 * I, "route rows", stream);
-  allocate(wa_, rows_ * I, "route rows", stream);
-  allocate(dx_rows_, rows_ * H, "route rows", stream);
-  allocate(row_weight_, rows_, "route rows", stream);
-  allocate(route_dot_, rows_, "route rows", stream);
-  route_rows_ = {dy_rows_.data(), dgu_.data(), wa_.data()};
+  allocate(buffers_->dy_rows, rows_ * H, "route rows", stream);
+  allocate(buffers_->da, rows_ * I, "route rows", stream);
+  allocate(buffers_->dgu, rows_ * 2 * I, "route rows", stream);
+  allocate(buffers_->wa, rows_ * I, "route rows", stream);
+  allocate(buffers_->dx_rows, rows_ * H, "route rows", stream);
+  allocate(buffers_->row_weight, rows_, "route rows", stream);
+  allocate(buffers_->route_dot, rows_, "route rows", stream);
+  route_rows_ = {buffers_->dy_rows.data(), buffers_->dgu.data(), buffers_->wa.data()};
   // A replay plans again, gathers the x rows and recomputes the gate/up rows in the chain's own buffers;
   // a kept forward may still need its x rows gathered (its ring did not hold them all).
   const bool gather_x = kept == nullptr || kept->x_rows == nullptr;
-  if (gather_x) allocate(x_rows_, rows_ * H, "x rows", stream);
-  if (kept == nullptr) allocate(h13_, rows_ * 2 * I, "gate/up rows", stream);
+  if (gather_x) allocate(buffers_->x_rows, rows_ * H, "x rows", stream);
+  if (kept == nullptr) allocate(buffers_->h13, rows_ * 2 * I, "gate/up rows", stream);
   if (experts.fp8_weight_gradients) allocate_transposed_rows(stream);
   const bool fp8 = experts.fp8 != nullptr;
   if (fp8) {
-    allocate(dy_fp8_, rows_ * H, "FP8 route rows", stream);
-    allocate(dy_scale_, rows_ * H / 128, "FP8 route rows", stream);
-    allocate(dgu_fp8_, rows_ * 2 * I, "FP8 route rows", stream);
-    allocate(dgu_scale_, rows_ * 2 * I / 128, "FP8 route rows", stream);
+    allocate(buffers_->dy_fp8, rows_ * H, "FP8 route rows", stream);
+    allocate(buffers_->dy_scale, rows_ * H / 128, "FP8 route rows", stream);
+    allocate(buffers_->dgu_fp8, rows_ * 2 * I, "FP8 route rows", stream);
+    allocate(buffers_->dgu_scale, rows_ * 2 * I / 128, "FP8 route rows", stream);
   }
   if (kept != nullptr) {
     rows_in_use_ = *kept;
@@ -160,28 +165,31 @@ void BackwardChain::run(int rank, std::span<const BackwardSource> sources, const
                     planner_.row_k(),
                     planner_.route_row(),
                     nullptr,
-                    h13_.data()};
+                    buffers_->h13.data()};
   }
-  if (gather_x) rows_in_use_.x_rows = x_rows_.data();
+  if (gather_x) rows_in_use_.x_rows = buffers_->x_rows.data();
   const KeptForward& f = rows_in_use_;
   // Every route's dy rows and router weights, and its x rows unless kept.
   // FP8 data gradients: their A operands quantized as the kernels write the bf16 rows (which the weight
   // gradients read).
-  const backward::Fp8Rows dy_fp8 = fp8 ? backward::Fp8Rows{dy_fp8_.data(), dy_scale_.data()} : backward::Fp8Rows{};
-  const backward::Fp8Rows dgu_fp8 = fp8 ? backward::Fp8Rows{dgu_fp8_.data(), dgu_scale_.data()} : backward::Fp8Rows{};
+  const backward::Fp8Rows dy_fp8 =
+      fp8 ? backward::Fp8Rows{buffers_->dy_fp8.data(), buffers_->dy_scale.data()} : backward::Fp8Rows{};
+  const backward::Fp8Rows dgu_fp8 =
+      fp8 ? backward::Fp8Rows{buffers_->dgu_fp8.data(), buffers_->dgu_scale.data()} : backward::Fp8Rows{};
   backward::gather_route_rows(from, f.row_source_rank, f.row_token, f.row_k, rows_, H, k, f.x_rows, gather_x,
-                              dy_rows_.data(), row_weight_.data(), stream, dy_fp8);
+                              buffers_->dy_rows.data(), buffers_->row_weight.data(), stream, dy_fp8);
   if (kept == nullptr) gemm(BackwardGemm::kGateUp, nullptr, gemm::Epilogue::kStore, stream);
   gemm(BackwardGemm::kDataDown, nullptr, gemm::Epilogue::kStore, stream);
-  backward::swiglu_backward_rows(f.gate_up_rows, da_.data(), row_weight_.data(), f.row_token, rows_, I, dgu_.data(),
-                                 wa_.data(), route_dot_.data(), stream, dgu_fp8);
+  backward::swiglu_backward_rows(f.gate_up_rows, buffers_->da.data(), buffers_->row_weight.data(), f.row_token, rows_,
+                                 I, buffers_->dgu.data(), buffers_->wa.data(), buffers_->route_dot.data(), stream,
+                                 dgu_fp8);
   gemm(BackwardGemm::kDataGateUp, nullptr, gemm::Epilogue::kStore, stream);
   if (P == 1)
-    backward::combine_gradients(dx_rows_.data(), route_dot_.data(), f.route_row, sources[0].tokens, k, H, sources[0].dx,
-                                sources[0].d_topk_weights, stream);
+    backward::combine_gradients(buffers_->dx_rows.data(), buffers_->route_dot.data(), f.route_row, sources[0].tokens, k,
+                                H, sources[0].dx, sources[0].d_topk_weights, stream);
   else
-    backward::scatter_route_rows(dx_rows_.data(), route_dot_.data(), f.row_source_rank, f.row_token, f.row_k, rows_, H,
-                                 k, to, stream);
+    backward::scatter_route_rows(buffers_->dx_rows.data(), buffers_->route_dot.data(), f.row_source_rank, f.row_token,
+                                 f.row_k, rows_, H, k, to, stream);
 
   weight_gradients(experts, stream);
 }
@@ -204,8 +212,8 @@ void BackwardChain::run_weight_gradients(int rank, std::span<const __nv_bfloat16
   // x rows: gathered, or only their padding rows zeroed (the GEMMs sum whole m-blocks).
   const bool gather_x = kept.x_rows == nullptr;
   if (gather_x) {
-    allocate(x_rows_, rows_ * H, "x rows", stream);
-    rows_in_use_.x_rows = x_rows_.data();
+    allocate(buffers_->x_rows, rows_ * H, "x rows", stream);
+    rows_in_use_.x_rows = buffers_->x_rows.data();
   }
   backward::gather_route_rows(from, kept.row_source_rank, kept.row_token, kept.row_k, rows_, H, k, rows_in_use_.x_rows,
                               gather_x, nullptr, nullptr, stream);
@@ -231,20 +239,17 @@ void BackwardChain::finish(std::span<const BackwardSource> sources, cudaStream_t
 }
 
 int64_t BackwardChain::device_bytes() const {
-  int64_t bytes = planner_.device_bytes() + int64_t(ids_table_.bytes() + token_count_.bytes());
-  for (size_t b :
-       {x_rows_.bytes(), dy_rows_.bytes(), h13_.bytes(), da_.bytes(), dgu_.bytes(), wa_.bytes(), dx_rows_.bytes(),
-        row_weight_.bytes(), route_dot_.bytes(), dw_scratch_.bytes(), dy_fp8_.bytes(), dgu_fp8_.bytes(),
-        dy_scale_.bytes(), dgu_scale_.bytes(), dy_t_.bytes(), wa_t_.bytes(), dgu_t_.bytes(), x_t_.bytes()})
-    bytes += int64_t(b);
-  return bytes;
+  return planner_.device_bytes() + int64_t(ids_table_.bytes() + token_count_.bytes() + dw_scratch_.bytes()) +
+         route_row_bytes();
 }
+
+int64_t BackwardChain::route_row_bytes() const { return buffers_->bytes(); }
 
 void BackwardChain::run_gemm(BackwardGemm which, cudaStream_t stream) {
   POUNCE_REQUIRE(last_experts_.w13 != nullptr, "MoE backward: run_gemm needs an earlier run()");
-  POUNCE_REQUIRE(which != BackwardGemm::kGateUp || h13_.size() > 0,
+  POUNCE_REQUIRE(which != BackwardGemm::kGateUp || buffers_->h13.size() > 0,
                  "MoE backward: GEMM1 again needs an earlier replay (a run without a kept forward)");
-  POUNCE_REQUIRE(which == BackwardGemm::kWeightDown || which == BackwardGemm::kWeightGateUp || da_.size() > 0,
+  POUNCE_REQUIRE(which == BackwardGemm::kWeightDown || which == BackwardGemm::kWeightGateUp || buffers_->da.size() > 0,
                  "MoE backward: the data-gradient GEMMs alone need an earlier run of the chain's own data path");
   const int64_t E = config_.local_experts(), H = config_.hidden, I = config_.intermediate;
   allocate(dw_scratch_, E * 2 * I * H + E * H * I, "fp32 scratch", stream);
@@ -307,22 +312,23 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
   const Fp8TransposedWeights* fp8 = last_experts_.fp8;
   switch (which) {
     case BackwardGemm::kGateUp:
-      return m_grouped(rows_in_use_.x_rows, last_experts_.w13, gemm::Major::kK, 2 * I, H, h13_.data());
+      return m_grouped(rows_in_use_.x_rows, last_experts_.w13, gemm::Major::kK, 2 * I, H, buffers_->h13.data());
     case BackwardGemm::kDataDown: {
-      if (fp8 == nullptr) return m_grouped(route_rows_.dy, last_experts_.w2, gemm::Major::kMN, I, H, da_.data());
-      const gemm::Fp8Operands operands = fp8->data_down(dy_fp8_.data(), dy_scale_.data());
-      return m_grouped(nullptr, nullptr, gemm::Major::kK, I, H, da_.data(), &operands);
+      if (fp8 == nullptr)
+        return m_grouped(route_rows_.dy, last_experts_.w2, gemm::Major::kMN, I, H, buffers_->da.data());
+      const gemm::Fp8Operands operands = fp8->data_down(buffers_->dy_fp8.data(), buffers_->dy_scale.data());
+      return m_grouped(nullptr, nullptr, gemm::Major::kK, I, H, buffers_->da.data(), &operands);
     }
     case BackwardGemm::kDataGateUp: {
       if (fp8 == nullptr)
-        return m_grouped(route_rows_.dgu, last_experts_.w13, gemm::Major::kMN, H, 2 * I, dx_rows_.data());
-      const gemm::Fp8Operands operands = fp8->data_gate_up(dgu_fp8_.data(), dgu_scale_.data());
-      return m_grouped(nullptr, nullptr, gemm::Major::kK, H, 2 * I, dx_rows_.data(), &operands);
+        return m_grouped(route_rows_.dgu, last_experts_.w13, gemm::Major::kMN, H, 2 * I, buffers_->dx_rows.data());
+      const gemm::Fp8Operands operands = fp8->data_gate_up(buffers_->dgu_fp8.data(), buffers_->dgu_scale.data());
+      return m_grouped(nullptr, nullptr, gemm::Major::kK, H, 2 * I, buffers_->dx_rows.data(), &operands);
     }
     case BackwardGemm::kWeightDown:
-      return k_grouped(route_rows_.dy, dy_t_, H, route_rows_.wa, wa_t_, I);
+      return k_grouped(route_rows_.dy, buffers_->dy_t, H, route_rows_.wa, buffers_->wa_t, I);
     case BackwardGemm::kWeightGateUp:
-      return k_grouped(route_rows_.dgu, dgu_t_, 2 * I, rows_in_use_.x_rows, x_t_, H);
+      return k_grouped(route_rows_.dgu, buffers_->dgu_t, 2 * I, rows_in_use_.x_rows, buffers_->x_t, H);
   }
 }
 

@@ -24,6 +24,7 @@
 
 #include "common/device_buffer.h"
 #include "gemm/grouped_gemm.h"
+#include "moe/backward/backward_rows.h"
 #include "moe/backward/fp8_weights.h"
 #include "planner/device_planner.h"
 #include "pounce/config.h"
@@ -101,8 +102,11 @@ class BackwardChain {
  public:
   // Buffers are sized for one rank's worst case of config once. More ranks: slots[s] is source rank s's
   // [max_tokens_per_rank, k, H] buffer for the dx rows of its routes (the fused layer's combine slots,
-  // free once its forward is done).
-  explicit BackwardChain(const EpConfig& config, std::span<__nv_bfloat16* const> slots = {});
+  // free once its forward is done). The route rows live in `rows` (moe/backward/backward_rows.h; null:
+  // the chain's own), which the caller may share with other chains of the same config whose runs are
+  // ordered with this one's.
+  explicit BackwardChain(const EpConfig& config, std::span<__nv_bfloat16* const> slots = {},
+                         std::shared_ptr<BackwardRowBuffers> rows = nullptr);
   ~BackwardChain();
 
   // Enqueues the backward of rank `rank`'s experts on `stream`: every route that came to them from the
@@ -135,15 +139,18 @@ class BackwardChain {
   // launch tagged first_kernel + its BackwardGemm; {}: stop.
   void set_timeline(const TimelineSink& sink) { timeline_ = sink; }
 
-  // One GEMM alone on the buffers and weights of the last run (benchmarks); weight gradients go to fp32
+  // One GEMM alone on the buffers and weights of the last run (benchmarks; shared route rows may hold
+  // another chain's rows since, which changes the results, not the work); weight gradients go to fp32
   // scratch of the chain's own.
   void run_gemm(BackwardGemm which, cudaStream_t stream);
   // The FP8 weight gradients' quantization passes alone (the route rows into their transposes), on the
   // rows of the last run, which had ExpertGradients::fp8_weight_gradients (benchmarks: what they cost).
   void run_weight_gradient_quantization(cudaStream_t stream);
 
-  // Device memory of the chain's buffers (made by the first run that needs them).
+  // Device memory of the chain's buffers, its route rows included (each made by the first run that needs
+  // it), and of the route rows alone (shared ones: every buffer of the set, whichever chain made it).
   int64_t device_bytes() const;
+  int64_t route_row_bytes() const;
   // Rows every buffer holds: the schedule's worst case.
   int64_t capacity_rows() const { return rows_; }
 
@@ -162,19 +169,8 @@ class BackwardChain {
   planner::DevicePlanner planner_;
   DeviceBuffer<const int32_t*> ids_table_;
   DeviceBuffer<int32_t> token_count_;
-  DeviceBuffer<__nv_bfloat16> x_rows_, h13_;  // a replay's
-  DeviceBuffer<__nv_bfloat16> dy_rows_, da_, dgu_, wa_, dx_rows_;
-  DeviceBuffer<float> row_weight_, route_dot_, dw_scratch_;
-  DeviceBuffer<uint8_t> dy_fp8_, dgu_fp8_;  // FP8 data gradients: their A operands, 1 x 128 scales beside
-  DeviceBuffer<float> dy_scale_, dgu_scale_;
-  // FP8 weight gradients: the route rows quantized into their transposes, [cols, rows], with their scales
-  // K block-major, [rows / 128, cols].
-  struct TransposedRows {
-    DeviceBuffer<uint8_t> q;
-    DeviceBuffer<float> scales;
-    size_t bytes() const { return q.bytes() + scales.bytes(); }
-  };
-  TransposedRows dy_t_, wa_t_, dgu_t_, x_t_;
+  std::shared_ptr<BackwardRowBuffers> buffers_;  // the route rows
+  DeviceBuffer<float> dw_scratch_;               // run_gemm's weight gradients
   void allocate_transposed_rows(cudaStream_t stream);
   void quantize_transposed_rows(cudaStream_t stream);
   gemm::GroupedGemm gemm_;
