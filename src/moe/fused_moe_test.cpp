@@ -1449,7 +1449,8 @@ TEST(FusedMoe, BackwardReplaysWhenItsForwardIsNotTheLatest) {
 // second layer's first backward allocates none of its own, and neither another layer's backward between
 // a layer's forward and its backward nor the two backwards enqueued on two streams without a host
 // synchronization between them (the second waits for the first on the GPU) changes any of their bits.
-// A layer of another config has rows of its own.
+// A layer of another config has rows of its own. The one-rank case is large enough that its rows dwarf
+// the test's own allocations (and too large for the host reference: the three-rank case checks that).
 TEST(FusedMoe, LayersOfOneConfigShareTheBackwardsRows) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
@@ -1480,20 +1481,22 @@ TEST(FusedMoe, LayersOfOneConfigShareTheBackwardsRows) {
 
       // One after the other: each checked against the host reference.
       train(layer_a, a, nullptr);
+      const bool small = c.ranks > 1;
       const Gradients want_a = run_backward(layer_a, a, d_dy_a);
-      expect_gradients(want_a, reference_backward(a, dy_a), a.config);
+      if (small) expect_gradients(want_a, reference_backward(a, dy_a), a.config);
       train(layer_b, b, nullptr);
       CUDA_CHECK(cudaDeviceSynchronize());
       size_t free_before = 0, free_after = 0, total = 0;
       CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
       const Gradients want_b = run_backward(layer_b, b, d_dy_b);
       CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
-      expect_gradients(want_b, reference_backward(b, dy_b), b.config);
+      if (small) expect_gradients(want_b, reference_backward(b, dy_b), b.config);
       EXPECT_GT(layer_a.shared_device_bytes(), 0);
       EXPECT_EQ(layer_a.shared_device_bytes(), layer_b.shared_device_bytes());
       EXPECT_EQ(layer_a.device_bytes(), layer_b.device_bytes());
-      EXPECT_LT(int64_t(free_before) - int64_t(free_after), layer_a.shared_device_bytes() / 2)
-          << "the second layer's first backward allocated rows of its own";
+      if (!small)
+        EXPECT_LT(int64_t(free_before) - int64_t(free_after), layer_a.shared_device_bytes() / 2)
+            << "the second layer's first backward allocated rows of its own";
 
       // Both forwards, then the backwards in the other order.
       train(layer_a, a, nullptr);

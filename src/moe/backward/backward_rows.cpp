@@ -9,11 +9,31 @@ namespace pounce::moe {
 
 int64_t BackwardRowBuffers::bytes() const {
   int64_t bytes = 0;
-  for (size_t b : {x_rows.bytes(), h13.bytes(), dy_rows.bytes(), da.bytes(), dgu.bytes(), wa.bytes(), dx_rows.bytes(),
-                   row_weight.bytes(), route_dot.bytes(), dy_fp8.bytes(), dgu_fp8.bytes(), dy_scale.bytes(),
-                   dgu_scale.bytes(), dy_t.bytes(), wa_t.bytes(), dgu_t.bytes(), x_t.bytes(), fused.dy_rows.bytes(),
-                   fused.da.bytes(), fused.dgu.bytes(), fused.wa.bytes(), fused.dx_rows.bytes(), fused.x_rows.bytes(),
-                   fused.segment_dots.bytes(), fused.row_weight.bytes()})
+  for (size_t b : {x_rows.bytes(),
+                   h13.bytes(),
+                   dy_rows.bytes(),
+                   da.bytes(),
+                   dgu.bytes(),
+                   wa.bytes(),
+                   dx_rows.bytes(),
+                   row_weight.bytes(),
+                   route_dot.bytes(),
+                   dy_fp8.bytes(),
+                   dgu_fp8.bytes(),
+                   dy_scale.bytes(),
+                   dgu_scale.bytes(),
+                   dy_t.bytes(),
+                   wa_t.bytes(),
+                   dgu_t.bytes(),
+                   x_t.bytes(),
+                   fused.dy_rows.bytes(),
+                   fused.da.bytes(),
+                   fused.dgu.bytes(),
+                   fused.wa.bytes(),
+                   fused.dx_rows.bytes(),
+                   fused.x_rows.bytes(),
+                   fused.segment_dots.bytes(),
+                   fused.row_weight.bytes()})
     bytes += int64_t(b);
   return bytes;
 }
@@ -25,9 +45,14 @@ std::shared_ptr<SharedBackwardRows> SharedBackwardRows::of(const EpConfig& confi
   static std::map<Key, std::weak_ptr<SharedBackwardRows>> registry;
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  const Key key{device,        config.ranks,        config.experts,
-                config.topk,   config.hidden,       config.intermediate,
-                config.max_tokens_per_rank, launch_ranks};
+  const Key key{device,
+                config.ranks,
+                config.experts,
+                config.topk,
+                config.hidden,
+                config.intermediate,
+                config.max_tokens_per_rank,
+                launch_ranks};
   std::lock_guard lock(registry_mutex);
   std::erase_if(registry, [](const auto& entry) { return entry.second.expired(); });
   if (std::shared_ptr<SharedBackwardRows> rows = registry[key].lock()) return rows;
