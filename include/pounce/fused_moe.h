@@ -150,10 +150,10 @@ class FusedMoe {
   // not hold every x row, needs more): run one of each kind before capturing a graph.
   // The backward's route rows (dy, d(gate, up), w.a and dx of every routed row: most of its memory) carry
   // nothing from one backward to the next, so the layers of one config on one GPU share one set: a model
-  // of n such layers holds them once. Their backwards therefore run one after another: from one host
-  // thread at a time, and a backward on another stream than the previous one of the set waits for it on
-  // the GPU (not inside a CUDA graph capture: graphs replayed concurrently on several streams must not
-  // hold backwards of layers with the same config).
+  // of n such layers holds them once. Their backwards therefore run one after another: enqueued from one
+  // host thread at a time, each stream waiting on the GPU for the set's previous backward. Not inside a
+  // CUDA graph capture: the caller orders graph replays holding such backwards with each other and with
+  // eager backwards of the same config (as it orders them with the forwards they follow).
   void backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
                 cudaStream_t stream);
   void backward(const RankIO& forward_input, const RankGrads& grads, WeightGradOutput mode, cudaStream_t stream) {
@@ -187,8 +187,9 @@ class FusedMoe {
   // Device memory the layer allocated on this GPU (ring, schedule, counters, combine slots; after the
   // first backward, the backward's buffers too), weights and the caller's tensors not included. Of it,
   // shared_device_bytes() is the backward's route rows, shared with the other layers of the same config
-  // on this GPU (see backward()); layers with the same shared_buffers_id() hold the same set, so the
-  // memory of several layers is their device_bytes() less their shared part, plus each set once.
+  // on this GPU (see backward()), all that any of them made so far; layers with the same
+  // shared_buffers_id() hold the same set, so the memory of several layers is their device_bytes() less
+  // their shared part, plus each set once.
   int64_t device_bytes() const;
   int64_t shared_device_bytes() const;
   const void* shared_buffers_id() const;

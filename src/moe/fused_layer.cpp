@@ -717,17 +717,14 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
   // The host's view misses forwards replayed by CUDA graphs: the device checks the rows are still these.
   if (kept) launch_check_kept_forward(params_, fingerprint(forward_inputs), stream);
   last_backward_replayed_ = !kept;
-  SharedBackwardRows::Use use(*shared_rows_, stream);  // the route rows are this backward's until finish()
-  if (kept && (fused_backward_enabled_ || across_gpus)) {
-    fused_backward(forward_inputs, grads, sources, experts, stream);
-  } else {
-    for (int lr = 0; lr < L; ++lr) {
-      const KeptForward rows = kept_rows(lr);
-      backward_->run(params_.first_rank + lr, sources, experts[lr], kept ? &rows : nullptr, stream);
-    }
-    backward_->finish(sources, stream);
+  const SharedBackwardRows::Use use(*shared_rows_, stream);  // the route rows are this backward's
+  if (kept && (fused_backward_enabled_ || across_gpus))
+    return fused_backward(forward_inputs, grads, sources, experts, stream);
+  for (int lr = 0; lr < L; ++lr) {
+    const KeptForward rows = kept_rows(lr);
+    backward_->run(params_.first_rank + lr, sources, experts[lr], kept ? &rows : nullptr, stream);
   }
-  use.finish();
+  backward_->finish(sources, stream);
 }
 
 // Timeline kernel tags: the forward, then the backward chain's GEMMs in BackwardGemm order, then the fused

@@ -9,8 +9,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <mutex>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 
@@ -1445,6 +1449,34 @@ TEST(FusedMoe, BackwardReplaysWhenItsForwardIsNotTheLatest) {
   EXPECT_FALSE(strict_layer.last_backward_replayed());
 }
 
+// Holds a stream at a host function until open() (or its end): the work enqueued behind it waits.
+class StreamGate {
+ public:
+  explicit StreamGate(cudaStream_t stream) : stream_(stream) {
+    CUDA_CHECK(cudaLaunchHostFunc(stream, &StreamGate::wait, this));
+  }
+  ~StreamGate() {
+    open();
+    (void)cudaStreamSynchronize(stream_);  // the host function has returned before this object goes
+  }
+  void open() {
+    std::lock_guard lock(mutex_);
+    open_ = true;
+    opened_.notify_all();
+  }
+
+ private:
+  static void CUDART_CB wait(void* gate) {
+    auto* self = static_cast<StreamGate*>(gate);
+    std::unique_lock lock(self->mutex_);
+    self->opened_.wait(lock, [self] { return self->open_; });
+  }
+  cudaStream_t stream_;
+  std::mutex mutex_;
+  std::condition_variable opened_;
+  bool open_ = false;
+};
+
 // The layers of one config on a GPU share the backward's route rows (FusedMoe::shared_buffers_id): the
 // second layer's first backward allocates none of its own, and neither another layer's backward between
 // a layer's forward and its backward nor the two backwards enqueued on two streams without a host
@@ -1494,26 +1526,40 @@ TEST(FusedMoe, LayersOfOneConfigShareTheBackwardsRows) {
       EXPECT_GT(layer_a.shared_device_bytes(), 0);
       EXPECT_EQ(layer_a.shared_device_bytes(), layer_b.shared_device_bytes());
       EXPECT_EQ(layer_a.device_bytes(), layer_b.device_bytes());
-      if (!small)
+      if (!small) {
         EXPECT_LT(int64_t(free_before) - int64_t(free_after), layer_a.shared_device_bytes() / 2)
             << "the second layer's first backward allocated rows of its own";
+      }
 
-      // Both forwards, then the backwards in the other order.
+      // Both forwards, then the backwards in the other order; then the same from plain forwards (the
+      // backwards replay them: planning and GEMM1 again, into the shared rows too).
       train(layer_a, a, nullptr);
       train(layer_b, b, nullptr);
       EXPECT_TRUE(run_backward(layer_b, b, d_dy_b) == want_b);
       EXPECT_TRUE(run_backward(layer_a, a, d_dy_a) == want_a);
       EXPECT_FALSE(layer_a.last_backward_replayed() || layer_b.last_backward_replayed());
+      layer_a.forward(a.io(), nullptr);
+      layer_b.forward(b.io(), nullptr);
+      EXPECT_TRUE(run_backward(layer_b, b, d_dy_b) == want_b) << "replayed";
+      EXPECT_TRUE(run_backward(layer_a, a, d_dy_a) == want_a) << "replayed";
+      EXPECT_TRUE(layer_a.last_backward_replayed() && layer_b.last_backward_replayed());
 
-      // On two streams, enqueued back to back.
+      // On two streams, enqueued back to back while the first is held: the second must wait for it.
       cudaStream_t stream_a = nullptr, stream_b = nullptr;
       CUDA_CHECK(cudaStreamCreateWithFlags(&stream_a, cudaStreamNonBlocking));
       CUDA_CHECK(cudaStreamCreateWithFlags(&stream_b, cudaStreamNonBlocking));
       const GradientBuffers got_a = poisoned_gradients(a), got_b = poisoned_gradients(b);
       train(layer_a, a, stream_a);
       train(layer_b, b, stream_b);
-      enqueue_backward(layer_a, a, d_dy_a, got_a, stream_a);
-      enqueue_backward(layer_b, b, d_dy_b, got_b, stream_b);
+      {
+        StreamGate gate(stream_a);
+        enqueue_backward(layer_a, a, d_dy_a, got_a, stream_a);
+        enqueue_backward(layer_b, b, d_dy_b, got_b, stream_b);
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        EXPECT_EQ(cudaStreamQuery(stream_b), cudaErrorNotReady) << "the second backward did not wait for the first";
+        (void)cudaGetLastError();  // not-ready is no error for a later launch check to find
+        gate.open();
+      }
       const cudaError_t synced = cudaDeviceSynchronize();
       layer_a.check_device_errors();
       layer_b.check_device_errors();

@@ -66,20 +66,24 @@ SharedBackwardRows::~SharedBackwardRows() {
   if (done_) cudaEventDestroy(done_);  // no throw from a destructor
 }
 
+int64_t SharedBackwardRows::bytes() const {
+  std::lock_guard lock(mutex_);
+  return buffers_.bytes();
+}
+
 SharedBackwardRows::Use::Use(SharedBackwardRows& rows, cudaStream_t stream)
     : rows_(rows), lock_(rows.mutex_), stream_(stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   capturing_ = capture != cudaStreamCaptureStatusNone;
-  if (!capturing_ && rows_.used_ && rows_.last_stream_ != stream)
-    CUDA_CHECK(cudaStreamWaitEvent(stream, rows_.done_, 0));
+  if (!capturing_ && rows_.used_) CUDA_CHECK(cudaStreamWaitEvent(stream, rows_.done_, 0));
 }
 
-void SharedBackwardRows::Use::finish() {
+SharedBackwardRows::Use::~Use() {
   if (capturing_) return;
-  CUDA_CHECK(cudaEventRecord(rows_.done_, stream_));
-  rows_.last_stream_ = stream_;
-  rows_.used_ = true;
+  // No throw from a destructor: a failed record leaves the next use unordered, and the error, sticky or
+  // not, surfaces at the caller's next CUDA call.
+  if (cudaEventRecord(rows_.done_, stream_) == cudaSuccess) rows_.used_ = true;
 }
 
 }  // namespace pounce::moe

@@ -1,6 +1,7 @@
 // The backward's route-row buffers (dy, da, d(gate, up), w.a and dx rows of every routed row, and each
 // mode's extras), sized for a layer shape's worst case. They carry nothing from one backward to the
-// next: every backward writes each row it reads before reading it (padding rows included). So the
+// next: every backward writes each row before it reads it, or reads it only to make padding rows (the
+// fused kernel's dy padding rows, zeroed by its S items before the weight gradients sum them). So the
 // layers of one shape on one GPU share a single set: a model of n MoE layers holds one backward's rows,
 // not n (what each layer keeps from its forward stays its own).
 #pragma once
@@ -52,17 +53,21 @@ class SharedBackwardRows {
   static std::shared_ptr<SharedBackwardRows> of(const EpConfig& config, int launch_ranks);
 
   BackwardRowBuffers& buffers() { return buffers_; }
-  int64_t bytes() const { return buffers_.bytes(); }
+  int64_t bytes() const;  // of every buffer made so far
 
-  // One backward's use of the buffers, from before its first launch to after its last: one host thread
-  // enqueues at a time, and a backward on another stream than the previous one waits for that one's work
-  // (an event). finish() records this one's end; without it (an exception) the next user does not wait.
-  // NOTES: inside a CUDA graph capture nothing is waited for or recorded (an event of the capture cannot
-  // order eager work, nor the reverse): graphs replayed on several streams at once must not share a shape.
+  // One backward's use of the buffers, held from before its first launch to after its last: one host
+  // thread enqueues at a time, and the stream waits for the previous use's work (an event; on the same
+  // stream the wait costs nothing, and two threads' cudaStreamPerThread are one handle but two streams).
+  // Its end is recorded when it goes, after an exception too (whatever it enqueued must finish first).
+  // NOTES: inside a CUDA graph capture nothing is waited for or recorded: an event of the capture cannot
+  // order eager work, nor the reverse. The caller orders graph replays with eager backwards of the same
+  // shape, and with each other (as it must order them with the forwards they follow).
   class Use {
    public:
     Use(SharedBackwardRows& rows, cudaStream_t stream);
-    void finish();
+    ~Use();
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
 
    private:
     SharedBackwardRows& rows_;
@@ -79,9 +84,8 @@ class SharedBackwardRows {
   SharedBackwardRows() = default;
 
   BackwardRowBuffers buffers_;
-  std::mutex mutex_;
-  cudaEvent_t done_ = nullptr;  // recorded by the last finished use, on last_stream_
-  cudaStream_t last_stream_ = nullptr;
+  mutable std::mutex mutex_;    // held by a Use; bytes() reads the buffers' sizes under it
+  cudaEvent_t done_ = nullptr;  // recorded by the last use
   bool used_ = false;
 };
 
