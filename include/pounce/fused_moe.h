@@ -148,12 +148,13 @@ class FusedMoe {
   // (collective: every rank calls it) runs the persistent kernel from the kept rows only, and throws
   // without them. The first backward allocates its buffers (a replay, or a kept forward whose ring does
   // not hold every x row, needs more): run one of each kind before capturing a graph.
-  // The backward's route rows (dy, d(gate, up), w.a and dx of every routed row: most of its memory) carry
-  // nothing from one backward to the next, so the layers of one config on one GPU share one set: a model
-  // of n such layers holds them once. Their backwards therefore run one after another: enqueued from one
-  // host thread at a time, each stream waiting on the GPU for the set's previous backward. Not inside a
-  // CUDA graph capture: the caller orders graph replays holding such backwards with each other and with
-  // eager backwards of the same config (as it orders them with the forwards they follow).
+  // The backward's route rows (dy, d(gate, up), w.a and dx of every routed row: most of its memory) and
+  // the forward's hidden and output rings carry nothing from one call to the next, so the layers of one
+  // config (and ring) on one GPU share one set: a model of n such layers holds them once. Their forwards
+  // and backwards therefore run one after another: enqueued from one host thread at a time, each stream
+  // waiting on the GPU for the set's previous call. Not inside a CUDA graph capture: the caller orders
+  // graph replays holding such calls with each other and with eager calls of layers of the same config
+  // (as it orders a backward with the forward it follows).
   void backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
                 cudaStream_t stream);
   void backward(const RankIO& forward_input, const RankGrads& grads, WeightGradOutput mode, cudaStream_t stream) {
@@ -186,8 +187,8 @@ class FusedMoe {
   int64_t max_m_blocks() const;
   // Device memory the layer allocated on this GPU (ring, schedule, counters, combine slots; after the
   // first backward, the backward's buffers too), weights and the caller's tensors not included. Of it,
-  // shared_device_bytes() is the backward's route rows, shared with the other layers of the same config
-  // on this GPU (see backward()), all that any of them made so far; layers with the same
+  // shared_device_bytes() is the rings and route rows shared with the other layers of the same config on
+  // this GPU (see backward()), all that any of them made so far; layers with the same
   // shared_buffers_id() hold the same set, so the memory of several layers is their device_bytes() less
   // their shared part, plus each set once.
   int64_t device_bytes() const;

@@ -88,7 +88,7 @@ typedef struct pounce_moe_info {
   int64_t device_bytes; /* device memory the layer allocated on this GPU (not weights, not the caller's tensors) */
   int32_t in_place;     /* 1: one rank whose ring holds every routed row, nothing is combined */
   int32_t last_backward_replayed; /* 1: the latest backward found nothing kept and replayed its forward */
-  int64_t shared_bytes; /* of device_bytes, the backward's route rows: shared by the layers of one config on a GPU */
+  int64_t shared_bytes; /* of device_bytes, the rings and route rows the layers of one config on a GPU share */
   uint64_t shared_id;   /* equal for layers that share them (count shared_bytes once per id) */
 } pounce_moe_info;
 

@@ -291,8 +291,9 @@ class Layer:
 
     def info(self) -> Optional[dict]:
         """What the C++ layer resolved (ranks on this GPU, CTAs, ring, device bytes...), None before the
-        first forward. Of device_bytes, shared_bytes is the backward's route rows, which the layers of one
-        shape on a GPU share: layers with the same shared_id hold the same ones (count them once)."""
+        first forward. Of device_bytes, shared_bytes is the rings and the backward's route rows, which the
+        layers of one shape on a GPU share: layers with the same shared_id hold the same ones (count them
+        once)."""
         if self._handle is None:
             return None
         info = _lib.Info()

@@ -199,7 +199,6 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   check_config(config);
   CUDA_CHECK(cudaGetDevice(&device_));
   capacity_ = planner::worst_case_capacity(config);
-  shared_rows_ = SharedBackwardRows::of(config, launch_ranks);
   const int P = config.ranks;
   POUNCE_REQUIRE(gpu_is_hopper(), "fused MoE needs a Hopper GPU (sm_90a); this one is ",
                  gpu_info().present ? gpu_info().name : gpu_info().why_absent);
@@ -330,12 +329,11 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   // The E4M3 forward keeps its x rows in Fp8Rows: a one-block stand-in keeps x_ring's descriptor valid.
   const int64_t x_ring_rows = options.fp8_forward ? kBlockM : ring_rows;
   x_ring_ = DeviceBuffer<__nv_bfloat16>(x_ring_rows * config.hidden);
-  h_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.intermediate);
-  out_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.hidden);
   x_ring_.fill_bytes(0);  // padding rows are never written: start them at zero
+  shared_rows_ = SharedRows::of(config, launch_ranks, ring);
   p.x_ring = x_ring_.data();
-  p.h_ring = h_ring_.data();
-  p.out_ring = out_ring_.data();
+  p.h_ring = shared_rows_->h_ring();
+  p.out_ring = shared_rows_->out_ring();
 
   for (int lr = 0; lr < L; ++lr) {
     RankState& rs = p.rank_state[lr];
@@ -368,9 +366,9 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
 
   using gemm::kStoreBoxCols, gemm::kStoreBoxRows;
   maps_.x_ring = gemm::make_bf16_tensor_map(x_ring_.data(), H, x_ring_rows, kBlockK, kBlockM);
-  maps_.h_ring_store = gemm::make_bf16_tensor_map(h_ring_.data(), I, ring_rows, kStoreBoxCols, kStoreBoxRows);
-  maps_.h_ring_load = gemm::make_bf16_tensor_map(h_ring_.data(), I, ring_rows, kBlockK, kBlockM);
-  maps_.out_ring_store = gemm::make_bf16_tensor_map(out_ring_.data(), H, ring_rows, kStoreBoxCols, kStoreBoxRows);
+  maps_.h_ring_store = gemm::make_bf16_tensor_map(p.h_ring, I, ring_rows, kStoreBoxCols, kStoreBoxRows);
+  maps_.h_ring_load = gemm::make_bf16_tensor_map(p.h_ring, I, ring_rows, kBlockK, kBlockM);
+  maps_.out_ring_store = gemm::make_bf16_tensor_map(p.out_ring, H, ring_rows, kStoreBoxCols, kStoreBoxRows);
   if (options.fp8_forward) setup_fp8_forward(ring_rows);
 }
 
@@ -600,6 +598,7 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream, boo
     std::copy(ranks.begin(), ranks.end(), kept_from_.io.begin());
     kept_from_.weights = weights_;
   }
+  const SharedRows::Use use(*shared_rows_, stream);  // the hidden and output rings are this forward's
   launch_fused_moe(params_, maps_, stream);
 }
 
@@ -667,7 +666,7 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
     std::vector<__nv_bfloat16*> slots;
     if (config_.ranks > 1) slots.assign(params_.peers.slots, params_.peers.slots + config_.ranks);
     backward_ = std::make_unique<BackwardChain>(
-        config_, slots, std::shared_ptr<BackwardRowBuffers>(shared_rows_, &shared_rows_->buffers()));
+        config_, slots, std::shared_ptr<BackwardRowBuffers>(shared_rows_, &shared_rows_->backward()));
     if (timeline_) backward_->set_timeline(backward_timeline());
   }
   std::vector<BackwardSource> sources(L);
@@ -717,7 +716,7 @@ void FusedLayer::backward(std::span<const RankIO> forward_inputs, std::span<cons
   // The host's view misses forwards replayed by CUDA graphs: the device checks the rows are still these.
   if (kept) launch_check_kept_forward(params_, fingerprint(forward_inputs), stream);
   last_backward_replayed_ = !kept;
-  const SharedBackwardRows::Use use(*shared_rows_, stream);  // the route rows are this backward's
+  const SharedRows::Use use(*shared_rows_, stream);  // the route rows are this backward's
   if (kept && (fused_backward_enabled_ || across_gpus))
     return fused_backward(forward_inputs, grads, sources, experts, stream);
   for (int lr = 0; lr < L; ++lr) {
@@ -765,11 +764,11 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
   const int64_t M = capacity_.max_m_blocks, ring_rows = L * M * kBlockM;
   const int64_t T = std::max<int64_t>(config_.max_tokens_per_rank, 1);
   const CounterLayout layout{M};
-  // The rows are shared (moe/backward/backward_rows.h): made by the first fused backward of a layer of
+  // The rows are shared (moe/shared_rows.h): made by the first fused backward of a layer of
   // this shape. The kernel writes every row before it reads it, except dy's padding rows: the first GEMM
   // reads them before their S items zero them for the weight gradients. They start zero, and hold zeros
   // or another layer's dy rows later (what the GEMM makes of them lands in padding rows too).
-  BackwardRowBuffers::Fused& fused_rows = shared_rows_->buffers().fused;
+  BackwardRowBuffers::Fused& fused_rows = shared_rows_->backward().fused;
   const bool make_rows = fused_rows.dy_rows.size() == 0, make_x_rows = P > 1 && fused_rows.x_rows.size() == 0;
   if (!fused_backward_ || make_rows || make_x_rows) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -948,8 +947,8 @@ int64_t FusedLayer::device_bytes() const {
                   (fused_backward_ ? fused_backward_->bytes() : 0) + shared_rows_->bytes();
   for (size_t b : {chunk_counts_.bytes(), expert_routes_.bytes(), expert_offsets_.bytes(), row_source_rank_.bytes(),
                    row_token_.bytes(), row_k_.bytes(), minibatch_starts_.bytes(), sizes_.bytes(), topk_tables_.bytes(),
-                   route_row_.bytes(), counters_.bytes(), x_ring_.bytes(), h_ring_.bytes(), out_ring_.bytes(),
-                   gate_up_kept_.bytes(), peer_words_.bytes(), token_counts_.bytes(), slots_.bytes()})
+                   route_row_.bytes(), counters_.bytes(), x_ring_.bytes(), gate_up_kept_.bytes(), peer_words_.bytes(),
+                   token_counts_.bytes(), slots_.bytes()})
     bytes += int64_t(b);
   for (const auto& w : fp8_weights_) bytes += w->device_bytes();
   if (fp8_forward_) bytes += fp8_forward_->bytes();

@@ -29,8 +29,8 @@
 #include "common/device_buffer.h"
 #include "common/device_error.h"
 #include "moe/backward/backward_chain.h"
-#include "moe/backward/backward_rows.h"
 #include "moe/fused_kernel.h"
+#include "moe/shared_rows.h"
 #include "planner/schedule.h"
 #include "pounce/fused_moe.h"
 
@@ -65,8 +65,8 @@ class FusedLayer {
   int64_t max_m_blocks() const { return capacity_.max_m_blocks; }
   int ranks_on_this_gpu() const { return params_.launch_ranks; }
   int64_t device_bytes() const;
-  // The part of device_bytes() shared with the other layers of the same shape on this GPU (the
-  // backward's route rows: moe/backward/backward_rows.h), and which set that is.
+  // The part of device_bytes() shared with the other layers of the same shape on this GPU (the forward's
+  // hidden and output rings and the backward's route rows: moe/shared_rows.h), and which set that is.
   int64_t shared_device_bytes() const { return shared_rows_->bytes(); }
   const void* shared_buffers_id() const { return shared_rows_.get(); }
   bool last_backward_replayed() const { return last_backward_replayed_; }
@@ -105,7 +105,7 @@ class FusedLayer {
   DeviceBuffer<uint32_t> epoch_;        // the forward number, bumped on the device by every forward
   DeviceBuffer<uint64_t> kept_record_;  // FusedParams::kept_record
   uint32_t forwards_ = 0;               // forwards enqueued since the counters were last cleared
-  DeviceBuffer<__nv_bfloat16> x_ring_, h_ring_, out_ring_;
+  DeviceBuffer<__nv_bfloat16> x_ring_;  // its hidden and output rows are shared_rows_'s
   // Symmetric buffers: virtual ranks keep them here; the NCCL transport in its window.
   DeviceBuffer<uint32_t> peer_words_;  // per rank: arrivals [T_max], start flags [P]
   DeviceBuffer<int32_t> token_counts_;
@@ -151,8 +151,9 @@ class FusedLayer {
     int64_t bytes() const;
   };
   std::unique_ptr<FusedBackwardState> fused_backward_;
-  // The backward's route rows, shared with every layer of this shape on this GPU.
-  std::shared_ptr<SharedBackwardRows> shared_rows_;
+  // The forward's hidden and output rings and the backward's route rows, shared with every layer of
+  // this shape on this GPU.
+  std::shared_ptr<SharedRows> shared_rows_;
   std::unique_ptr<Timeline> timeline_;  // between start_timeline and stop_timeline
   std::unique_ptr<comm::NcclWindow> window_;
   int64_t window_bytes_ = 0;

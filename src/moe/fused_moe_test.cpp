@@ -1477,13 +1477,14 @@ class StreamGate {
   bool open_ = false;
 };
 
-// The layers of one config on a GPU share the backward's route rows (FusedMoe::shared_buffers_id): the
-// second layer's first backward allocates none of its own, and neither another layer's backward between
-// a layer's forward and its backward nor the two backwards enqueued on two streams without a host
-// synchronization between them (the second waits for the first on the GPU) changes any of their bits.
-// A layer of another config has rows of its own. The one-rank case is large enough that its rows dwarf
-// the test's own allocations (and too large for the host reference: the three-rank case checks that).
-TEST(FusedMoe, LayersOfOneConfigShareTheBackwardsRows) {
+// The layers of one config on a GPU share the forward's hidden and output rings and the backward's route
+// rows (FusedMoe::shared_buffers_id): the second layer's first backward allocates none of its own, and
+// neither another layer's forward and backward between a layer's forward and its backward nor the two
+// layers' forwards and backwards enqueued on two streams without a host synchronization between them
+// (the second waits for the first on the GPU) changes any of their bits. A layer of another config has
+// rows of its own. The one-rank case is large enough that its rows dwarf the test's own allocations (and
+// too large for the host reference: the three-rank case checks that).
+TEST(FusedMoe, LayersOfOneConfigShareTheirRows) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
   for (const bool fused : {true, false}) {
@@ -1512,12 +1513,16 @@ TEST(FusedMoe, LayersOfOneConfigShareTheBackwardsRows) {
       };
 
       // One after the other: each checked against the host reference.
-      train(layer_a, a, nullptr);
       const bool small = c.ranks > 1;
+      train(layer_a, a, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const auto y_a = a.outputs();
+      if (small) expect_matches(y_a, reference_forward(a), c.hidden);
       const Gradients want_a = run_backward(layer_a, a, d_dy_a);
       if (small) expect_gradients(want_a, reference_backward(a, dy_a), a.config);
       train(layer_b, b, nullptr);
       CUDA_CHECK(cudaDeviceSynchronize());
+      const auto y_b = b.outputs();
       size_t free_before = 0, free_after = 0, total = 0;
       CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
       const Gradients want_b = run_backward(layer_b, b, d_dy_b);
@@ -1533,8 +1538,12 @@ TEST(FusedMoe, LayersOfOneConfigShareTheBackwardsRows) {
 
       // Both forwards, then the backwards in the other order; then the same from plain forwards (the
       // backwards replay them: planning and GEMM1 again, into the shared rows too).
+      a.poison_outputs();
+      b.poison_outputs();
       train(layer_a, a, nullptr);
       train(layer_b, b, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_TRUE(a.outputs() == y_a && b.outputs() == y_b) << "forwards back to back";
       EXPECT_TRUE(run_backward(layer_b, b, d_dy_b) == want_b);
       EXPECT_TRUE(run_backward(layer_a, a, d_dy_a) == want_a);
       EXPECT_FALSE(layer_a.last_backward_replayed() || layer_b.last_backward_replayed());
@@ -1549,6 +1558,9 @@ TEST(FusedMoe, LayersOfOneConfigShareTheBackwardsRows) {
       CUDA_CHECK(cudaStreamCreateWithFlags(&stream_a, cudaStreamNonBlocking));
       CUDA_CHECK(cudaStreamCreateWithFlags(&stream_b, cudaStreamNonBlocking));
       const GradientBuffers got_a = poisoned_gradients(a), got_b = poisoned_gradients(b);
+      a.poison_outputs();
+      b.poison_outputs();
+      CUDA_CHECK(cudaDeviceSynchronize());
       train(layer_a, a, stream_a);
       train(layer_b, b, stream_b);
       {
@@ -1564,6 +1576,7 @@ TEST(FusedMoe, LayersOfOneConfigShareTheBackwardsRows) {
       layer_a.check_device_errors();
       layer_b.check_device_errors();
       CUDA_CHECK(synced);
+      EXPECT_TRUE(a.outputs() == y_a && b.outputs() == y_b) << "two streams";
       EXPECT_TRUE(got_a.download() == want_a) << "two streams";
       EXPECT_TRUE(got_b.download() == want_b) << "two streams";
       CUDA_CHECK(cudaStreamDestroy(stream_a));

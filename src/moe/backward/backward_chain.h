@@ -102,7 +102,7 @@ class BackwardChain {
  public:
   // Buffers are sized for one rank's worst case of config once. More ranks: slots[s] is source rank s's
   // [max_tokens_per_rank, k, H] buffer for the dx rows of its routes (the fused layer's combine slots,
-  // free once its forward is done). The route rows live in `rows` (moe/backward/backward_rows.h; null:
+  // free once its forward is done). The route rows live in `rows` (moe/shared_rows.h shares them; null:
   // the chain's own), which the caller may share with other chains of the same config whose runs are
   // ordered with this one's.
   explicit BackwardChain(const EpConfig& config, std::span<__nv_bfloat16* const> slots = {},

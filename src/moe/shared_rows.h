@@ -1,0 +1,69 @@
+// Row buffers that the layers of one shape on one GPU share: the forward's hidden and output rings and
+// the backward's route rows (moe/backward/backward_rows.h). None of them carries anything from one call
+// to the next (each forward writes its ring rows before reading them, behind its own counters; each
+// backward its route rows), so a model of n MoE layers holds them once, not n times. What a layer keeps
+// from its forward for its backward (its x ring at one rank, the gate/up rows, the schedule) and its
+// counters stay its own.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "common/device_buffer.h"
+#include "moe/backward/backward_rows.h"
+#include "pounce/config.h"
+
+namespace pounce::moe {
+
+class SharedRows {
+ public:
+  // The set of the layers with this config, number of ranks launched on the current GPU and ring (in
+  // m-blocks per rank): made (with its rings) by the first such layer, freed with the last.
+  static std::shared_ptr<SharedRows> of(const EpConfig& config, int launch_ranks, int64_t ring_blocks);
+
+  // [launch ranks x ring rows, I] and [.., H]: GEMM1's SwiGLU output and GEMM2's output.
+  __nv_bfloat16* h_ring() const { return h_ring_.data(); }
+  __nv_bfloat16* out_ring() const { return out_ring_.data(); }
+  BackwardRowBuffers& backward() { return backward_; }
+  int64_t bytes() const;  // of every buffer made so far
+
+  // One forward's or backward's use of the buffers, held from before its first launch to after its last:
+  // one host thread enqueues at a time, and the stream waits for the previous use's work (an event; on
+  // the same stream the wait costs nothing, and two threads' cudaStreamPerThread are one handle but two
+  // streams). Its end is recorded when it goes, after an exception too (what it enqueued must finish).
+  // NOTES: inside a CUDA graph capture nothing is waited for or recorded: an event of the capture cannot
+  // order eager work, nor the reverse. The caller orders graph replays with the eager calls of layers
+  // of the same shape, and with each other.
+  class Use {
+   public:
+    Use(SharedRows& rows, cudaStream_t stream);
+    ~Use();
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
+
+   private:
+    SharedRows& rows_;
+    std::unique_lock<std::mutex> lock_;
+    cudaStream_t stream_;
+    bool capturing_ = false;
+  };
+
+  SharedRows(const SharedRows&) = delete;
+  SharedRows& operator=(const SharedRows&) = delete;
+  ~SharedRows();
+
+ private:
+  SharedRows() = default;
+
+  DeviceBuffer<__nv_bfloat16> h_ring_, out_ring_;
+  BackwardRowBuffers backward_;
+  mutable std::mutex mutex_;    // held by a Use; bytes() reads the buffers' sizes under it
+  cudaEvent_t done_ = nullptr;  // recorded by the last use
+  bool used_ = false;
+};
+
+}  // namespace pounce::moe
