@@ -95,6 +95,12 @@ class MoE(nn.Module):
     keeps the first size, so pass max_tokens when the count varies. Make it before CUDA graph capture (one
     forward with the largest count).
 
+    Memory: MoE layers of one shape on a GPU (same hidden, intermediate, experts, topk, ranks and token
+    size) share their scratch rows, the forward's hidden and output rings and the backward's rows, so a
+    model's n layers hold them once (layer.info(): shared_bytes, shared_id). Their forwards and backwards
+    are ordered on the GPU in call order, across streams too; calls inside a CUDA graph are the caller's to
+    order with other layers' calls, and across GPUs every rank calls its layers in the same order.
+
     Device errors (routing ids out of range or repeated within a token; a wait that gave up) end the
     kernel and are raised as pounce.Error by the next forward, or by check_device_errors(). options: a dict
     of pounce::FusedMoeOptions fields (ring_bytes, wait_timeout_ns, ...); {"fp8_forward": 1} runs the forward

@@ -1,9 +1,10 @@
 // Row buffers that the layers of one shape on one GPU share: the forward's hidden and output rings and
 // the backward's route rows (moe/backward/backward_rows.h). None of them carries anything from one call
-// to the next (each forward writes its ring rows before reading them, behind its own counters; each
-// backward its route rows), so a model of n MoE layers holds them once, not n times. What a layer keeps
-// from its forward for its backward (its x ring at one rank, the gate/up rows, the schedule) and its
-// counters stay its own.
+// to the next (each forward writes the ring rows it uses before reading them, behind its own counters:
+// rows of all-padding tile halves are loaded stale but enter no output row; each backward likewise its
+// route rows), so a model of n MoE layers holds them once, not n times. What a layer keeps from its
+// forward for its backward (its x ring at one rank, the gate/up rows, the schedule) and its counters
+// stay its own.
 #pragma once
 
 #include <cuda_bf16.h>
