@@ -357,7 +357,7 @@ def step_memory(model, optimizer, inputs, targets, balance_weight) -> dict:
     torch.cuda.synchronize()
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     resident = tensor_bytes(model.parameters()) + tensor_bytes(state)
-    # Each layer's own buffers, and each set of route rows the layers share once.
+    # Each layer's own buffers, and once each set of buffers that layers share.
     infos = [m.layer.info() for m in model.modules() if isinstance(m, pounce.MoE)]
     shared = {info["shared_id"]: info["shared_bytes"] for info in infos}
     layers = sum(info["device_bytes"] - info["shared_bytes"] for info in infos) + sum(shared.values())

@@ -764,47 +764,37 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
   const int64_t M = capacity_.max_m_blocks, ring_rows = L * M * kBlockM;
   const int64_t T = std::max<int64_t>(config_.max_tokens_per_rank, 1);
   const CounterLayout layout{M};
-  // The rows are shared (moe/shared_rows.h): made by the first fused backward of a layer of
-  // this shape. The kernel writes every row before it reads it, except dy's padding rows: the first GEMM
-  // reads them before their S items zero them for the weight gradients. They start zero, and hold zeros
-  // or another layer's dy rows later (what the GEMM makes of them lands in padding rows too).
+  // The rows are shared (moe/shared_rows.h): made by the first fused backward of a layer of this shape.
+  // The kernel writes every row before it reads it, except dy's padding rows: the first GEMM reads them
+  // before their S items zero them for the weight gradients. They start zero, and hold zeros or another
+  // layer's dy rows later (what the GEMM makes of them lands in padding rows too).
   BackwardRowBuffers::Fused& fused_rows = shared_rows_->backward().fused;
-  const bool make_rows = fused_rows.dy_rows.size() == 0, make_x_rows = P > 1 && fused_rows.x_rows.size() == 0;
-  if (!fused_backward_ || make_rows || make_x_rows) {
+  const bool make_rows = fused_rows.dy_rows.size() == 0;  // every layer of the set has this P: x rows too
+  if (!fused_backward_ || make_rows) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone,
                    "FusedMoe::backward: the first backward from a kept forward allocates its rows, which a CUDA graph "
                    "capture cannot: run one before capturing");
+  }
+  if (make_rows) {
     BackwardRowBuffers::Fused made;  // moved into place only once all of it fits
     try {
-      if (make_rows) {
-        made.dy_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
-        made.da = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
-        made.dgu = DeviceBuffer<__nv_bfloat16>(ring_rows * 2 * I);
-        made.wa = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
-        made.dx_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
-        made.segment_dots = DeviceBuffer<float>(ring_rows * backward::segments_per_row(I / 8));
-        made.row_weight = DeviceBuffer<float>(ring_rows);
-        made.dy_rows.fill_bytes(0);
-      }
-      if (make_x_rows)
-        made.x_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);  // in place the forward's ring has them
+      made.dy_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
+      made.da = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
+      made.dgu = DeviceBuffer<__nv_bfloat16>(ring_rows * 2 * I);
+      made.wa = DeviceBuffer<__nv_bfloat16>(ring_rows * I);
+      made.dx_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
+      made.segment_dots = DeviceBuffer<float>(ring_rows * backward::segments_per_row(I / 8));
+      made.row_weight = DeviceBuffer<float>(ring_rows);
+      if (P > 1) made.x_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);  // in place the forward's ring has them
     } catch (const Error& e) {
       POUNCE_FAIL("FusedMoe::backward: the fused backward's row buffers (", ring_rows,
                   " rows: every m-block of the capacity, sized for every route of ", T, " tokens on each of ", P,
                   " ranks landing on this one) do not fit: ", e.what(), "; a smaller max_tokens_per_rank shrinks them");
     }
-    if (make_rows) {
-      fused_rows.dy_rows = std::move(made.dy_rows);
-      fused_rows.da = std::move(made.da);
-      fused_rows.dgu = std::move(made.dgu);
-      fused_rows.wa = std::move(made.wa);
-      fused_rows.dx_rows = std::move(made.dx_rows);
-      fused_rows.segment_dots = std::move(made.segment_dots);
-      fused_rows.row_weight = std::move(made.row_weight);
-    }
-    if (make_x_rows) fused_rows.x_rows = std::move(made.x_rows);
+    made.dy_rows.fill_bytes(0);
+    fused_rows = std::move(made);
   }
   if (!fused_backward_) {
     auto s = std::make_unique<FusedBackwardState>();
@@ -942,8 +932,7 @@ std::string FusedLayer::stop_timeline() {
 }
 
 int64_t FusedLayer::device_bytes() const {
-  // The shared route rows once, whichever of the layers made them.
-  int64_t bytes = window_bytes_ + (backward_ ? backward_->device_bytes() - backward_->route_row_bytes() : 0) +
+  int64_t bytes = window_bytes_ + (backward_ ? backward_->device_bytes() : 0) +
                   (fused_backward_ ? fused_backward_->bytes() : 0) + shared_rows_->bytes();
   for (size_t b : {chunk_counts_.bytes(), expert_routes_.bytes(), expert_offsets_.bytes(), row_source_rank_.bytes(),
                    row_token_.bytes(), row_k_.bytes(), minibatch_starts_.bytes(), sizes_.bytes(), topk_tables_.bytes(),

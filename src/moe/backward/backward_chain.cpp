@@ -239,11 +239,8 @@ void BackwardChain::finish(std::span<const BackwardSource> sources, cudaStream_t
 }
 
 int64_t BackwardChain::device_bytes() const {
-  return planner_.device_bytes() + int64_t(ids_table_.bytes() + token_count_.bytes() + dw_scratch_.bytes()) +
-         route_row_bytes();
+  return planner_.device_bytes() + int64_t(ids_table_.bytes() + token_count_.bytes() + dw_scratch_.bytes());
 }
-
-int64_t BackwardChain::route_row_bytes() const { return buffers_->bytes(); }
 
 void BackwardChain::run_gemm(BackwardGemm which, cudaStream_t stream) {
   POUNCE_REQUIRE(last_experts_.w13 != nullptr, "MoE backward: run_gemm needs an earlier run()");

@@ -147,10 +147,8 @@ class BackwardChain {
   // rows of the last run, which had ExpertGradients::fp8_weight_gradients (benchmarks: what they cost).
   void run_weight_gradient_quantization(cudaStream_t stream);
 
-  // Device memory of the chain's buffers, its route rows included (each made by the first run that needs
-  // it), and of the route rows alone (shared ones: every buffer of the set, whichever chain made it).
+  // Device memory of the chain's own buffers, its route rows not included (BackwardRowBuffers::bytes).
   int64_t device_bytes() const;
-  int64_t route_row_bytes() const;
   // Rows every buffer holds: the schedule's worst case.
   int64_t capacity_rows() const { return rows_; }
 
