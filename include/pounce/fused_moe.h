@@ -150,14 +150,14 @@ class FusedMoe {
   // not hold every x row, needs more): run one of each kind before capturing a graph.
   // The backward's route rows (dy, d(gate, up), w.a and dx of every routed row: most of its memory) and
   // the forward's hidden and output rings carry nothing from one call to the next, so the layers of one
-  // config (and ring) on one GPU share one set: a model of n such layers holds them once. Their forwards
-  // and backwards therefore run one after another: enqueued from one host thread at a time, each stream
-  // waiting on the GPU for the set's previous call. Not inside a CUDA graph capture: the caller orders
-  // graph replays holding such calls with each other and with eager calls of layers of the same config
-  // (as it orders a backward with the forward it follows); unordered, they may give wrong results. Across
-  // GPUs every rank must call the forwards and backwards of its layers of one config in the same order
-  // (as a model does): a rank calling them in another order makes its peers' kernels wait for calls
-  // queued behind others, until the bounded waits end it with an error.
+  // config on one GPU share one set (with a ring pair per ring size): a model of n such layers holds them
+  // once. Their forwards and backwards therefore run one after another: enqueued from one host thread at a
+  // time, each stream waiting on the GPU for the set's previous call. Not inside a CUDA graph capture: the caller
+  // orders graph replays holding such calls with each other and with eager calls of layers of the same config (as it
+  // orders a backward with the forward it follows); unordered, they may give wrong results. Across GPUs every rank must
+  // call the forwards and backwards of its layers of one config in the same order (as a model does): a rank calling
+  // them in another order makes its peers' kernels wait for calls queued behind others, until the bounded waits end it
+  // with an error.
   void backward(std::span<const RankIO> forward_inputs, std::span<const RankGrads> grads, WeightGradOutput mode,
                 cudaStream_t stream);
   void backward(const RankIO& forward_input, const RankGrads& grads, WeightGradOutput mode, cudaStream_t stream) {

@@ -330,10 +330,11 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   const int64_t x_ring_rows = options.fp8_forward ? kBlockM : ring_rows;
   x_ring_ = DeviceBuffer<__nv_bfloat16>(x_ring_rows * config.hidden);
   x_ring_.fill_bytes(0);  // padding rows are never written: start them at zero
-  shared_rows_ = SharedRows::of(config, launch_ranks, ring);
+  shared_rows_ = SharedRows::of(config, launch_ranks);
+  const SharedRows::Rings& rings = shared_rows_->rings(ring);
   p.x_ring = x_ring_.data();
-  p.h_ring = shared_rows_->h_ring();
-  p.out_ring = shared_rows_->out_ring();
+  p.h_ring = rings.h.data();
+  p.out_ring = rings.out.data();
 
   for (int lr = 0; lr < L; ++lr) {
     RankState& rs = p.rank_state[lr];

@@ -1481,8 +1481,9 @@ class StreamGate {
 // rows (FusedMoe::shared_buffers_id): the second layer's first backward allocates none of its own, and
 // neither another layer's forward and backward between a layer's forward and its backward nor the two
 // layers' forwards and backwards enqueued on two streams without a host synchronization between them
-// (the second waits for the first on the GPU) changes any of their bits. A layer of another config has
-// rows of its own. The one-rank case is large enough that its rows dwarf the test's own allocations (and
+// (the second waits for the first on the GPU) changes any of their bits. A layer with a smaller ring
+// shares the set (with rings of its size) and gives the same bits; a layer of another config has rows of
+// its own. The one-rank case is large enough that its rows dwarf the test's own allocations (and
 // too large for the host reference: the three-rank case checks that).
 TEST(FusedMoe, LayersOfOneConfigShareTheirRows) {
   POUNCE_REQUIRE_HOPPER();
@@ -1534,6 +1535,25 @@ TEST(FusedMoe, LayersOfOneConfigShareTheirRows) {
       if (!small) {
         EXPECT_LT(int64_t(free_before) - int64_t(free_after), layer_a.shared_device_bytes() / 2)
             << "the second layer's first backward allocated rows of its own";
+      }
+
+      // A layer of the same config with a bounded ring (one-m-block minibatches, two of them) shares the
+      // route rows too, with a ring pair of its size, and gives layer a's bits on a's inputs.
+      {
+        FusedMoeOptions bounded = options;
+        bounded.minibatch_rows = 128;
+        bounded.ring_blocks = 2;
+        FusedMoe layer_c(a.config, bounded);
+        a.load_weights(layer_c);
+        EXPECT_EQ(layer_c.shared_buffers_id(), layer_a.shared_buffers_id());
+        EXPECT_LT(layer_c.ring_blocks(), layer_a.ring_blocks());
+        a.poison_outputs();
+        train(layer_c, a, nullptr);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        EXPECT_TRUE(a.outputs() == y_a) << "bounded ring";
+        EXPECT_TRUE(run_backward(layer_c, a, d_dy_a) == want_a) << "bounded ring";
+        EXPECT_FALSE(layer_c.last_backward_replayed());
+        EXPECT_EQ(layer_c.shared_device_bytes(), layer_a.shared_device_bytes());
       }
 
       // Both forwards, then the backwards in the other order; then the same from plain forwards (the

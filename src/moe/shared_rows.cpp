@@ -8,9 +8,9 @@
 
 namespace pounce::moe {
 
-std::shared_ptr<SharedRows> SharedRows::of(const EpConfig& config, int launch_ranks, int64_t ring_blocks) {
-  // Everything the buffers' sizes follow from, and the GPU they live on.
-  using Key = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int, int64_t>;
+std::shared_ptr<SharedRows> SharedRows::of(const EpConfig& config, int launch_ranks) {
+  // Everything the route rows' sizes follow from, and the GPU they live on.
+  using Key = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int>;
   static std::mutex registry_mutex;
   static std::map<Key, std::weak_ptr<SharedRows>> registry;
   int device = 0;
@@ -22,15 +22,11 @@ std::shared_ptr<SharedRows> SharedRows::of(const EpConfig& config, int launch_ra
                 config.hidden,
                 config.intermediate,
                 config.max_tokens_per_rank,
-                launch_ranks,
-                ring_blocks};
+                launch_ranks};
   std::lock_guard lock(registry_mutex);
   std::erase_if(registry, [](const auto& entry) { return entry.second.expired(); });
   if (std::shared_ptr<SharedRows> rows = registry[key].lock()) return rows;
-  std::shared_ptr<SharedRows> rows(new SharedRows());
-  const int64_t ring_rows = launch_ranks * ring_blocks * kBlockM;
-  rows->h_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.intermediate);
-  rows->out_ring_ = DeviceBuffer<__nv_bfloat16>(ring_rows * config.hidden);
+  std::shared_ptr<SharedRows> rows(new SharedRows(config, launch_ranks));
   CUDA_CHECK(cudaEventCreateWithFlags(&rows->done_, cudaEventDisableTiming));
   registry[key] = rows;
   return rows;
@@ -40,9 +36,22 @@ SharedRows::~SharedRows() {
   if (done_) cudaEventDestroy(done_);  // no throw from a destructor
 }
 
+const SharedRows::Rings& SharedRows::rings(int64_t ring_blocks) {
+  std::lock_guard lock(mutex_);
+  Rings& rings = rings_[ring_blocks];
+  if (rings.h.size() == 0) {
+    const int64_t ring_rows = launch_ranks_ * ring_blocks * kBlockM;
+    rings.h = DeviceBuffer<__nv_bfloat16>(ring_rows * config_.intermediate);
+    rings.out = DeviceBuffer<__nv_bfloat16>(ring_rows * config_.hidden);
+  }
+  return rings;
+}
+
 int64_t SharedRows::bytes() const {
   std::lock_guard lock(mutex_);
-  return int64_t(h_ring_.bytes() + out_ring_.bytes()) + backward_.bytes();
+  int64_t bytes = backward_.bytes();
+  for (const auto& [ring_blocks, rings] : rings_) bytes += int64_t(rings.h.bytes() + rings.out.bytes());
+  return bytes;
 }
 
 SharedRows::Use::Use(SharedRows& rows, cudaStream_t stream) : rows_(rows), lock_(rows.mutex_), stream_(stream) {

@@ -1,16 +1,16 @@
-// Row buffers that the layers of one shape on one GPU share: the forward's hidden and output rings and
-// the backward's route rows (moe/backward/backward_rows.h). None of them carries anything from one call
-// to the next (each forward writes the ring rows it uses before reading them, behind its own counters:
-// rows of all-padding tile halves are loaded stale but enter no output row; each backward likewise its
-// route rows), so a model of n MoE layers holds them once, not n times. What a layer keeps from its
-// forward for its backward (its x ring at one rank, the gate/up rows, the schedule) and its counters
-// stay its own.
+// Row buffers that the layers of one shape on one GPU share: the forward's hidden and output rings (one
+// pair per ring size) and the backward's route rows (moe/backward/backward_rows.h). None of them carries anything from
+// one call to the next (each forward writes the ring rows it uses before reading them, behind its own counters: rows of
+// all-padding tile halves are loaded stale but enter no output row; each backward likewise its route rows), so a model
+// of n MoE layers holds them once, not n times. What a layer keeps from its forward for its backward (its x ring at one
+// rank, the gate/up rows, the schedule) and its counters stay its own.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 
@@ -22,13 +22,18 @@ namespace pounce::moe {
 
 class SharedRows {
  public:
-  // The set of the layers with this config, number of ranks launched on the current GPU and ring (in
-  // m-blocks per rank): made (with its rings) by the first such layer, freed with the last.
-  static std::shared_ptr<SharedRows> of(const EpConfig& config, int launch_ranks, int64_t ring_blocks);
+  // The set of the layers with this config and number of ranks launched on the current GPU: made by the
+  // first such layer, freed with the last.
+  static std::shared_ptr<SharedRows> of(const EpConfig& config, int launch_ranks);
 
-  // [launch ranks x ring rows, I] and [.., H]: GEMM1's SwiGLU output and GEMM2's output.
-  __nv_bfloat16* h_ring() const { return h_ring_.data(); }
-  __nv_bfloat16* out_ring() const { return out_ring_.data(); }
+  // The hidden and output rings of a ring of `ring_blocks` m-blocks per rank, [launch ranks x ring rows, I]
+  // and [.., H] (GEMM1's SwiGLU output and GEMM2's output): made by the first layer with that ring. Layers
+  // of one config differ in their ring when their options (ring_bytes, ring_blocks, minibatch_rows,
+  // fp8_forward) do; they still share the route rows.
+  struct Rings {
+    DeviceBuffer<__nv_bfloat16> h, out;
+  };
+  const Rings& rings(int64_t ring_blocks);
   BackwardRowBuffers& backward() { return backward_; }
   int64_t bytes() const;  // of every buffer made so far
 
@@ -58,11 +63,13 @@ class SharedRows {
   ~SharedRows();
 
  private:
-  SharedRows() = default;
+  SharedRows(const EpConfig& config, int launch_ranks) : config_(config), launch_ranks_(launch_ranks) {}
 
-  DeviceBuffer<__nv_bfloat16> h_ring_, out_ring_;
+  const EpConfig config_;
+  const int launch_ranks_;
+  std::map<int64_t, Rings> rings_;  // by ring size; a map's entries stay where they are as others are added
   BackwardRowBuffers backward_;
-  mutable std::mutex mutex_;    // held by a Use; bytes() reads the buffers' sizes under it
+  mutable std::mutex mutex_;    // held by a Use; rings() and bytes() take it too
   cudaEvent_t done_ = nullptr;  // recorded by the last use
   bool used_ = false;
 };
