@@ -16,7 +16,7 @@ extern "C" {
 
 /* Raised whenever a struct below changes layout or a function is added; bindings compare it with
  * pounce_abi_version(). */
-#define POUNCE_C_ABI_VERSION 9
+#define POUNCE_C_ABI_VERSION 10
 #define POUNCE_NCCL_UNIQUE_ID_BYTES 128
 
 enum {
@@ -33,6 +33,7 @@ typedef struct pounce_config {
   int64_t hidden;              /* H, a multiple of 64 */
   int64_t intermediate;        /* I, a multiple of 64 */
   int64_t max_tokens_per_rank; /* every buffer is sized from it */
+  int64_t max_routes_per_rank; /* routes one rank may receive (the rows its buffers hold); 0: the worst case */
 } pounce_config;
 
 /* pounce::FusedMoeOptions; pounce_default_options() fills the library's defaults. */

@@ -3,6 +3,7 @@ ops through an integer key."""
 
 import ctypes
 import itertools
+import math
 import weakref
 from typing import Optional
 
@@ -33,6 +34,10 @@ class Layer:
     Ranks: `group`, a torch.distributed process group with one rank per GPU (this process holds experts
     [rank E/P, (rank+1) E/P)), or `virtual_ranks` P on this GPU (this process holds all E experts; each
     forward's tokens are split over the P ranks in order), or neither (one rank).
+    `capacity_factor`: the routes one rank's experts may receive in a forward, as a multiple of the
+    balanced load (tokens per rank x topk), which sizes the layer's per-rank row buffers
+    (EpConfig::max_routes_per_rank); None: every route of every rank (P times the balanced load). A
+    forward past it on some rank computes nothing and raises pounce.Error naming the rank.
     `options`: a dict of pounce::FusedMoeOptions fields (ring_bytes, wait_timeout_ns, ...)."""
 
     def __init__(
@@ -45,9 +50,13 @@ class Layer:
         *,
         virtual_ranks: Optional[int] = None,
         max_tokens: Optional[int] = None,
+        capacity_factor: Optional[float] = None,
         options: Optional[dict] = None,
     ):
         self._handle = None  # ctypes.c_void_p of the C++ layer
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise Error(f"pounce: capacity_factor = {capacity_factor} must be positive (None: the worst case)")
+        self.capacity_factor = capacity_factor
         if group is not None and virtual_ranks is not None:
             raise Error("pounce: give either group (one rank per GPU) or virtual_ranks (all on this GPU), not both")
         self.hidden, self.intermediate, self.experts, self.topk = hidden, intermediate, experts, topk
@@ -87,7 +96,12 @@ class Layer:
         return options
 
     def _config(self, tokens_per_rank: int) -> _lib.Config:
-        return _lib.Config(self.ranks, self.experts, self.topk, self.hidden, self.intermediate, tokens_per_rank)
+        max_routes = 0  # the worst case
+        if self.capacity_factor is not None:
+            max_routes = max(1, math.ceil(self.capacity_factor * tokens_per_rank * self.topk))
+        return _lib.Config(
+            self.ranks, self.experts, self.topk, self.hidden, self.intermediate, tokens_per_rank, max_routes
+        )
 
     def _tokens_per_rank(self, tokens: int) -> int:
         """Tokens of the busiest rank when a forward has `tokens` tokens on this GPU."""
@@ -302,6 +316,7 @@ class Layer:
         result["in_place"] = bool(result["in_place"])
         result["last_backward_replayed"] = bool(result["last_backward_replayed"])
         result["max_tokens_per_rank"] = self._sized_for
+        result["max_routes_per_rank"] = self._config(self._sized_for).max_routes_per_rank  # 0: the worst case
         return result
 
     def close(self) -> None:

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 NCCL_UNIQUE_ID_BYTES = 128
 
 
@@ -27,6 +27,7 @@ class Config(ctypes.Structure):
         ("hidden", ctypes.c_int64),
         ("intermediate", ctypes.c_int64),
         ("max_tokens_per_rank", ctypes.c_int64),
+        ("max_routes_per_rank", ctypes.c_int64),
     ]
 
 

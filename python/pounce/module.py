@@ -67,8 +67,8 @@ def moe(
 class MoE(nn.Module):
     """The routed experts of a Mixture-of-Experts layer, SwiGLU FFNs run by pounce's fused kernel.
 
-    MoE(hidden, intermediate, experts, topk, group=None, *, max_tokens=None, dtype=torch.bfloat16,
-        device=None, virtual_ranks=None, options=None)
+    MoE(hidden, intermediate, experts, topk, group=None, *, max_tokens=None, capacity_factor=None,
+        dtype=torch.bfloat16, device=None, virtual_ranks=None, options=None)
 
     Parameters: this rank's experts only, w13 [E/P, 2I, H] (each expert's gate and up projections, rows
     interleaved in groups of 8: use load_experts to set them from separate tensors) and w2 [E/P, H, I]
@@ -95,6 +95,13 @@ class MoE(nn.Module):
     keeps the first size, so pass max_tokens when the count varies. Make it before CUDA graph capture (one
     forward with the largest count).
 
+    capacity_factor: the routes one rank's experts may receive in a forward, as a multiple of the balanced
+    load (max tokens per rank x topk). It sizes the rows a rank holds (the kept gate/up rows, the
+    backward's rows, the schedule); None sizes them for every token of every rank routed to one rank, P
+    times the balanced load, which at P = 8 and DeepSeek-V3's shape is ~4 GB of kept rows per layer for
+    8192 tokens per rank. A forward whose routing sends some rank more stops before moving any data, on
+    every rank, and raises pounce.Error naming the rank and its routes (nothing is dropped silently).
+
     Memory: MoE layers of one shape on a GPU (same hidden, intermediate, experts, topk, ranks and token
     size) share their scratch rows, the forward's hidden and output rings and the backward's rows, so a
     model's n layers hold them once (layer.info(): shared_bytes, shared_id). Their forwards and backwards
@@ -119,6 +126,7 @@ class MoE(nn.Module):
         group=None,
         *,
         max_tokens: Optional[int] = None,
+        capacity_factor: Optional[float] = None,
         dtype: torch.dtype = torch.bfloat16,
         device=None,
         virtual_ranks: Optional[int] = None,
@@ -135,6 +143,7 @@ class MoE(nn.Module):
             group,
             virtual_ranks=virtual_ranks,
             max_tokens=max_tokens,
+            capacity_factor=capacity_factor,
             options=options,
         )
         n = self.layer.experts_here

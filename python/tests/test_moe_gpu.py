@@ -278,3 +278,42 @@ def test_bad_routing_is_raised_after_the_forward_and_the_layer_recovers(bad, nee
         torch.cuda.synchronize()
         moe(x, ids, weights)
     assert torch.equal(moe(x, ids, weights), good)
+
+
+def test_capacity_factor_sizes_the_rows_and_a_routing_past_it_is_raised():
+    T, H, I, E, k, P = 512, 256, 128, 16, 2, 4
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=g).bfloat16().cuda().requires_grad_()
+    ids, weights = random_routing(T, E, k, pattern="uniform", generator=g, device="cuda")
+    weights.requires_grad_()
+    worst = pounce.MoE(H, I, E, k, virtual_ranks=P, device="cuda")
+    moe = pounce.MoE(H, I, E, k, virtual_ranks=P, device="cuda", capacity_factor=2.0)
+    with torch.no_grad():
+        moe.w13.copy_(torch.randn(moe.w13.shape, generator=g) * 0.1)
+        moe.w2.copy_(torch.randn(moe.w2.shape, generator=g) * 0.1)
+        worst.w13.copy_(moe.w13)
+        worst.w2.copy_(moe.w2)
+    # Uniform routing within twice the balanced load: the same bits as the layer sized for the worst case.
+    with torch.no_grad():
+        y_plain = moe(x, ids, weights)
+    y = moe(x, ids, weights)
+    dy = torch.randn(y.shape, generator=g).to(y)
+    y.backward(dy)
+    expect_matches_reference(moe, x, ids, weights, y, dy)
+    assert torch.equal(y, worst(x, ids, weights))
+    info, worst_info = moe.layer.info(), worst.layer.info()
+    assert info["max_routes_per_rank"] == 2 * (T // P) * k and worst_info["max_routes_per_rank"] == 0
+    assert info["device_bytes"] < worst_info["device_bytes"]
+
+    # Every token's first choice on expert 0: rank 0 receives T + its share of the rest, past the capacity.
+    hot = ids.clone()
+    hot[:, 0] = 0
+    hot[:, 1] = torch.where(ids[:, 1] == 0, ids[:, 0].clamp(min=1), ids[:, 1])
+    with torch.no_grad():
+        moe(x, hot, weights)
+    with pytest.raises(pounce.Error, match=r"the routing sends rank 0 \d+ routes, more than the 512"):
+        moe.check_device_errors()
+    with torch.no_grad():
+        assert torch.equal(moe(x, ids, weights), y_plain)  # and the layer runs on
+    with pytest.raises(pounce.Error, match="capacity_factor"):
+        pounce.MoE(H, I, E, k, capacity_factor=0)

@@ -20,7 +20,7 @@ const char* gemm_calls_name(GemmCalls calls) {
 }
 
 CublasMoe::CublasMoe(const MoeDims& dims) : dims_(dims) {
-  const int64_t rows = planner::worst_case_capacity(single_rank_config(dims)).max_padded_rows;  // validates dims
+  const int64_t rows = planner::row_capacity(single_rank_config(dims)).max_padded_rows;  // validates dims
   pool_ = DeviceBuffer<__nv_bfloat16>(rows * dims.hidden);
   h13_ = DeviceBuffer<__nv_bfloat16>(rows * 2 * dims.intermediate);
   hidden_ = DeviceBuffer<__nv_bfloat16>(rows * dims.intermediate);

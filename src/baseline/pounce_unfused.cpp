@@ -10,7 +10,7 @@
 namespace pounce::baseline {
 
 PounceUnfusedMoe::PounceUnfusedMoe(const MoeDims& dims) : dims_(dims) {
-  capacity_rows_ = planner::worst_case_capacity(single_rank_config(dims)).max_padded_rows;  // validates dims
+  capacity_rows_ = planner::row_capacity(single_rank_config(dims)).max_padded_rows;  // validates dims
   pool_ = DeviceBuffer<__nv_bfloat16>(capacity_rows_ * dims.hidden);
   hidden_ = DeviceBuffer<__nv_bfloat16>(capacity_rows_ * dims.intermediate);
   out_ = DeviceBuffer<__nv_bfloat16>(capacity_rows_ * dims.hidden);

@@ -78,7 +78,8 @@ pounce::EpConfig to_config(const pounce_config* c) {
           .topk = config.topk,
           .hidden = config.hidden,
           .intermediate = config.intermediate,
-          .max_tokens_per_rank = config.max_tokens_per_rank};
+          .max_tokens_per_rank = config.max_tokens_per_rank,
+          .max_routes_per_rank = config.max_routes_per_rank};
 }
 
 pounce::FusedMoeOptions to_options(const pounce_options* o) {

@@ -19,7 +19,13 @@ namespace {
 using ::testing::HasSubstr;
 
 pounce_config small_config() {
-  return {.ranks = 2, .experts = 8, .topk = 2, .hidden = 128, .intermediate = 64, .max_tokens_per_rank = 256};
+  return {.ranks = 2,
+          .experts = 8,
+          .topk = 2,
+          .hidden = 128,
+          .intermediate = 64,
+          .max_tokens_per_rank = 256,
+          .max_routes_per_rank = 0};
 }
 
 // The status of `status`, and the message it left.

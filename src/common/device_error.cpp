@@ -173,6 +173,11 @@ std::string DeviceErrorSlot::describe() const {
           << "stream, captured together or not at all [kept rows of forward " << r.observed << ", latest forward "
           << r.expected << ", inputs " << (r.index ? "the same" : "others") << "]";
       break;
+    case WaitTarget::kRouteCapacity:
+      out << "the routing sends rank " << r.index << " " << r.observed << " routes, more than the " << r.expected
+          << " its buffers hold (EpConfig::max_routes_per_rank; 0 sizes them for every route "
+          << "of every rank's max_tokens_per_rank tokens): nothing was computed";
+      break;
     case WaitTarget::kDistinctExperts:
       out << "token " << r.index << " lists expert " << r.observed << " twice (k " << r.expected << " and k "
           << r.position << ")";

@@ -58,6 +58,7 @@ enum class WaitTarget : uint32_t {
   kHiddenQuantized = 19,  // the E4M3 forward's counter of m-block index's hidden rows quantized for GEMM2
   kTokensQuantized = 20,  // the E4M3 forward's count of rank index's CTAs that quantized their tokens
   kTileClaim = 21,        // the loader's go for the tile fetcher's next claim (a GEMM pipeline's own barrier)
+  kRouteCapacity = 22,    // not a wait: rank index receives observed routes, more than its capacity (expected)
 };
 
 struct DeviceErrorRecord {

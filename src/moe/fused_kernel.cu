@@ -2,7 +2,8 @@
 // p.ctas_per_rank CTAs and runs, with barriers among its CTAs between phases:
 //   start   publish the token count, wait until every rank has started this forward
 //   plan    count / scan / place (planner/plan_steps.cuh): this rank's schedule, bit-identical to the
-//           host planner; bad routing stops every rank here, before any data moves
+//           host planner; bad routing, or a routing past a rank's capacity, stops every rank here,
+//           before any data moves
 //   opening every CTA pulls a share of the first minibatch's rows (moe/comm_role.cuh)
 //   run     communication CTAs: dispatch and combine items (moe/comm_role.cuh), then weighted sums;
 //           compute CTAs: GEMM1 + SwiGLU and GEMM2 tiles (moe/fused_tiles.cuh), then weighted sums.
@@ -45,6 +46,7 @@ static_assert(sizeof(FusedParams) + sizeof(FusedMaps) <= 32764, "kernel paramete
 // The planner's shared tables, carved out of the dynamic shared memory before any role uses it.
 struct PlannerShared {
   int32_t counts[steps::kMaxLocalExperts];
+  int32_t rank_counts[steps::kMaxRanks];
   int32_t offsets[steps::kMaxLocalExperts + 1];
   int32_t warp_sums[32];
   int32_t running[kWarps][steps::kMaxLocalExperts];
@@ -125,21 +127,28 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
                          p.topk,        p.local_experts * rs.rank,     p.local_experts, p.chunks_per_rank,
                          p.max_tokens};
   const steps::Outputs o{
-      rs.chunk_counts,     rs.expert_routes, rs.expert_offsets, rs.row_source_rank,     rs.row_token, rs.row_k,
-      rs.minibatch_starts, rs.sizes,         p.capacity_rows,   p.blocks_per_minibatch, rs.route_row};
+      rs.chunk_counts, rs.expert_routes,    rs.expert_offsets, rs.row_source_rank, rs.row_token,
+      rs.row_k,        rs.minibatch_starts, rs.sizes,          p.capacity_rows,    p.blocks_per_minibatch,
+      rs.route_row,    rs.rank_routes,      p.max_routes};
 
   if constexpr (kFp8) quantize_tokens(p, rs, cta);
   if (cta == 0 && threadIdx.x == 0) {
     for (int w = kGemmTicket; w < kControlWords; ++w) rs.control[w] = 0;
-    for (int s = 0; s < p.ranks; ++s) rs.topk_table[s] = p.peers.topk_ids[s];
+    for (int s = 0; s < p.ranks; ++s) rs.topk_table[s] = p.peers.topk_ids[s], rs.rank_routes[s] = 0;
     start_all_ranks(p, rs);  // a failed start is reported; every CTA sees it after the barrier
   }
   steps::clear_rows(o, int64_t(cta) * kThreads + threadIdx.x, int64_t(p.ctas_per_rank) * kThreads);
   if (!rank_barrier(p, rs, 1, ok_flag) || !nobody_reported(p, ok_flag)) return false;
 
   for (int32_t chunk = cta; chunk < r.chunks(); chunk += p.ctas_per_rank)
-    steps::count_chunk(r, chunk, o, ps.counts, p.error);
+    steps::count_chunk(r, chunk, o, ps.counts, ps.rank_counts, p.error);
   if (!rank_barrier(p, rs, 2, ok_flag)) return false;
+  // A routing past some rank's capacity: every rank stops here (they all counted every rank's routes),
+  // leaving an empty schedule for a backward enqueued behind this forward.
+  if (!steps::routes_fit(r, o, p.error, /*report=*/cta == 0 && threadIdx.x == 0)) {
+    if (cta == 0 && threadIdx.x == 0) steps::publish_empty_schedule(r, o);
+    return false;
+  }
 
   for (int32_t e = cta; e < r.local_experts; e += p.ctas_per_rank) steps::scan_expert(r, o, e, ps.warp_sums);
   if (!rank_barrier(p, rs, 3, ok_flag)) return false;

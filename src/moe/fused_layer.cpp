@@ -168,22 +168,40 @@ void FusedLayer::check_same_config_on_every_rank(const EpConfig& c, const FusedM
   // (as many as their own), so there the CTAs a rank resolves to (its GPU's multiprocessors by default)
   // must agree too.
   const int64_t e4m3_ctas = o.fp8_forward ? resolved_ctas_per_rank(o, /*launch_ranks=*/1) : 0;
-  const std::vector<int64_t> mine = {c.ranks,          c.experts,
-                                     c.topk,           c.hidden,
-                                     c.intermediate,   c.max_tokens_per_rank,
-                                     o.minibatch_rows, o.ring_blocks,
-                                     o.ring_bytes,     o.fp8_data_gradients,
-                                     o.ctas_per_rank,  o.comm_ctas,
-                                     o.engine_rows,    int64_t(o.wait_timeout_ns),
-                                     o.fp8_forward,    e4m3_ctas};
-  const char* names[] = {"ranks",          "experts",
-                         "topk",           "hidden",
-                         "intermediate",   "max_tokens_per_rank",
-                         "minibatch_rows", "ring_blocks",
-                         "ring_bytes",     "fp8_data_gradients",
-                         "ctas_per_rank",  "comm_ctas",
-                         "engine_rows",    "wait_timeout_ns",
-                         "fp8_forward",    "CTAs per rank of the E4M3 forward"};
+  const std::vector<int64_t> mine = {c.ranks,
+                                     c.experts,
+                                     c.topk,
+                                     c.hidden,
+                                     c.intermediate,
+                                     c.max_tokens_per_rank,
+                                     o.minibatch_rows,
+                                     o.ring_blocks,
+                                     o.ring_bytes,
+                                     o.fp8_data_gradients,
+                                     o.ctas_per_rank,
+                                     o.comm_ctas,
+                                     o.engine_rows,
+                                     int64_t(o.wait_timeout_ns),
+                                     o.fp8_forward,
+                                     e4m3_ctas,
+                                     c.max_routes_per_rank};
+  const char* names[] = {"ranks",
+                         "experts",
+                         "topk",
+                         "hidden",
+                         "intermediate",
+                         "max_tokens_per_rank",
+                         "minibatch_rows",
+                         "ring_blocks",
+                         "ring_bytes",
+                         "fp8_data_gradients",
+                         "ctas_per_rank",
+                         "comm_ctas",
+                         "engine_rows",
+                         "wait_timeout_ns",
+                         "fp8_forward",
+                         "CTAs per rank of the E4M3 forward",
+                         "max_routes_per_rank"};
   const size_t n = mine.size();
   DeviceBuffer<int64_t> send(mine), all(n * c.ranks);
   NCCL_CHECK(ncclAllGather(send.data(), all.data(), n, ncclInt64, comm, nullptr));
@@ -198,7 +216,7 @@ void FusedLayer::check_same_config_on_every_rank(const EpConfig& c, const FusedM
 void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, int launch_ranks, int first_rank) {
   check_config(config);
   CUDA_CHECK(cudaGetDevice(&device_));
-  capacity_ = planner::worst_case_capacity(config);
+  capacity_ = planner::row_capacity(config);
   const int P = config.ranks;
   POUNCE_REQUIRE(gpu_is_hopper(), "fused MoE needs a Hopper GPU (sm_90a); this one is ",
                  gpu_info().present ? gpu_info().name : gpu_info().why_absent);
@@ -284,6 +302,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   p.max_tokens = int32_t(config.max_tokens_per_rank);
   p.chunks_per_rank = int32_t(std::max<int64_t>(1, ceil_div(config.max_tokens_per_rank, planner::kPlannerChunkTokens)));
   p.capacity_rows = capacity_.max_padded_rows;
+  p.max_routes = capacity_.max_routes;
   p.ctas_per_rank = ctas;
   p.comm_ctas = comm;
   p.engine_rows = engine_rows;
@@ -320,6 +339,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   minibatch_starts_ = DeviceBuffer<int32_t>(L * (capacity_.max_m_blocks + 2));
   sizes_ = DeviceBuffer<planner::DeviceScheduleSizes>(L);
   topk_tables_ = DeviceBuffer<const int32_t*>(L * P);
+  rank_routes_ = DeviceBuffer<int32_t>(L * P);
   // One rank: the row of every route, for the sums in place and for a kept forward's backward.
   route_row_ = DeviceBuffer<int32_t>(P == 1 ? std::max<int64_t>(config.max_tokens_per_rank * config.topk, 1) : 0);
   route_row_.fill_bytes(0);  // entries of routes a bad id left out stay inside the row buffers
@@ -348,6 +368,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
     rs.minibatch_starts = minibatch_starts_.data() + lr * (capacity_.max_m_blocks + 2);
     rs.sizes = sizes_.data() + lr;
     rs.topk_table = topk_tables_.data() + lr * P;
+    rs.rank_routes = rank_routes_.data() + lr * P;
     uint32_t* c = counters_.data() + lr * layout.words();
     rs.dispatched = c + layout.dispatched();
     rs.gemm1_done = c + layout.gemm1_done();
@@ -545,9 +566,8 @@ void FusedLayer::forward(std::span<const RankIO> ranks, cudaStream_t stream, boo
         gate_up_kept_ = DeviceBuffer<__nv_bfloat16>(rows * 2 * config_.intermediate);
       } catch (const Error& e) {
         POUNCE_FAIL("FusedMoe::forward: the gate/up rows kept for the backward (", rows,
-                    " rows: the capacity, sized for every route of ", config_.max_tokens_per_rank,
-                    " tokens on each of ", config_.ranks, " ranks landing here) do not fit: ", e.what(),
-                    "; a smaller max_tokens_per_rank shrinks them");
+                    " rows: ", planner::describe_capacity(config_), ") do not fit: ", e.what(),
+                    "; a smaller max_routes_per_rank or max_tokens_per_rank shrinks them");
       }
       maps_.gate_up_kept = gemm::make_bf16_tensor_map(gate_up_kept_.data(), 2 * config_.intermediate, rows,
                                                       gemm::kStoreBoxCols, gemm::kStoreBoxRows);
@@ -791,8 +811,8 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
       if (P > 1) made.x_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);  // in place the forward's ring has them
     } catch (const Error& e) {
       POUNCE_FAIL("FusedMoe::backward: the fused backward's row buffers (", ring_rows,
-                  " rows: every m-block of the capacity, sized for every route of ", T, " tokens on each of ", P,
-                  " ranks landing on this one) do not fit: ", e.what(), "; a smaller max_tokens_per_rank shrinks them");
+                  " rows: ", planner::describe_capacity(config_), ") do not fit: ", e.what(),
+                  "; a smaller max_routes_per_rank or max_tokens_per_rank shrinks them");
     }
     made.dy_rows.fill_bytes(0);
     fused_rows = std::move(made);
@@ -937,8 +957,8 @@ int64_t FusedLayer::device_bytes() const {
                   (fused_backward_ ? fused_backward_->bytes() : 0) + shared_rows_->bytes();
   for (size_t b : {chunk_counts_.bytes(), expert_routes_.bytes(), expert_offsets_.bytes(), row_source_rank_.bytes(),
                    row_token_.bytes(), row_k_.bytes(), minibatch_starts_.bytes(), sizes_.bytes(), topk_tables_.bytes(),
-                   route_row_.bytes(), counters_.bytes(), x_ring_.bytes(), gate_up_kept_.bytes(), peer_words_.bytes(),
-                   token_counts_.bytes(), slots_.bytes()})
+                   rank_routes_.bytes(), route_row_.bytes(), counters_.bytes(), x_ring_.bytes(), gate_up_kept_.bytes(),
+                   peer_words_.bytes(), token_counts_.bytes(), slots_.bytes()})
     bytes += int64_t(b);
   for (const auto& w : fp8_weights_) bytes += w->device_bytes();
   if (fp8_forward_) bytes += fp8_forward_->bytes();

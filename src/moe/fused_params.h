@@ -105,6 +105,7 @@ struct RankState {
   int32_t *chunk_counts, *expert_routes, *expert_offsets, *row_source_rank, *row_token, *row_k, *minibatch_starts;
   planner::DeviceScheduleSizes* sizes;
   const int32_t** topk_table;  // [P]: the topk_ids pointers of every rank, for the planner
+  int32_t* rank_routes;        // [P]: the planner's count of every rank's routes (the capacity check)
   // Per-m-block counters [max_m_blocks].
   uint32_t* dispatched;  // +1 per piece of the m-block in the ring (kPiecesPerBlock per forward)
   uint32_t* gemm1_done;  // +1 per GEMM1 tile half (2 * n1_blocks per forward)
@@ -170,7 +171,8 @@ struct FusedParams {
   int32_t hidden, intermediate;
   int32_t max_tokens;
   int32_t chunks_per_rank;
-  int64_t capacity_rows;             // routed rows one rank can hold (worst case), multiple of 128
+  int64_t capacity_rows;             // routed rows one rank can hold (planner::row_capacity), multiple of 128
+  int64_t max_routes;                // routes one rank may receive (the same capacity's)
   int32_t ctas_per_rank, comm_ctas;  // the first comm_ctas CTAs of a rank move data, the rest run GEMMs
   int32_t engine_rows;               // rows of each comm item the bulk-copy engine moves; warps move the rest
   int32_t engine_rows_e4m3;          // the same for E4M3 rows (H bytes: the E4M3 forward's dispatch)

@@ -5,12 +5,13 @@
 
 #include "common/cuda_check.h"
 #include "common/tiles.h"
+#include "planner/schedule.h"
 
 namespace pounce::moe {
 
 std::shared_ptr<SharedRows> SharedRows::of(const EpConfig& config, int launch_ranks) {
   // Everything the route rows' sizes follow from, and the GPU they live on.
-  using Key = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int>;
+  using Key = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int>;
   static std::mutex registry_mutex;
   static std::map<Key, std::weak_ptr<SharedRows>> registry;
   int device = 0;
@@ -22,6 +23,7 @@ std::shared_ptr<SharedRows> SharedRows::of(const EpConfig& config, int launch_ra
                 config.hidden,
                 config.intermediate,
                 config.max_tokens_per_rank,
+                planner::row_capacity(config).max_routes,
                 launch_ranks};
   std::lock_guard lock(registry_mutex);
   std::erase_if(registry, [](const auto& entry) { return entry.second.expired(); });

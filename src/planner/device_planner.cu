@@ -12,8 +12,9 @@ using steps::kMaxLocalExperts;
 
 __global__ void count_kernel(steps::Routing r, steps::Outputs o, DeviceErrorSink error) {
   __shared__ int32_t counts[kMaxLocalExperts];
+  __shared__ int32_t rank_counts[steps::kMaxRanks];
   steps::clear_rows(o, blockIdx.x * int64_t(blockDim.x) + threadIdx.x, int64_t(gridDim.x) * blockDim.x);
-  steps::count_chunk(r, blockIdx.x, o, counts, error);
+  steps::count_chunk(r, blockIdx.x, o, counts, rank_counts, error);
 }
 
 __global__ void scan_kernel(steps::Routing r, steps::Outputs o) {
@@ -21,10 +22,15 @@ __global__ void scan_kernel(steps::Routing r, steps::Outputs o) {
   steps::scan_expert(r, o, blockIdx.x, warp_sums);
 }
 
-__global__ void place_kernel(steps::Routing r, steps::Outputs o) {
+__global__ void place_kernel(steps::Routing r, steps::Outputs o, DeviceErrorSink error) {
   __shared__ int32_t offsets[kMaxLocalExperts + 1];
   __shared__ int32_t running[kMaxLocalExperts];
   __shared__ int32_t warp_sums[32];
+  // Past the capacity: block 0 reports it and leaves an empty schedule; nobody places a route.
+  if (!steps::routes_fit(r, o, error, /*report=*/blockIdx.x == 0 && threadIdx.x == 0)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) steps::publish_empty_schedule(r, o);
+    return;
+  }
   steps::expert_offsets(r, o, offsets, warp_sums, /*publish=*/blockIdx.x == 0);
   steps::place_chunk(r, blockIdx.x, o, offsets, running);
 }
@@ -32,7 +38,7 @@ __global__ void place_kernel(steps::Routing r, steps::Outputs o) {
 }  // namespace
 
 DevicePlanner::DevicePlanner(const EpConfig& config, int64_t minibatch_rows) : config_(config) {
-  capacity_ = worst_case_capacity(config);  // validates the config
+  capacity_ = row_capacity(config);  // validates the config
   POUNCE_REQUIRE(config.local_experts() <= kMaxLocalExperts, "device planner: ", config.local_experts(),
                  " local experts per rank; at most ", kMaxLocalExperts, " are supported");
   POUNCE_REQUIRE(minibatch_rows > 0, "device planner: minibatch_rows = ", minibatch_rows, ", must be positive");
@@ -49,13 +55,14 @@ DevicePlanner::DevicePlanner(const EpConfig& config, int64_t minibatch_rows) : c
   minibatch_starts_ = DeviceBuffer<int32_t>(capacity_.max_m_blocks + 2);
   route_row_ = DeviceBuffer<int32_t>(std::max<int64_t>(1, config.ranks * config.max_tokens_per_rank * config.topk));
   route_row_.fill_bytes(0);
+  rank_routes_ = DeviceBuffer<int32_t>(config.ranks);
   sizes_ = DeviceBuffer<DeviceScheduleSizes>(1);
 }
 
 int64_t DevicePlanner::device_bytes() const {
   int64_t bytes = int64_t(sizes_.bytes());
   for (const DeviceBuffer<int32_t>* b : {&chunk_counts_, &expert_routes_, &expert_offsets_, &row_source_rank_,
-                                         &row_token_, &row_k_, &minibatch_starts_, &route_row_})
+                                         &row_token_, &row_k_, &minibatch_starts_, &route_row_, &rank_routes_})
     bytes += int64_t(b->bytes());
   return bytes;
 }
@@ -76,13 +83,15 @@ void DevicePlanner::plan(int rank, const int32_t* const* topk_ids, const int32_t
   const steps::Outputs o{chunk_counts_.data(),     expert_routes_.data(), expert_offsets_.data(),
                          row_source_rank_.data(),  row_token_.data(),     row_k_.data(),
                          minibatch_starts_.data(), sizes_.data(),         capacity_.max_padded_rows,
-                         blocks_per_minibatch_,    route_row_.data()};
+                         blocks_per_minibatch_,    route_row_.data(),     rank_routes_.data(),
+                         capacity_.max_routes};
   const int chunks = r.chunks();
+  CUDA_CHECK(cudaMemsetAsync(rank_routes_.data(), 0, rank_routes_.bytes(), stream));
   count_kernel<<<chunks, kChunkTokens, 0, stream>>>(r, o, errors_.device_sink());
   CUDA_CHECK_LAUNCH();
   scan_kernel<<<config_.local_experts(), 256, 0, stream>>>(r, o);
   CUDA_CHECK_LAUNCH();
-  place_kernel<<<chunks, 32, 0, stream>>>(r, o);
+  place_kernel<<<chunks, 32, 0, stream>>>(r, o, errors_.device_sink());
   CUDA_CHECK_LAUNCH();
 }
 

@@ -1,11 +1,11 @@
 // The routing planner on the GPU: the same schedule as planner::build_schedule (bit for bit), built
 // from every rank's topk_ids in device memory with no host round trip, into buffers sized once from the
-// worst case. The megakernel's first phase; tested against the host planner.
+// config's capacity. The megakernel's first phase; tested against the host planner.
 //
-// Three launches: count routes per (chunk of 64 tokens, local expert) and validate the ids; one CTA per
-// local expert scans its counts into per-chunk bases and a total; then each chunk derives the padded
-// expert offsets (block 0 also writes them out) and places its routes, in (source rank, token, k) order
-// within each expert, with warp matching.
+// Three launches: count routes per (chunk of 64 tokens, local expert) and per rank, and validate the
+// ids; one CTA per local expert scans its counts into per-chunk bases and a total; then each chunk checks
+// every rank's routes against the capacity, derives the padded expert offsets (block 0 also writes them
+// out) and places its routes, in (source rank, token, k) order within each expert, with warp matching.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,14 +33,15 @@ struct DeviceScheduleSizes {
 
 class DevicePlanner {
  public:
-  // Sizes every buffer for the config's worst case. Throws pounce::Error on an invalid config or
+  // Sizes every buffer for the config's capacity (planner::row_capacity). Throws pounce::Error on an invalid config or
   // minibatch_rows <= 0.
   DevicePlanner(const EpConfig& config, int64_t minibatch_rows);
 
   // Plans `rank`'s schedule. topk_ids: device array of P device pointers, rank s's ids [tokens[s], k]
   // (on one GPU the ranks' own buffers; across GPUs peer pointers). tokens: device [P]. No host sync.
   // Invalid ids (out of range, repeated within a token) are reported through check_device_errors() and
-  // left out of the schedule.
+  // left out of the schedule. A routing that sends any rank more routes than the capacity is reported
+  // and leaves an empty schedule.
   void plan(int rank, const int32_t* const* topk_ids, const int32_t* tokens, cudaStream_t stream);
   // After the stream has synchronized: throws pounce::Error describing bad routing input.
   void check_device_errors() { errors_.check(); }
@@ -69,6 +70,7 @@ class DevicePlanner {
   DeviceBuffer<int32_t> chunk_counts_;  // [P * chunks_per_rank, E_local]: counts, then bases
   DeviceBuffer<int32_t> expert_routes_, expert_offsets_, row_source_rank_, row_token_, row_k_, minibatch_starts_,
       route_row_;
+  DeviceBuffer<int32_t> rank_routes_;  // [P]: routes to each rank, for the capacity check
   DeviceBuffer<DeviceScheduleSizes> sizes_;
   DeviceErrorSlot errors_;
 };

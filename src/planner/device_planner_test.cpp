@@ -158,6 +158,57 @@ TEST(DevicePlanner, ReportsBadRoutingByName) {
   EXPECT_NO_THROW(planner.check_device_errors());
 }
 
+// A routing that sends some rank more routes than max_routes_per_rank: every rank's planner reports it
+// (naming that rank) and leaves an empty schedule; at the capacity exactly, the host planner's schedule.
+TEST(DevicePlanner, StopsARoutingPastTheCapacityOnEveryRank) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  EpConfig config{.ranks = 3, .experts = 12, .topk = 2, .hidden = 64, .intermediate = 64, .max_tokens_per_rank = 300};
+  const std::vector<int64_t> tokens = {300, 211, 7};
+  std::vector<std::vector<int32_t>> ids(3);
+  for (int r = 0; r < 3; ++r)
+    ids[r] = reference::synthetic_topk_ids(RoutingPattern::kZipf, tokens[r], config.experts, config.topk, rng);
+  std::vector<int64_t> routes(3, 0);
+  for (const auto& rank_ids : ids)
+    for (int32_t id : rank_ids) ++routes[id / config.local_experts()];
+  const int busiest = int(std::max_element(routes.begin(), routes.end()) - routes.begin());
+  DeviceRouting routing(ids, {300, 211, 7});
+  std::vector<std::span<const int32_t>> views(ids.begin(), ids.end());
+
+  const int64_t worst_rows = row_capacity(config).max_padded_rows;
+  config.max_routes_per_rank = routes[busiest] - 1;
+  DevicePlanner tight(config, 128);
+  EXPECT_LT(tight.capacity().max_padded_rows, worst_rows);
+  for (int rank = 0; rank < 3; ++rank) {
+    SCOPED_TRACE(::testing::Message() << "rank " << rank);
+    tight.plan(rank, routing.table.data(), routing.tokens.data(), nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_THAT(testing::error_message([&] { tight.check_device_errors(); }),
+                HasSubstr("the routing sends rank " + std::to_string(busiest) + " " + std::to_string(routes[busiest]) +
+                          " routes, more than the " + std::to_string(routes[busiest] - 1)));
+    const auto sizes = download_prefix(tight.sizes(), 1).front();
+    EXPECT_EQ(sizes.routes, 0);
+    EXPECT_EQ(sizes.padded_rows, 0);
+    EXPECT_EQ(sizes.m_blocks, 0);
+    EXPECT_EQ(sizes.minibatches, 0);
+    const int local = config.local_experts();
+    EXPECT_EQ(download_prefix(tight.expert_offsets(), local + 1), std::vector<int32_t>(local + 1, 0));
+    EXPECT_EQ(download_prefix(tight.expert_routes(), local), std::vector<int32_t>(local, 0));
+    EXPECT_EQ(download_prefix(tight.minibatch_starts(), 1), std::vector<int32_t>{0});
+  }
+
+  config.max_routes_per_rank = routes[busiest];
+  DevicePlanner exact(config, 128);
+  for (int rank = 0; rank < 3; ++rank) {
+    exact.plan(rank, routing.table.data(), routing.tokens.data(), nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_NO_THROW(exact.check_device_errors());
+    const RankSchedule want = build_schedule(config, rank, views, tokens, 128);
+    EXPECT_EQ(download_prefix(exact.sizes(), 1).front().padded_rows, want.padded_rows());
+    EXPECT_EQ(download_prefix(exact.row_token(), want.padded_rows()), want.row_token);
+  }
+}
+
 // With bad ids the forward stops, but the schedule's steps still run: count and place must skip the same
 // entries (out of range, or an expert repeated within a token), or place would write rows past the
 // counted ones. Duplicates on both sides of a 32-entry step and past k = 32 included.

@@ -2,13 +2,15 @@
 // stand-alone planner kernels (planner/device_planner.cu) and the fused MoE kernel's planning phase.
 // The schedule they build is planner::build_schedule's, bit for bit (see device_planner.h).
 //
-//   count:  per chunk of kChunkTokens tokens (CTA-level): routes per local expert; reports bad ids.
+//   count:  per chunk of kChunkTokens tokens (CTA-level): routes per local expert, and per rank (every
+//           rank's, so that each rank sees a routing past any rank's capacity); reports bad ids.
+//   fit:    every rank's routes within the capacity? If not, reported, and the schedule is empty.
 //   scan:   per local expert (CTA-level): its chunk counts become chunk bases, their sum its total.
 //   place:  every placing CTA first turns the expert totals into padded expert offsets in shared memory
 //           (expert_offsets; one CTA also writes them out), then per chunk (warp-level) the chunk's
 //           routes go to their rows in (source rank, token, k) order.
-// count must finish on every chunk before scan, and scan before place: callers put a grid-wide (or
-// rank-wide) barrier between them.
+// count must finish on every chunk before fit and scan, and scan before place: callers put a grid-wide
+// (or rank-wide) barrier between them.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +22,7 @@ namespace pounce::planner::steps {
 
 constexpr int kChunkTokens = kPlannerChunkTokens;
 constexpr int kMaxLocalExperts = kPlannerMaxLocalExperts;  // bounds the shared-memory tables below
+constexpr int kMaxRanks = pounce::kMaxRanks;
 
 struct Routing {
   const int32_t* const* topk_ids;  // [P] device pointers to [tokens, k]
@@ -39,7 +42,9 @@ struct Outputs {
   DeviceScheduleSizes* sizes;
   int64_t capacity_rows;
   int32_t blocks_per_minibatch;
-  int32_t* route_row = nullptr;  // optional [P, max_tokens, k]: the row each placed route went to
+  int32_t* route_row;    // optional [P, max_tokens, k]: the row each placed route went to
+  int32_t* rank_routes;  // [P]: routes to each rank, zeroed before count
+  int64_t max_routes;    // routes one rank may receive (the capacity's)
 };
 
 // Tokens of rank s the planner reads: its count, clamped to [0, max_tokens] (bad counts are reported).
@@ -50,12 +55,13 @@ __device__ inline void clear_rows(const Outputs& o, int64_t worker, int64_t work
   for (int64_t i = worker; i < o.capacity_rows; i += workers) o.row_source_rank[i] = o.row_token[i] = o.row_k[i] = -1;
 }
 
-// CTA-level (all threads call it). counts: shared [kMaxLocalExperts]. Entry j of a token is counted
-// iff its id is in range and no earlier entry of the token has it; place_chunk applies the same rule,
-// so the two steps always agree.
+// CTA-level (all threads call it). counts: shared [kMaxLocalExperts], rank_counts: shared [kMaxRanks].
+// Entry j of a token is counted iff its id is in range and no earlier entry of the token has it;
+// place_chunk applies the same rule, so the two steps always agree.
 __device__ inline void count_chunk(const Routing& r, int32_t chunk, const Outputs& o, int32_t* counts,
-                                   const DeviceErrorSink& error) {
+                                   int32_t* rank_counts, const DeviceErrorSink& error) {
   for (int32_t e = threadIdx.x; e < r.local_experts; e += blockDim.x) counts[e] = 0;
+  for (int32_t q = threadIdx.x; q < r.ranks; q += blockDim.x) rank_counts[q] = 0;
   __syncthreads();
   const int32_t s = chunk / r.chunks_per_rank;
   const int32_t first_token = (chunk % r.chunks_per_rank) * kChunkTokens;
@@ -79,13 +85,41 @@ __device__ inline void count_chunk(const Routing& r, int32_t chunk, const Output
                               t, uint64_t(i), uint64_t(id), 0, s, j);
           repeated = true;
         }
+      if (repeated) continue;
       const int32_t e = id - r.first_local;
-      if (!repeated && e >= 0 && e < r.local_experts) atomicAdd(&counts[e], 1);
+      if (e >= 0 && e < r.local_experts) atomicAdd(&counts[e], 1);
+      atomicAdd(&rank_counts[id / r.local_experts], 1);
     }
   }
   __syncthreads();
   for (int32_t e = threadIdx.x; e < r.local_experts; e += blockDim.x)
     o.chunk_counts[int64_t(chunk) * r.local_experts + e] = counts[e];
+  for (int32_t q = threadIdx.x; q < r.ranks; q += blockDim.x)
+    if (rank_counts[q] > 0) atomicAdd(&o.rank_routes[q], rank_counts[q]);
+}
+
+// After every chunk's count: whether every rank's routes fit the capacity. Every rank counted every
+// rank's routes from the same topk_ids, so all of them agree and stop together, before any data moves.
+// With `report`, a routing past the capacity is reported (naming the first rank over it). Any thread.
+__device__ inline bool routes_fit(const Routing& r, const Outputs& o, const DeviceErrorSink& error, bool report) {
+  for (int32_t q = 0; q < r.ranks; ++q) {
+    const int32_t routes = *reinterpret_cast<volatile const int32_t*>(&o.rank_routes[q]);
+    if (routes > o.max_routes) {
+      if (report)
+        report_device_error(error, DeviceErrorCode::kBadRouting, DeviceRole::kPlanner, WaitTarget::kRouteCapacity, q,
+                            uint64_t(o.max_routes), uint64_t(routes), 0, q);
+      return false;
+    }
+  }
+  return true;
+}
+
+// The schedule of a routing past the capacity: no rows, so whatever reads it does nothing. One thread.
+__device__ inline void publish_empty_schedule(const Routing& r, const Outputs& o) {
+  for (int32_t e = 0; e < r.local_experts; ++e) o.expert_routes[e] = 0;
+  for (int32_t e = 0; e <= r.local_experts; ++e) o.expert_offsets[e] = 0;
+  o.minibatch_starts[0] = 0;
+  *o.sizes = {0, 0, 0, 0};
 }
 
 // CTA-level exclusive prefix sum of one value per thread, in thread order; *total gets the CTA's sum.

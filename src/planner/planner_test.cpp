@@ -164,7 +164,7 @@ void expect_schedule_matches_brute_force(const EpConfig& c, int rank, const std:
   }
   EXPECT_EQ(next, routes.size());
 
-  const Capacity cap = worst_case_capacity(c);
+  const Capacity cap = row_capacity(c);
   EXPECT_LE(s.routes(), cap.max_routes);
   EXPECT_LE(s.padded_rows(), cap.max_padded_rows);
 
@@ -259,7 +259,7 @@ TEST(Capacity, BoundIsTightForTheWorstRouting) {
   // Worst case: every rank sends every token to k local experts of rank 0, spread so that as many
   // experts as possible end one row past an m-block boundary.
   auto c = small_config(2, 16, 2, 129 * 4);  // 8 local experts, topk 2
-  const Capacity cap = worst_case_capacity(c);
+  const Capacity cap = row_capacity(c);
   EXPECT_EQ(cap.max_routes, 2 * 516 * 2);
   std::vector<std::vector<int32_t>> ids(2);
   std::vector<int64_t> tokens = {516, 516};
@@ -293,12 +293,54 @@ TEST(Capacity, NeverExceededOnRandomAdversarialRoutings) {
     for (int r = 0; r < ranks; ++r)
       ids[r] = reference::synthetic_topk_ids(RoutingPattern::kOneExpert, tokens[r], experts, topk, rng);
     std::vector<std::span<const int32_t>> views(ids.begin(), ids.end());
-    const Capacity cap = worst_case_capacity(c);
+    const Capacity cap = row_capacity(c);
     for (int rank = 0; rank < ranks; ++rank) {
       RankSchedule s = build_schedule(c, rank, views, tokens, 512);
       ASSERT_LE(s.routes(), cap.max_routes);
       ASSERT_LE(s.padded_rows(), cap.max_padded_rows);
     }
+  }
+}
+
+// max_routes_per_rank bounds the routes of one rank, and the rows with them (each busy expert adds at
+// most 127 padding rows); above the worst case it changes nothing, and negative is named.
+TEST(Capacity, MaxRoutesPerRankBoundsTheRows) {
+  auto c = small_config(4, 32, 8, 1000);  // 8 local experts; worst case 4 * 1000 * 8 routes
+  const Capacity worst = row_capacity(c);
+  EXPECT_EQ(worst.max_routes, 32000);
+  c.max_routes_per_rank = 9001;
+  const Capacity cap = row_capacity(c);
+  EXPECT_EQ(cap.max_routes, 9001);
+  EXPECT_EQ(cap.max_padded_rows, (9001 + 8 * 127) / 128 * 128);
+  EXPECT_EQ(cap.max_m_blocks, cap.max_padded_rows / 128);
+  EXPECT_THAT(describe_capacity(c), HasSubstr("9001 routes per rank (max_routes_per_rank)"));
+  c.max_routes_per_rank = 40000;
+  EXPECT_EQ(row_capacity(c).max_routes, worst.max_routes);
+  c.max_routes_per_rank = -1;
+  EXPECT_THAT(error_message([&] { row_capacity(c); }), HasSubstr("max_routes_per_rank = -1 is negative"));
+}
+
+// A routing that sends any rank more routes than the capacity is refused by name by the host planner
+// for every rank (the device planners stop every rank too); at the capacity exactly it plans.
+TEST(Capacity, RoutingPastMaxRoutesPerRankIsNamed) {
+  auto rng = testing::fresh_rng();
+  auto c = small_config(3, 12, 2, 50);
+  std::vector<std::vector<int32_t>> ids(3);
+  std::vector<int64_t> tokens = {50, 37, 11};
+  for (int r = 0; r < 3; ++r)
+    ids[r] = reference::synthetic_topk_ids(RoutingPattern::kUniform, tokens[r], c.experts, c.topk, rng);
+  std::vector<int64_t> routes(3, 0);
+  for (const auto& rank_ids : ids)
+    for (int32_t id : rank_ids) ++routes[id / c.local_experts()];
+  const int busiest = int(std::max_element(routes.begin(), routes.end()) - routes.begin());
+  std::vector<std::span<const int32_t>> views(ids.begin(), ids.end());
+  c.max_routes_per_rank = routes[busiest];
+  for (int rank = 0; rank < 3; ++rank) EXPECT_EQ(build_schedule(c, rank, views, tokens, 128).routes(), routes[rank]);
+  c.max_routes_per_rank = routes[busiest] - 1;
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_THAT(error_message([&] { build_schedule(c, rank, views, tokens, 128); }),
+                HasSubstr("sends rank " + std::to_string(busiest) + " " + std::to_string(routes[busiest]) +
+                          " routes, more than the " + std::to_string(routes[busiest] - 1)));
   }
 }
 

@@ -21,6 +21,8 @@ void validate_config(const EpConfig& c) {
                  kShapeQuantum);
   POUNCE_REQUIRE(c.max_tokens_per_rank >= 0, "EP config: max_tokens_per_rank = ", c.max_tokens_per_rank,
                  " is negative");
+  POUNCE_REQUIRE(c.max_routes_per_rank >= 0, "EP config: max_routes_per_rank = ", c.max_routes_per_rank,
+                 " is negative (0: the worst case)");
 }
 
 }  // namespace pounce::planner
@@ -39,7 +41,7 @@ void check_config(const EpConfig& c) {
                  kMaxHidden);
   POUNCE_REQUIRE(c.max_tokens_per_rank <= kMaxTokensPerRank, "EP config: max_tokens_per_rank = ", c.max_tokens_per_rank,
                  " is above the limit of ", kMaxTokensPerRank);
-  planner::worst_case_capacity(c);  // the routed rows must fit int32 row indices
+  planner::row_capacity(c);  // the routed rows must fit int32 row indices
 }
 
 }  // namespace pounce
@@ -63,11 +65,12 @@ void validate_routing(const EpConfig& c, int rank, std::span<const int32_t> topk
   }
 }
 
-Capacity worst_case_capacity(const EpConfig& c) {
+Capacity row_capacity(const EpConfig& c) {
   validate_config(c);
   Capacity cap;
   // A token holds distinct experts, so it sends at most min(k, E_local) routes to one rank.
   cap.max_routes = int64_t(c.ranks) * c.max_tokens_per_rank * std::min(c.topk, c.local_experts());
+  if (c.max_routes_per_rank > 0) cap.max_routes = std::min(cap.max_routes, c.max_routes_per_rank);
   // Every non-empty expert adds at most kBlockM - 1 padding rows, and the padded total is a multiple
   // of kBlockM, so it is at most the largest multiple of kBlockM not above that sum.
   int64_t busy_experts = std::min<int64_t>(c.local_experts(), cap.max_routes);
@@ -77,6 +80,14 @@ Capacity worst_case_capacity(const EpConfig& c) {
   POUNCE_REQUIRE(cap.max_padded_rows <= INT32_MAX, "EP config: up to ", cap.max_padded_rows,
                  " routed rows per rank do not fit int32 row indices; lower max_tokens_per_rank");
   return cap;
+}
+
+std::string describe_capacity(const EpConfig& c) {
+  const Capacity cap = row_capacity(c);
+  if (c.max_routes_per_rank > 0 && cap.max_routes == c.max_routes_per_rank)
+    return "the capacity, sized for " + std::to_string(cap.max_routes) + " routes per rank (max_routes_per_rank)";
+  return "the capacity, sized for every route of " + std::to_string(c.max_tokens_per_rank) + " tokens on each of " +
+         std::to_string(c.ranks) + " ranks landing on one (max_routes_per_rank bounds it)";
 }
 
 int64_t RankSchedule::routes() const {
@@ -93,6 +104,14 @@ RankSchedule build_schedule(const EpConfig& c, int rank, std::span<const std::sp
                  topk_ids.size(), " topk_ids and ", tokens.size(), " token counts for ", c.ranks, " ranks");
   POUNCE_REQUIRE(minibatch_rows > 0, "minibatch_rows = ", minibatch_rows, ", must be positive");
   for (int s = 0; s < c.ranks; ++s) validate_routing(c, s, topk_ids[s], tokens[s]);
+  // Every rank's routes within the capacity, as the device planners check (all ranks stop together).
+  std::vector<int64_t> rank_routes(c.ranks, 0);
+  for (int s = 0; s < c.ranks; ++s)
+    for (int32_t id : topk_ids[s]) ++rank_routes[id / c.local_experts()];
+  const int64_t max_routes = row_capacity(c).max_routes;
+  for (int q = 0; q < c.ranks; ++q)
+    POUNCE_REQUIRE(rank_routes[q] <= max_routes, "the routing sends rank ", q, " ", rank_routes[q],
+                   " routes, more than the ", max_routes, " its buffers hold (", describe_capacity(c), ")");
 
   const int local = c.local_experts();
   const int first = c.first_local_expert(rank);

@@ -6,11 +6,13 @@
 //   each expert's rows padded up to a multiple of kBlockM (padding rows carry source rank -1);
 //   experts back to back, so m-block b (rows [128b, 128b+128)) belongs to exactly one expert;
 //   minibatches are runs of consecutive m-blocks (they may span experts).
-// Sizes never depend on the routing: worst_case_capacity() bounds every array from (P, T_max, k, E).
+// Sizes never depend on the routing: row_capacity() bounds every array from (P, T_max, k, E) and the
+// config's max_routes_per_rank; the planners stop a routing that sends a rank more routes than that.
 #pragma once
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "common/tiles.h"
@@ -27,11 +29,14 @@ void validate_config(const EpConfig& config);
 void validate_routing(const EpConfig& config, int rank, std::span<const int32_t> topk_ids, int64_t tokens);
 
 struct Capacity {
-  int64_t max_routes = 0;       // routes one rank can receive: P * T_max * min(k, E_local)
+  int64_t max_routes = 0;       // routes one rank can receive: P * T_max * min(k, E_local), or less when the
+                                // config's max_routes_per_rank says so
   int64_t max_padded_rows = 0;  // routed rows after per-expert padding, a multiple of kBlockM
   int64_t max_m_blocks = 0;     // max_padded_rows / kBlockM
 };
-Capacity worst_case_capacity(const EpConfig& config);
+Capacity row_capacity(const EpConfig& config);
+// What the capacity was sized for, for error messages: "sized for 65536 routes (max_routes_per_rank)".
+std::string describe_capacity(const EpConfig& config);
 
 struct RankSchedule {
   int rank = 0;
@@ -48,7 +53,8 @@ struct RankSchedule {
   int64_t routes() const;
 };
 
-// topk_ids[r] is rank r's [tokens[r], k] routing. Validates config and every rank's routing first.
+// topk_ids[r] is rank r's [tokens[r], k] routing. Validates config and every rank's routing first, and
+// throws when any rank receives more routes than the capacity (row_capacity).
 // minibatch_rows > 0; each minibatch holds ceil(minibatch_rows / kBlockM) m-blocks (the last may hold fewer).
 RankSchedule build_schedule(const EpConfig& config, int rank, std::span<const std::span<const int32_t>> topk_ids,
                             std::span<const int64_t> tokens, int64_t minibatch_rows);

@@ -24,8 +24,8 @@ void BackwardChain::allocate(DeviceBuffer<T>& buffer, int64_t count, const char*
   try {
     buffer = DeviceBuffer<T>(count);
   } catch (const Error& e) {
-    POUNCE_FAIL("MoE backward: its ", what, " (", rows_, " rows of capacity) do not fit: ", e.what(),
-                "; a smaller max_tokens_per_rank shrinks them");
+    POUNCE_FAIL("MoE backward: its ", what, " (", rows_, " rows: ", planner::describe_capacity(config_),
+                ") do not fit: ", e.what(), "; a smaller max_routes_per_rank or max_tokens_per_rank shrinks them");
   }
 }
 
