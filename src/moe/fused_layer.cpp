@@ -348,11 +348,16 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   const int64_t ring_rows = L * ring * kBlockM;
   // The E4M3 forward keeps its x rows in Fp8Rows: a one-block stand-in keeps x_ring's descriptor valid.
   const int64_t x_ring_rows = options.fp8_forward ? kBlockM : ring_rows;
-  x_ring_ = DeviceBuffer<__nv_bfloat16>(x_ring_rows * config.hidden);
-  x_ring_.fill_bytes(0);  // padding rows are never written: start them at zero
   shared_rows_ = SharedRows::of(config, launch_ranks);
   const SharedRows::Rings& rings = shared_rows_->rings(ring);
-  p.x_ring = x_ring_.data();
+  if (in_place || options.fp8_forward) {
+    // In place the backward reads the x rows from the ring: they stay this layer's until its backward.
+    x_ring_ = DeviceBuffer<__nv_bfloat16>(x_ring_rows * config.hidden);
+    x_ring_.fill_bytes(0);  // padding rows are never written: start them at zero
+    p.x_ring = x_ring_.data();
+  } else {
+    p.x_ring = shared_rows_->x_ring(ring);  // a backward pulls its x rows again
+  }
   p.h_ring = rings.h.data();
   p.out_ring = rings.out.data();
 
@@ -387,7 +392,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   p.kept_record = kept_record_.data();
 
   using gemm::kStoreBoxCols, gemm::kStoreBoxRows;
-  maps_.x_ring = gemm::make_bf16_tensor_map(x_ring_.data(), H, x_ring_rows, kBlockK, kBlockM);
+  maps_.x_ring = gemm::make_bf16_tensor_map(p.x_ring, H, x_ring_rows, kBlockK, kBlockM);
   maps_.h_ring_store = gemm::make_bf16_tensor_map(p.h_ring, I, ring_rows, kStoreBoxCols, kStoreBoxRows);
   maps_.h_ring_load = gemm::make_bf16_tensor_map(p.h_ring, I, ring_rows, kBlockK, kBlockM);
   maps_.out_ring_store = gemm::make_bf16_tensor_map(p.out_ring, H, ring_rows, kStoreBoxCols, kStoreBoxRows);

@@ -918,15 +918,17 @@ TEST(FusedMoe, DeviceBytesFollowTheDocumentedFormula) {
     EpConfig config;
     int64_t ring_blocks;  // 0: default
   };
+  // The last: routes per rank bounded to twice the balanced load.
   for (const Setup& setup : {Setup{{1, 32, 8, 7168, 2048, 8192}, 0}, Setup{{2, 16, 6, 1024, 512, 3000}, 40},
-                             Setup{{4, 256, 8, 2048, 768, 2048}, 0}}) {
+                             Setup{{4, 256, 8, 2048, 768, 2048}, 0}, Setup{{4, 256, 8, 2048, 768, 2048, 32768}, 0}}) {
     const EpConfig& c = setup.config;
     FusedMoeOptions options;
     options.ring_blocks = setup.ring_blocks;
     if (setup.ring_blocks > 0) options.minibatch_rows = 4 * 128;  // the ring must hold two minibatches
     FusedMoe layer(c, options);
     const int64_t P = c.ranks, T = c.max_tokens_per_rank, k = c.topk, H = c.hidden, I = c.intermediate;
-    const int64_t E = c.local_experts(), R = P * T * std::min(k, E) + 127 * E;
+    const int64_t E = c.local_experts(), worst = P * T * std::min(k, E);
+    const int64_t R = (c.max_routes_per_rank > 0 ? std::min(worst, c.max_routes_per_rank) : worst) + 127 * E;
     const int64_t ring = layer.ring_blocks() * 128 * (2 * H + I) * 2;
     const int64_t slots = layer.in_place() ? 0 : T * k * H * 2;
     const int64_t schedule = 12 * R + 4 * P * ((T + 63) / 64) * E + 4 * T + (layer.in_place() ? 4 * T * k : 0);
@@ -1570,7 +1572,8 @@ class StreamGate {
 // rows (FusedMoe::shared_buffers_id): the second layer's first backward allocates none of its own, and
 // neither another layer's forward and backward between a layer's forward and its backward nor the two
 // layers' forwards and backwards enqueued on two streams without a host synchronization between them
-// (the second waits for the first on the GPU) changes any of their bits. A layer with a smaller ring
+// (the second waits for the first on the GPU) changes any of their bits (across ranks the x rows are
+// shared too: a backward pulls its own again). A layer with a smaller ring
 // shares the set (with rings of its size) and gives the same bits; a layer of another config has rows of
 // its own. The one-rank case is large enough that its rows dwarf the test's own allocations (and
 // too large for the host reference: the three-rank case checks that).
@@ -1618,7 +1621,10 @@ TEST(FusedMoe, LayersOfOneConfigShareTheirRows) {
       const Gradients want_b = run_backward(layer_b, b, d_dy_b);
       CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
       if (small) expect_gradients(want_b, reference_backward(b, dy_b), b.config);
-      EXPECT_GT(layer_a.shared_device_bytes(), 0);
+      // The rings are shared, the x rows too unless in place at one rank (the backward reads them there).
+      const int64_t ring_rows = c.ranks * layer_a.ring_blocks() * 128;
+      const int64_t ring_bytes = ring_rows * (c.intermediate + (layer_a.in_place() ? 1 : 2) * c.hidden) * 2;
+      EXPECT_GE(layer_a.shared_device_bytes(), ring_bytes);
       EXPECT_EQ(layer_a.shared_device_bytes(), layer_b.shared_device_bytes());
       EXPECT_EQ(layer_a.device_bytes(), layer_b.device_bytes());
       if (!small) {

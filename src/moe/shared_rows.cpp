@@ -49,10 +49,22 @@ const SharedRows::Rings& SharedRows::rings(int64_t ring_blocks) {
   return rings;
 }
 
+__nv_bfloat16* SharedRows::x_ring(int64_t ring_blocks) {
+  rings(ring_blocks);
+  std::lock_guard lock(mutex_);
+  Rings& rings = rings_.at(ring_blocks);
+  if (rings.x.size() == 0) {
+    rings.x = DeviceBuffer<__nv_bfloat16>(launch_ranks_ * ring_blocks * kBlockM * config_.hidden);
+    rings.x.fill_bytes(0);  // padding rows are read (stale) by GEMM1, whose rows of them nobody reads
+  }
+  return rings.x.data();
+}
+
 int64_t SharedRows::bytes() const {
   std::lock_guard lock(mutex_);
   int64_t bytes = backward_.bytes();
-  for (const auto& [ring_blocks, rings] : rings_) bytes += int64_t(rings.h.bytes() + rings.out.bytes());
+  for (const auto& [ring_blocks, rings] : rings_)
+    bytes += int64_t(rings.h.bytes() + rings.out.bytes() + rings.x.bytes());
   return bytes;
 }
 
