@@ -69,14 +69,16 @@ __device__ bool nobody_reported(const FusedParams& p, int32_t* ok_flag) {
   return *ok_flag != 0;
 }
 
-// Counters of m-blocks and tokens this forward leaves unused get their per-forward increment too, so
-// every word stays at (forward number) x (increment) and a later forward with more m-blocks or tokens
-// waits for the right values. Nobody else touches these words during this forward: no item, tile or
-// push refers to an m-block past this rank's M or to a token past its token count.
-__device__ void top_up_unused_counters(const FusedParams& p, const RankState& rs, int cta) {
+// Counters of m-blocks and tokens this forward leaves unused (from first_m_block and first_token on) get
+// their per-forward increment too, so every word stays at (forward number) x (increment) and a later
+// forward with more m-blocks or tokens waits for the right values. Nobody else touches these words during
+// this forward: no item, tile or push refers to an m-block past this rank's M or to a token past its
+// token count (nor to any, in a forward that stops after the count).
+__device__ void top_up_unused_counters(const FusedParams& p, const RankState& rs, int cta, int64_t first_m_block,
+                                       int64_t first_token) {
   const int64_t worker = int64_t(cta) * kThreads + threadIdx.x, workers = int64_t(p.ctas_per_rank) * kThreads;
   const int64_t max_m_blocks = p.capacity_rows / kBlockM;
-  for (int64_t b = rs.sizes->m_blocks + worker; b < max_m_blocks; b += workers) {
+  for (int64_t b = first_m_block + worker; b < max_m_blocks; b += workers) {
     rs.dispatched[b] += p.steps.dispatched;
     rs.gemm1_done[b] += p.steps.gemm1_done;
     rs.gemm2_done[b] += p.steps.gemm2_done;
@@ -84,7 +86,7 @@ __device__ void top_up_unused_counters(const FusedParams& p, const RankState& rs
     if (rs.elementwise_done != nullptr) rs.elementwise_done[b] += p.steps.elementwise_done;
   }
   uint32_t* arrivals = p.peers.arrivals[rs.rank];
-  for (int64_t t = rs.tokens + worker; t < p.max_tokens; t += workers) arrivals[t] += p.steps.arrivals;
+  for (int64_t t = first_token + worker; t < p.max_tokens; t += workers) arrivals[t] += p.steps.arrivals;
 }
 
 // The E4M3 forward, all threads of every CTA of the rank, first thing: this rank's tokens quantized 1 x 128
@@ -144,9 +146,13 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
     steps::count_chunk(r, chunk, o, ps.counts, ps.rank_counts, p.error);
   if (!rank_barrier(p, rs, 2, ok_flag)) return false;
   // A routing past some rank's capacity: every rank stops here (they all counted every rank's routes),
-  // leaving an empty schedule for a backward enqueued behind this forward.
+  // before any data moves. Each leaves an empty schedule for a backward enqueued behind this forward, and
+  // its words as a forward without routes would: the barriers it skips counted, every counter topped up.
+  // So the layer runs its next forward without a reset, across GPUs too.
   if (!steps::routes_fit(r, o, p.error, /*report=*/cta == 0 && threadIdx.x == 0)) {
     if (cta == 0 && threadIdx.x == 0) steps::publish_empty_schedule(r, o);
+    if (threadIdx.x == 0) ptx::red_release_gpu_add(&rs.control[kRankBarrier], kRankBarriersPerForward - 2);
+    top_up_unused_counters(p, rs, cta, /*first_m_block=*/0, /*first_token=*/0);
     return false;
   }
 
@@ -160,7 +166,7 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
     steps::place_chunk(r, chunk, o, ps.offsets, ps.running[warp]);
   // Bad routing: every rank saw it in its own count step, before the barrier.
   if (!rank_barrier(p, rs, 4, ok_flag) || !nobody_reported(p, ok_flag)) return false;
-  top_up_unused_counters(p, rs, cta);
+  top_up_unused_counters(p, rs, cta, rs.sizes->m_blocks, rs.tokens);
   return true;  // the opening's proxy fence covers the planner's shared tables too
 }
 

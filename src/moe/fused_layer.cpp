@@ -990,7 +990,13 @@ void FusedLayer::check_device_errors() {
   const cudaError_t synced = cudaDeviceSynchronize();
   POUNCE_REQUIRE(synced == cudaSuccess, "kernel stopped: ", what, "; the CUDA context is lost (",
                  cudaGetErrorString(synced), "): the kernel trapped after reporting");
-  if (window_ && config_.ranks > 1) {
+  if (errors_.target() == WaitTarget::kRouteCapacity) {
+    // Every rank stopped after its count and left every counter where a forward without routes would
+    // (fused_kernel.cu): nothing to reset, across GPUs too. Only what that forward kept is void.
+    CUDA_CHECK(cudaMemset(kept_record_.data(), 0, kept_record_.bytes()));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    kept_from_ = {};
+  } else if (window_ && config_.ranks > 1) {
     failed_ = true;
     failed_reason_ = what;
   } else {

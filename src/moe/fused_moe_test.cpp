@@ -1451,95 +1451,6 @@ TEST(FusedMoe, BackwardReplaysWhenItsForwardIsNotTheLatest) {
   EXPECT_FALSE(strict_layer.last_backward_replayed());
 }
 
-// Routes each rank receives from a problem's routing.
-std::vector<int64_t> routes_per_rank(const Problem& p) {
-  std::vector<int64_t> routes(p.config.ranks, 0);
-  for (const auto& ids : p.ids)
-    for (int32_t id : ids) ++routes[id / p.config.local_experts()];
-  return routes;
-}
-
-// EpConfig::max_routes_per_rank sizes a rank's rows for the routes it may receive. A routing within it
-// runs as with rows for the worst case (forward and backward against the host reference); one that sends
-// some rank more stops every rank before any data moves (y keeps its poison) with an error naming that
-// rank, a backward enqueued behind that forward finds an empty schedule, and the layer then runs the
-// first routing again, bit for bit. One rank (three more tokens past the capacity) and three virtual
-// ranks (a hot expert), the backward as a chain and fused.
-TEST(FusedMoe, RoutingPastTheRouteCapacityIsNamedAndTheLayerRecovers) {
-  POUNCE_REQUIRE_HOPPER();
-  auto rng = testing::fresh_rng();
-  for (const bool fused : {false, true}) {
-    for (const Case& c : {Case{1, 300, 256, 128, 8, 3, RoutingPattern::kUniform},
-                          Case{3, 200, 256, 128, 12, 3, RoutingPattern::kUniform}}) {
-      SCOPED_TRACE(std::string(fused ? "fused" : "chain") + ", " + ::testing::PrintToString(c));
-      Case past_case = c;
-      if (c.ranks == 1)
-        past_case.tokens += 3;  // still within the config's max_tokens_per_rank (tokens + 3)
-      else
-        past_case.pattern = RoutingPattern::kOneExpert;
-      Problem fits = make_problem(rng, c), past = make_problem(rng, past_case);
-      const std::vector<int64_t> fit_routes = routes_per_rank(fits), past_routes = routes_per_rank(past);
-      const int64_t capacity = *std::max_element(fit_routes.begin(), fit_routes.end());
-      const int busiest = int(std::max_element(past_routes.begin(), past_routes.end()) - past_routes.begin());
-      ASSERT_GT(past_routes[busiest], capacity);
-      EpConfig worst = fits.config;
-      fits.config.max_routes_per_rank = capacity;
-      past.config = fits.config;
-      const FusedMoeOptions options{.fused_backward = fused};
-      FusedMoe layer(fits.config, options);
-      fits.load_weights(layer);
-      if (c.ranks > 1) {
-        EXPECT_LT(layer.device_bytes(), FusedMoe(worst, options).device_bytes());
-      }
-
-      std::vector<std::vector<float>> dy;
-      std::vector<DeviceBuffer<uint16_t>> d_dy, d_dy_past;
-      for (int r = 0; r < c.ranks; ++r) {
-        dy.push_back(testing::random_bf16_values(rng, fits.tokens[r] * c.hidden));
-        d_dy.emplace_back(testing::to_bf16_bits(dy.back()));
-        d_dy_past.emplace_back(testing::to_bf16_bits(testing::random_bf16_values(rng, past.tokens[r] * c.hidden)));
-      }
-      const auto train = [&](Problem& p) {
-        p.poison_outputs();
-        layer.forward(p.io(), nullptr, /*keep_for_backward=*/true);
-      };
-
-      train(fits);
-      CUDA_CHECK(cudaDeviceSynchronize());
-      layer.check_device_errors();
-      const auto y = fits.outputs();
-      expect_matches(y, reference_forward(fits), c.hidden);
-      const Gradients want = run_backward(layer, fits, d_dy);
-      expect_gradients(want, reference_backward(fits, dy), fits.config);
-
-      // Past the capacity, and the backward behind it: the backward may already see the forward's error
-      // on the host and refuse, or run on the empty schedule.
-      train(past);
-      const GradientBuffers past_grads = poisoned_gradients(past);
-      try {
-        enqueue_backward(layer, past, d_dy_past, past_grads, nullptr);
-      } catch (const Error& e) {
-        EXPECT_THAT(e.what(), HasSubstr("the routing sends rank"));
-      }
-      CUDA_CHECK(cudaDeviceSynchronize());
-      testing::expect_error([&] { layer.check_device_errors(); }, "the routing sends rank " + std::to_string(busiest) +
-                                                                      " " + std::to_string(past_routes[busiest]) +
-                                                                      " routes, more than the " +
-                                                                      std::to_string(capacity));
-      for (const auto& y_past : past.outputs()) {
-        for (uint16_t b : y_past) ASSERT_EQ(b, 0xFFFF) << "y was written by a forward past the capacity";
-      }
-
-      train(fits);
-      CUDA_CHECK(cudaDeviceSynchronize());
-      layer.check_device_errors();
-      EXPECT_TRUE(fits.outputs() == y) << "after the error";
-      EXPECT_TRUE(run_backward(layer, fits, d_dy) == want) << "after the error";
-      EXPECT_FALSE(layer.last_backward_replayed());
-    }
-  }
-}
-
 // Holds a stream at a host function until open() (or its end): the work enqueued behind it waits.
 class StreamGate {
  public:
@@ -1638,10 +1549,14 @@ TEST(FusedMoe, LayersOfOneConfigShareTheirRows) {
         FusedMoeOptions bounded = options;
         bounded.minibatch_rows = 128;
         bounded.ring_blocks = 2;
+        const int64_t shared_before = layer_a.shared_device_bytes();
         FusedMoe layer_c(a.config, bounded);
         a.load_weights(layer_c);
         EXPECT_EQ(layer_c.shared_buffers_id(), layer_a.shared_buffers_id());
         EXPECT_LT(layer_c.ring_blocks(), layer_a.ring_blocks());
+        const int64_t c_ring_rows = c.ranks * layer_c.ring_blocks() * 128;
+        EXPECT_GE(layer_a.shared_device_bytes() - shared_before, c_ring_rows * (c.intermediate + c.hidden) * 2)
+            << "no ring pair of layer c's size";
         a.poison_outputs();
         train(layer_c, a, nullptr);
         CUDA_CHECK(cudaDeviceSynchronize());
@@ -1696,6 +1611,105 @@ TEST(FusedMoe, LayersOfOneConfigShareTheirRows) {
       EXPECT_TRUE(got_b.download() == want_b) << "two streams";
       CUDA_CHECK(cudaStreamDestroy(stream_a));
       CUDA_CHECK(cudaStreamDestroy(stream_b));
+    }
+  }
+}
+
+// Routes each rank receives from a problem's routing.
+std::vector<int64_t> routes_per_rank(const Problem& p) {
+  std::vector<int64_t> routes(p.config.ranks, 0);
+  for (const auto& ids : p.ids)
+    for (int32_t id : ids) ++routes[id / p.config.local_experts()];
+  return routes;
+}
+
+// EpConfig::max_routes_per_rank sizes a rank's rows for the routes it may receive. A routing within it
+// runs as with rows for the worst case (forward and backward against the host reference); one that sends
+// some rank more stops every rank before any data moves (y keeps its poison) with an error naming that
+// rank, a backward enqueued behind that forward finds an empty schedule (and one enqueued after the
+// error replays the forward, which stops the same way), and the layer then runs the first routing
+// again, bit for bit, without a reset (every counter was left as a forward without routes leaves it). One rank (three
+// more tokens past the capacity) and three virtual ranks (a hot expert), the backward as a chain and fused.
+TEST(FusedMoe, RoutingPastTheRouteCapacityIsNamedAndTheLayerRecovers) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  for (const bool fused : {false, true}) {
+    for (const Case& c : {Case{1, 300, 256, 128, 8, 3, RoutingPattern::kUniform},
+                          Case{3, 200, 256, 128, 12, 3, RoutingPattern::kUniform}}) {
+      SCOPED_TRACE(std::string(fused ? "fused" : "chain") + ", " + ::testing::PrintToString(c));
+      Case past_case = c;
+      if (c.ranks == 1)
+        past_case.tokens += 3;  // still within the config's max_tokens_per_rank (tokens + 3)
+      else
+        past_case.pattern = RoutingPattern::kOneExpert;
+      Problem fits = make_problem(rng, c), past = make_problem(rng, past_case);
+      const std::vector<int64_t> fit_routes = routes_per_rank(fits), past_routes = routes_per_rank(past);
+      const int64_t capacity = *std::max_element(fit_routes.begin(), fit_routes.end());
+      const int busiest = int(std::max_element(past_routes.begin(), past_routes.end()) - past_routes.begin());
+      ASSERT_GT(past_routes[busiest], capacity);
+      EpConfig worst = fits.config;
+      fits.config.max_routes_per_rank = capacity;
+      past.config = fits.config;
+      const FusedMoeOptions options{.fused_backward = fused};
+      FusedMoe layer(fits.config, options);
+      fits.load_weights(layer);
+      if (c.ranks > 1) {
+        EXPECT_LT(layer.device_bytes(), FusedMoe(worst, options).device_bytes());
+      }
+
+      std::vector<std::vector<float>> dy;
+      std::vector<DeviceBuffer<uint16_t>> d_dy, d_dy_past;
+      for (int r = 0; r < c.ranks; ++r) {
+        dy.push_back(testing::random_bf16_values(rng, fits.tokens[r] * c.hidden));
+        d_dy.emplace_back(testing::to_bf16_bits(dy.back()));
+        d_dy_past.emplace_back(testing::to_bf16_bits(testing::random_bf16_values(rng, past.tokens[r] * c.hidden)));
+      }
+      const auto train = [&](Problem& p) {
+        p.poison_outputs();
+        layer.forward(p.io(), nullptr, /*keep_for_backward=*/true);
+      };
+
+      train(fits);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      layer.check_device_errors();
+      const auto y = fits.outputs();
+      expect_matches(y, reference_forward(fits), c.hidden);
+      const Gradients want = run_backward(layer, fits, d_dy);
+      expect_gradients(want, reference_backward(fits, dy), fits.config);
+
+      // Past the capacity, with its backward enqueued behind it while the stream is held (so that the
+      // backward runs on what the stopped forward left, rather than seeing its error on the host first).
+      const GradientBuffers past_grads = poisoned_gradients(past);
+      past.poison_outputs();
+      cudaStream_t stream = nullptr;
+      CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      {
+        StreamGate gate(stream);
+        layer.forward(past.io(), stream, /*keep_for_backward=*/true);
+        enqueue_backward(layer, past, d_dy_past, past_grads, stream);
+        gate.open();
+      }
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      const std::string past_capacity = "the routing sends rank " + std::to_string(busiest) + " " +
+                                        std::to_string(past_routes[busiest]) + " routes, more than the " +
+                                        std::to_string(capacity);
+      testing::expect_error([&] { layer.check_device_errors(); }, past_capacity);
+      for (const auto& y_past : past.outputs()) {
+        for (uint16_t b : y_past) ASSERT_EQ(b, 0xFFFF) << "y was written by a forward past the capacity";
+      }
+      // Its kept rows are void: a backward for it now replays the forward, and stops the same way.
+      enqueue_backward(layer, past, d_dy_past, past_grads, stream);
+      EXPECT_TRUE(layer.last_backward_replayed());
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      testing::expect_error([&] { layer.check_device_errors(); }, past_capacity);
+      CUDA_CHECK(cudaStreamDestroy(stream));
+
+      train(fits);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      layer.check_device_errors();
+      EXPECT_TRUE(fits.outputs() == y) << "after the error";
+      EXPECT_TRUE(run_backward(layer, fits, d_dy) == want) << "after the error";
+      EXPECT_FALSE(layer.last_backward_replayed());
     }
   }
 }

@@ -40,13 +40,12 @@ SharedRows::~SharedRows() {
 
 const SharedRows::Rings& SharedRows::rings(int64_t ring_blocks) {
   std::lock_guard lock(mutex_);
-  Rings& rings = rings_[ring_blocks];
-  if (rings.h.size() == 0) {
-    const int64_t ring_rows = launch_ranks_ * ring_blocks * kBlockM;
-    rings.h = DeviceBuffer<__nv_bfloat16>(ring_rows * config_.intermediate);
-    rings.out = DeviceBuffer<__nv_bfloat16>(ring_rows * config_.hidden);
-  }
-  return rings;
+  if (auto found = rings_.find(ring_blocks); found != rings_.end()) return found->second;
+  Rings made;  // into the map only once all of it fits
+  const int64_t ring_rows = launch_ranks_ * ring_blocks * kBlockM;
+  made.h = DeviceBuffer<__nv_bfloat16>(ring_rows * config_.intermediate);
+  made.out = DeviceBuffer<__nv_bfloat16>(ring_rows * config_.hidden);
+  return rings_.emplace(ring_blocks, std::move(made)).first->second;
 }
 
 __nv_bfloat16* SharedRows::x_ring(int64_t ring_blocks) {

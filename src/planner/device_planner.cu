@@ -39,6 +39,8 @@ __global__ void place_kernel(steps::Routing r, steps::Outputs o, DeviceErrorSink
 
 DevicePlanner::DevicePlanner(const EpConfig& config, int64_t minibatch_rows) : config_(config) {
   capacity_ = row_capacity(config);  // validates the config
+  POUNCE_REQUIRE(config.ranks <= kMaxRanks, "device planner: ", config.ranks, " ranks; at most ", kMaxRanks,
+                 " are supported");
   POUNCE_REQUIRE(config.local_experts() <= kMaxLocalExperts, "device planner: ", config.local_experts(),
                  " local experts per rank; at most ", kMaxLocalExperts, " are supported");
   POUNCE_REQUIRE(minibatch_rows > 0, "device planner: minibatch_rows = ", minibatch_rows, ", must be positive");

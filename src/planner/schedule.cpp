@@ -67,19 +67,21 @@ void validate_routing(const EpConfig& c, int rank, std::span<const int32_t> topk
 
 Capacity row_capacity(const EpConfig& c) {
   validate_config(c);
-  Capacity cap;
-  // A token holds distinct experts, so it sends at most min(k, E_local) routes to one rank.
-  cap.max_routes = int64_t(c.ranks) * c.max_tokens_per_rank * std::min(c.topk, c.local_experts());
-  if (c.max_routes_per_rank > 0) cap.max_routes = std::min(cap.max_routes, c.max_routes_per_rank);
   // Every non-empty expert adds at most kBlockM - 1 padding rows, and the padded total is a multiple
   // of kBlockM, so it is at most the largest multiple of kBlockM not above that sum.
-  int64_t busy_experts = std::min<int64_t>(c.local_experts(), cap.max_routes);
-  cap.max_padded_rows = (cap.max_routes + busy_experts * (kBlockM - 1)) / kBlockM * kBlockM;
-  cap.max_m_blocks = cap.max_padded_rows / kBlockM;
-  // Device schedules index rows with int32.
-  POUNCE_REQUIRE(cap.max_padded_rows <= INT32_MAX, "EP config: up to ", cap.max_padded_rows,
+  const auto capacity_of = [&](int64_t max_routes) {
+    const int64_t busy_experts = std::min<int64_t>(c.local_experts(), max_routes);
+    const int64_t padded = (max_routes + busy_experts * (kBlockM - 1)) / kBlockM * kBlockM;
+    return Capacity{max_routes, padded, padded / kBlockM};
+  };
+  // A token holds distinct experts, so it sends at most min(k, E_local) routes to one rank. The planners
+  // count (and scan) a rank's routes in int32 whatever the bound: a routing past it is counted before it
+  // is refused.
+  const Capacity worst = capacity_of(int64_t(c.ranks) * c.max_tokens_per_rank * std::min(c.topk, c.local_experts()));
+  POUNCE_REQUIRE(worst.max_padded_rows <= INT32_MAX, "EP config: up to ", worst.max_padded_rows,
                  " routed rows per rank do not fit int32 row indices; lower max_tokens_per_rank");
-  return cap;
+  if (c.max_routes_per_rank == 0 || c.max_routes_per_rank >= worst.max_routes) return worst;
+  return capacity_of(c.max_routes_per_rank);
 }
 
 std::string describe_capacity(const EpConfig& c) {
