@@ -1628,8 +1628,9 @@ std::vector<int64_t> routes_per_rank(const Problem& p) {
 // some rank more stops every rank before any data moves (y keeps its poison) with an error naming that
 // rank, a backward enqueued behind that forward finds an empty schedule (and one enqueued after the
 // error replays the forward, which stops the same way), and the layer then runs the first routing
-// again, bit for bit, without a reset (every counter was left as a forward without routes leaves it). One rank (three
-// more tokens past the capacity) and three virtual ranks (a hot expert), the backward as a chain and fused.
+// again, bit for bit, without a reset (every counter was left as a forward without routes leaves it).
+// One rank (three more tokens past the capacity) and three virtual ranks (every token on rank 0's
+// experts), the backward as a chain and fused.
 TEST(FusedMoe, RoutingPastTheRouteCapacityIsNamedAndTheLayerRecovers) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
@@ -1638,11 +1639,15 @@ TEST(FusedMoe, RoutingPastTheRouteCapacityIsNamedAndTheLayerRecovers) {
                           Case{3, 200, 256, 128, 12, 3, RoutingPattern::kUniform}}) {
       SCOPED_TRACE(std::string(fused ? "fused" : "chain") + ", " + ::testing::PrintToString(c));
       Case past_case = c;
-      if (c.ranks == 1)
-        past_case.tokens += 3;  // still within the config's max_tokens_per_rank (tokens + 3)
-      else
-        past_case.pattern = RoutingPattern::kOneExpert;
+      if (c.ranks == 1) past_case.tokens += 3;  // still within the config's max_tokens_per_rank (tokens + 3)
       Problem fits = make_problem(rng, c), past = make_problem(rng, past_case);
+      if (c.ranks > 1) {  // every token of every rank on experts 0 .. k - 1, all of them rank 0's
+        ASSERT_LE(c.topk, c.experts / c.ranks);
+        for (int r = 0; r < c.ranks; ++r) {
+          for (size_t i = 0; i < past.ids[r].size(); ++i) past.ids[r][i] = int32_t(i % c.topk);
+          past.d_ids[r].upload(past.ids[r]);
+        }
+      }
       const std::vector<int64_t> fit_routes = routes_per_rank(fits), past_routes = routes_per_rank(past);
       const int64_t capacity = *std::max_element(fit_routes.begin(), fit_routes.end());
       const int busiest = int(std::max_element(past_routes.begin(), past_routes.end()) - past_routes.begin());
