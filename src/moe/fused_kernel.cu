@@ -121,6 +121,21 @@ __device__ void quantize_tokens(const FusedParams& p, const RankState& rs, int c
   }
 }
 
+// A launch that stops during planning, on an error every rank sees the same way (bad routing, a routing
+// past a rank's capacity, or one an earlier launch reported and the host has not collected yet): nothing
+// has moved, so this CTA leaves its share of the rank's words as a launch without routes would (the
+// barriers it skips counted, every m-block and token counter topped up) and an empty schedule for
+// whatever reads it next. Every CTA of every rank stops at one of these points (the error flag stays
+// set until the host clears it), so the layer's next launch needs no reset, across GPUs too.
+__device__ bool stop_planning(const FusedParams& p, const RankState& rs, int cta, const steps::Routing& r,
+                              const steps::Outputs& o, uint32_t barriers_passed) {
+  if (cta == 0 && threadIdx.x == 0) steps::publish_empty_schedule(r, o);
+  if (threadIdx.x == 0 && barriers_passed < kRankBarriersPerForward)
+    ptx::red_release_gpu_add(&rs.control[kRankBarrier], kRankBarriersPerForward - barriers_passed);
+  top_up_unused_counters(p, rs, cta, /*first_m_block=*/0, /*first_token=*/0);
+  return false;
+}
+
 // Returns false when the forward must stop (a wait gave up, or the routing is invalid).
 template <bool kFp8>
 __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t* smem, int32_t* ok_flag) {
@@ -140,21 +155,15 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
     start_all_ranks(p, rs);  // a failed start is reported; every CTA sees it after the barrier
   }
   steps::clear_rows(o, int64_t(cta) * kThreads + threadIdx.x, int64_t(p.ctas_per_rank) * kThreads);
-  if (!rank_barrier(p, rs, 1, ok_flag) || !nobody_reported(p, ok_flag)) return false;
+  if (!rank_barrier(p, rs, 1, ok_flag)) return false;
+  if (!nobody_reported(p, ok_flag)) return stop_planning(p, rs, cta, r, o, 1);
 
   for (int32_t chunk = cta; chunk < r.chunks(); chunk += p.ctas_per_rank)
     steps::count_chunk(r, chunk, o, ps.counts, ps.rank_counts, p.error);
   if (!rank_barrier(p, rs, 2, ok_flag)) return false;
-  // A routing past some rank's capacity: every rank stops here (they all counted every rank's routes),
-  // before any data moves. Each leaves an empty schedule for a backward enqueued behind this forward, and
-  // its words as a forward without routes would: the barriers it skips counted, every counter topped up.
-  // So the layer runs its next forward without a reset, across GPUs too.
-  if (!steps::routes_fit(r, o, p.error, /*report=*/cta == 0 && threadIdx.x == 0)) {
-    if (cta == 0 && threadIdx.x == 0) steps::publish_empty_schedule(r, o);
-    if (threadIdx.x == 0) ptx::red_release_gpu_add(&rs.control[kRankBarrier], kRankBarriersPerForward - 2);
-    top_up_unused_counters(p, rs, cta, /*first_m_block=*/0, /*first_token=*/0);
-    return false;
-  }
+  // A routing past some rank's capacity: every rank stops here (they all counted every rank's routes).
+  if (!steps::routes_fit(r, o, p.error, /*report=*/cta == 0 && threadIdx.x == 0))
+    return stop_planning(p, rs, cta, r, o, 2);
 
   for (int32_t e = cta; e < r.local_experts; e += p.ctas_per_rank) steps::scan_expert(r, o, e, ps.warp_sums);
   if (!rank_barrier(p, rs, 3, ok_flag)) return false;
@@ -165,7 +174,8 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
   for (int32_t chunk = cta + warp * p.ctas_per_rank; chunk < r.chunks(); chunk += p.ctas_per_rank * kWarps)
     steps::place_chunk(r, chunk, o, ps.offsets, ps.running[warp]);
   // Bad routing: every rank saw it in its own count step, before the barrier.
-  if (!rank_barrier(p, rs, 4, ok_flag) || !nobody_reported(p, ok_flag)) return false;
+  if (!rank_barrier(p, rs, 4, ok_flag)) return false;
+  if (!nobody_reported(p, ok_flag)) return stop_planning(p, rs, cta, r, o, 4);
   top_up_unused_counters(p, rs, cta, rs.sizes->m_blocks, rs.tokens);
   return true;  // the opening's proxy fence covers the planner's shared tables too
 }
