@@ -108,8 +108,9 @@ class MoE(nn.Module):
     are ordered on the GPU in call order, across streams too; calls inside a CUDA graph are the caller's to
     order with other layers' calls, and across GPUs every rank calls its layers in the same order.
 
-    Device errors (routing ids out of range or repeated within a token; a wait that gave up) end the
-    kernel and are raised as pounce.Error by the next forward, or by check_device_errors(). options: a dict
+    Device errors (routing ids out of range or repeated within a token, a routing past capacity_factor; a
+    wait that gave up) end the kernel and are raised as pounce.Error by the next forward, or by
+    check_device_errors(). options: a dict
     of pounce::FusedMoeOptions fields (ring_bytes, wait_timeout_ns, ...); {"fp8_forward": 1} runs the forward
     in E4M3, {"fp8_data_gradients": 1} (one GPU) the backward's data-gradient GEMMs, both on E4M3 copies of
     the weights, refreshed whenever the weights
