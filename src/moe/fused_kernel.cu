@@ -125,8 +125,10 @@ __device__ void quantize_tokens(const FusedParams& p, const RankState& rs, int c
 // past a rank's capacity, or one an earlier launch reported and the host has not collected yet): nothing
 // has moved, so this CTA leaves its share of the rank's words as a launch without routes would (the
 // barriers it skips counted, every m-block and token counter topped up) and an empty schedule for
-// whatever reads it next. Every CTA of every rank stops at one of these points (the error flag stays
-// set until the host clears it), so the layer's next launch needs no reset, across GPUs too.
+// whatever reads it next. Every CTA of a rank stops at the same point: after the count when a rank is
+// past its capacity (each CTA computes that from the same counts), else at barrier 4, where every rank
+// has reported its own bad routing (it counts every rank's routes) and the flag stays set until the host
+// clears it. So the layer's next launch needs no reset, across GPUs too.
 __device__ bool stop_planning(const FusedParams& p, const RankState& rs, int cta, const steps::Routing& r,
                               const steps::Outputs& o, uint32_t barriers_passed) {
   if (cta == 0 && threadIdx.x == 0) steps::publish_empty_schedule(r, o);
@@ -155,8 +157,10 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
     start_all_ranks(p, rs);  // a failed start is reported; every CTA sees it after the barrier
   }
   steps::clear_rows(o, int64_t(cta) * kThreads + threadIdx.x, int64_t(p.ctas_per_rank) * kThreads);
+  // An error reported before the count (a failed start, an earlier launch's) stops the rank at barrier 4,
+  // not here: another virtual rank's report may land while this rank's CTAs pass this barrier, and a
+  // rank whose CTAs stopped at different barriers would plan from part of its counts.
   if (!rank_barrier(p, rs, 1, ok_flag)) return false;
-  if (!nobody_reported(p, ok_flag)) return stop_planning(p, rs, cta, r, o, 1);
 
   for (int32_t chunk = cta; chunk < r.chunks(); chunk += p.ctas_per_rank)
     steps::count_chunk(r, chunk, o, ps.counts, ps.rank_counts, p.error);
