@@ -174,8 +174,8 @@ class FusedMoe {
 
   // After the stream has synchronized: throws pounce::Error describing a failure inside the kernel (bad
   // routing, a routing past max_routes_per_rank; or a wait that gave up, with its likely cause and the
-  // counter it watched). The layer is then ready for the next forward, except after a wait that gave up
-  // across GPUs: such a layer must be rebuilt on every rank.
+  // counter it watched). On one GPU the layer is then ready for the next forward; a layer spanning GPUs
+  // must be rebuilt on every rank.
   void check_device_errors();
 
   const EpConfig& config() const;

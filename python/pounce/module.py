@@ -100,7 +100,9 @@ class MoE(nn.Module):
     backward's rows, the schedule); None sizes them for every token of every rank routed to one rank, P
     times the balanced load, which at P = 8 and DeepSeek-V3's shape is ~4 GB of kept rows per layer for
     8192 tokens per rank. A forward whose routing sends some rank more stops before moving any data, on
-    every rank, and raises pounce.Error naming the rank and its routes (nothing is dropped silently).
+    every rank, and raises pounce.Error naming the rank and its routes (nothing is dropped silently); on
+    one GPU the module runs on, across GPUs call close() on every rank (the next forward makes a new
+    layer).
 
     Memory: MoE layers of one shape on a GPU (same hidden, intermediate, experts, topk, ranks and token
     size) share their scratch rows, the forward's hidden and output rings and the backward's rows, so a

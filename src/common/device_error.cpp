@@ -24,8 +24,6 @@ DeviceErrorSlot::~DeviceErrorSlot() {
 
 bool DeviceErrorSlot::has_error() const { return *reinterpret_cast<volatile uint32_t*>(&host_->code) != 0; }
 
-WaitTarget DeviceErrorSlot::target() const { return WaitTarget(host_->target); }
-
 static const char* role_name(uint32_t role) {
   switch (DeviceRole(role)) {
     case DeviceRole::kGemmProducer:

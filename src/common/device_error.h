@@ -93,7 +93,6 @@ class DeviceErrorSlot {
 
   DeviceErrorSink device_sink() const { return {device_, reported_}; }
   bool has_error() const;
-  WaitTarget target() const;     // of the reported error (meaningful when has_error())
   std::string describe() const;  // empty when no error
   void check();                  // throws after a reported error (and resets the record)
   void reset();

@@ -69,16 +69,14 @@ __device__ bool nobody_reported(const FusedParams& p, int32_t* ok_flag) {
   return *ok_flag != 0;
 }
 
-// Counters of m-blocks and tokens this forward leaves unused (from first_m_block and first_token on) get
-// their per-forward increment too, so every word stays at (forward number) x (increment) and a later
-// forward with more m-blocks or tokens waits for the right values. Nobody else touches these words during
-// this forward: no item, tile or push refers to an m-block past this rank's M or to a token past its
-// token count (nor to any, in a forward that stops after the count).
-__device__ void top_up_unused_counters(const FusedParams& p, const RankState& rs, int cta, int64_t first_m_block,
-                                       int64_t first_token) {
+// Counters of m-blocks and tokens this forward leaves unused get their per-forward increment too, so
+// every word stays at (forward number) x (increment) and a later forward with more m-blocks or tokens
+// waits for the right values. Nobody else touches these words during this forward: no item, tile or
+// push refers to an m-block past this rank's M or to a token past its token count.
+__device__ void top_up_unused_counters(const FusedParams& p, const RankState& rs, int cta) {
   const int64_t worker = int64_t(cta) * kThreads + threadIdx.x, workers = int64_t(p.ctas_per_rank) * kThreads;
   const int64_t max_m_blocks = p.capacity_rows / kBlockM;
-  for (int64_t b = first_m_block + worker; b < max_m_blocks; b += workers) {
+  for (int64_t b = rs.sizes->m_blocks + worker; b < max_m_blocks; b += workers) {
     rs.dispatched[b] += p.steps.dispatched;
     rs.gemm1_done[b] += p.steps.gemm1_done;
     rs.gemm2_done[b] += p.steps.gemm2_done;
@@ -86,7 +84,7 @@ __device__ void top_up_unused_counters(const FusedParams& p, const RankState& rs
     if (rs.elementwise_done != nullptr) rs.elementwise_done[b] += p.steps.elementwise_done;
   }
   uint32_t* arrivals = p.peers.arrivals[rs.rank];
-  for (int64_t t = first_token + worker; t < p.max_tokens; t += workers) arrivals[t] += p.steps.arrivals;
+  for (int64_t t = rs.tokens + worker; t < p.max_tokens; t += workers) arrivals[t] += p.steps.arrivals;
 }
 
 // The E4M3 forward, all threads of every CTA of the rank, first thing: this rank's tokens quantized 1 x 128
@@ -121,23 +119,6 @@ __device__ void quantize_tokens(const FusedParams& p, const RankState& rs, int c
   }
 }
 
-// A launch that stops during planning, on an error every rank sees the same way (bad routing, a routing
-// past a rank's capacity, or one an earlier launch reported and the host has not collected yet): nothing
-// has moved, so this CTA leaves its share of the rank's words as a launch without routes would (the
-// barriers it skips counted, every m-block and token counter topped up) and an empty schedule for
-// whatever reads it next. Every CTA of a rank stops at the same point: after the count when a rank is
-// past its capacity (each CTA computes that from the same counts), else at barrier 4, where every rank
-// has reported its own bad routing (it counts every rank's routes) and the flag stays set until the host
-// clears it. So the layer's next launch needs no reset, across GPUs too.
-__device__ bool stop_planning(const FusedParams& p, const RankState& rs, int cta, const steps::Routing& r,
-                              const steps::Outputs& o, uint32_t barriers_passed) {
-  if (cta == 0 && threadIdx.x == 0) steps::publish_empty_schedule(r, o);
-  if (threadIdx.x == 0 && barriers_passed < kRankBarriersPerForward)
-    ptx::red_release_gpu_add(&rs.control[kRankBarrier], kRankBarriersPerForward - barriers_passed);
-  top_up_unused_counters(p, rs, cta, /*first_m_block=*/0, /*first_token=*/0);
-  return false;
-}
-
 // Returns false when the forward must stop (a wait gave up, or the routing is invalid).
 template <bool kFp8>
 __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t* smem, int32_t* ok_flag) {
@@ -157,17 +138,17 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
     start_all_ranks(p, rs);  // a failed start is reported; every CTA sees it after the barrier
   }
   steps::clear_rows(o, int64_t(cta) * kThreads + threadIdx.x, int64_t(p.ctas_per_rank) * kThreads);
-  // An error reported before the count (a failed start, an earlier launch's) stops the rank at barrier 4,
-  // not here: another virtual rank's report may land while this rank's CTAs pass this barrier, and a
-  // rank whose CTAs stopped at different barriers would plan from part of its counts.
-  if (!rank_barrier(p, rs, 1, ok_flag)) return false;
+  if (!rank_barrier(p, rs, 1, ok_flag) || !nobody_reported(p, ok_flag)) return false;
 
   for (int32_t chunk = cta; chunk < r.chunks(); chunk += p.ctas_per_rank)
     steps::count_chunk(r, chunk, o, ps.counts, ps.rank_counts, p.error);
   if (!rank_barrier(p, rs, 2, ok_flag)) return false;
-  // A routing past some rank's capacity: every rank stops here (they all counted every rank's routes).
-  if (!steps::routes_fit(r, o, p.error, /*report=*/cta == 0 && threadIdx.x == 0))
-    return stop_planning(p, rs, cta, r, o, 2);
+  // A routing past some rank's capacity: every rank stops here (they all counted every rank's routes),
+  // leaving an empty schedule for a backward enqueued behind this forward.
+  if (!steps::routes_fit(r, o, p.error, /*report=*/cta == 0 && threadIdx.x == 0)) {
+    if (cta == 0 && threadIdx.x == 0) steps::publish_empty_schedule(r, o);
+    return false;
+  }
 
   for (int32_t e = cta; e < r.local_experts; e += p.ctas_per_rank) steps::scan_expert(r, o, e, ps.warp_sums);
   if (!rank_barrier(p, rs, 3, ok_flag)) return false;
@@ -178,9 +159,8 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
   for (int32_t chunk = cta + warp * p.ctas_per_rank; chunk < r.chunks(); chunk += p.ctas_per_rank * kWarps)
     steps::place_chunk(r, chunk, o, ps.offsets, ps.running[warp]);
   // Bad routing: every rank saw it in its own count step, before the barrier.
-  if (!rank_barrier(p, rs, 4, ok_flag)) return false;
-  if (!nobody_reported(p, ok_flag)) return stop_planning(p, rs, cta, r, o, 4);
-  top_up_unused_counters(p, rs, cta, rs.sizes->m_blocks, rs.tokens);
+  if (!rank_barrier(p, rs, 4, ok_flag) || !nobody_reported(p, ok_flag)) return false;
+  top_up_unused_counters(p, rs, cta);
   return true;  // the opening's proxy fence covers the planner's shared tables too
 }
 

@@ -990,16 +990,7 @@ void FusedLayer::check_device_errors() {
   const cudaError_t synced = cudaDeviceSynchronize();
   POUNCE_REQUIRE(synced == cudaSuccess, "kernel stopped: ", what, "; the CUDA context is lost (",
                  cudaGetErrorString(synced), "): the kernel trapped after reporting");
-  const WaitTarget target = errors_.target();
-  if (target == WaitTarget::kRouteCapacity || target == WaitTarget::kExpertIdInRange ||
-      target == WaitTarget::kDistinctExperts || target == WaitTarget::kTokenCount) {
-    // The routing stopped every rank while planning, and every launch behind it too, each leaving the
-    // counters where a launch without routes would (fused_kernel.cu, stop_planning): nothing to reset,
-    // across GPUs too. Only what that forward kept is void.
-    CUDA_CHECK(cudaMemset(kept_record_.data(), 0, kept_record_.bytes()));
-    CUDA_CHECK(cudaDeviceSynchronize());
-    kept_from_ = {};
-  } else if (window_ && config_.ranks > 1) {
+  if (window_ && config_.ranks > 1) {
     failed_ = true;
     failed_reason_ = what;
   } else {

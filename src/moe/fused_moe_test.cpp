@@ -1628,7 +1628,7 @@ std::vector<int64_t> routes_per_rank(const Problem& p) {
 // some rank more stops every rank before any data moves (y keeps its poison) with an error naming that
 // rank, a backward enqueued behind that forward finds an empty schedule (and one enqueued after the
 // error replays the forward, which stops the same way), and the layer then runs the first routing
-// again, bit for bit, without a reset (every counter was left as a forward without routes leaves it).
+// again, bit for bit.
 // One rank (three more tokens past the capacity) and three virtual ranks (every token on rank 0's
 // experts), the backward as a chain and fused.
 TEST(FusedMoe, RoutingPastTheRouteCapacityIsNamedAndTheLayerRecovers) {
