@@ -1,6 +1,7 @@
 // The fused layer across GPUs: one NCCL rank per visible GPU (2 to 8), driven from one process with a
 // thread per GPU, against the host reference of the expert-parallel layer, over several forwards (and
 // training steps) whose token counts and routings change. Skips with fewer than two Hopper GPUs.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -315,6 +316,51 @@ void training_steps(const FusedMoeOptions& options) {
         EXPECT_LT(testing::relative_l2_error(got2, want2), l2) << "dW2 of local expert " << e;
       }
     }
+  }
+}
+
+// A routing past max_routes_per_rank: every rank stops before any data moves (y keeps its poison) and
+// names the rank past it; across GPUs the layers then refuse further forwards until rebuilt.
+TEST(FusedMoeMultiGpu, RoutingPastTheRouteBoundIsNamedOnEveryRank) {
+  const int P = std::min(visible_gpus(), 8);
+  if (P < 2) GTEST_SKIP() << "needs at least two GPUs; this machine has " << P;
+  auto rng = testing::fresh_rng();
+  const int64_t T = 100, k = 3;
+  const EpConfig config{.ranks = P,
+                        .experts = 4 * P,
+                        .topk = int(k),
+                        .hidden = 256,
+                        .intermediate = 128,
+                        .max_tokens_per_rank = T,
+                        .max_routes_per_rank = T * k};  // the balanced load
+  const int64_t H = config.hidden, I = config.intermediate, E = config.experts;
+  const auto w13 = testing::random_bf16_values(rng, E * 2 * I * H, -0.1f, 0.1f);
+  const auto w2 = testing::random_bf16_values(rng, E * H * I, -0.1f, 0.1f);
+  std::vector<int32_t> ids(T * k);
+  for (int64_t i = 0; i < T * k; ++i) ids[i] = int32_t(i % k);  // every route on rank 0's experts
+  const auto x = testing::random_bf16_values(rng, T * H);
+  const auto weights = reference::synthetic_topk_weights(T, int(k), rng);
+  std::vector<std::string> stopped(P), refused(P);
+  std::vector<int> written(P, 0);
+  on_every_gpu(config, w13, w2, [&](FusedMoe& layer, int r) {
+    DeviceBuffer<uint16_t> d_x(testing::to_bf16_bits(x)), d_y(T * H);
+    DeviceBuffer<int32_t> d_ids(ids);
+    DeviceBuffer<float> d_weights(weights);
+    d_y.fill_bytes(0xFF);
+    const RankIO io{reinterpret_cast<__nv_bfloat16*>(d_x.data()), d_ids.data(), d_weights.data(), T,
+                    reinterpret_cast<__nv_bfloat16*>(d_y.data())};
+    layer.forward(io, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    stopped[r] = testing::error_message([&] { layer.check_device_errors(); });
+    for (uint16_t b : d_y.download()) written[r] += b != 0xFFFF;
+    refused[r] = testing::error_message([&] { layer.forward(io, nullptr); });
+  });
+  for (int r = 0; r < P; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_THAT(stopped[r], ::testing::HasSubstr("the routing sends rank 0 " + std::to_string(P * T * k) +
+                                                 " routes, more than the " + std::to_string(T * k)));
+    EXPECT_EQ(written[r], 0) << "y was written by a forward past the bound";
+    EXPECT_THAT(refused[r], ::testing::HasSubstr("rebuild the layer on every rank"));
   }
 }
 
