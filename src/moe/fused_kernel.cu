@@ -134,7 +134,9 @@ __device__ bool plan(const FusedParams& p, const RankState& rs, int cta, uint8_t
   if constexpr (kFp8) quantize_tokens(p, rs, cta);
   if (cta == 0 && threadIdx.x == 0) {
     for (int w = kGemmTicket; w < kControlWords; ++w) rs.control[w] = 0;
-    for (int s = 0; s < p.ranks; ++s) rs.topk_table[s] = p.peers.topk_ids[s], rs.rank_routes[s] = 0;
+    for (int s = 0; s < p.ranks; ++s) rs.topk_table[s] = p.peers.topk_ids[s];
+    if (rs.rank_routes != nullptr)
+      for (int s = 0; s < p.ranks; ++s) rs.rank_routes[s] = 0;
     start_all_ranks(p, rs);  // a failed start is reported; every CTA sees it after the barrier
   }
   steps::clear_rows(o, int64_t(cta) * kThreads + threadIdx.x, int64_t(p.ctas_per_rank) * kThreads);

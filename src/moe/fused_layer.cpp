@@ -339,7 +339,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   minibatch_starts_ = DeviceBuffer<int32_t>(L * (capacity_.max_m_blocks + 2));
   sizes_ = DeviceBuffer<planner::DeviceScheduleSizes>(L);
   topk_tables_ = DeviceBuffer<const int32_t*>(L * P);
-  rank_routes_ = DeviceBuffer<int32_t>(L * P);
+  rank_routes_ = DeviceBuffer<int32_t>(capacity_.bounded ? L * P : 0);
   // One rank: the row of every route, for the sums in place and for a kept forward's backward.
   route_row_ = DeviceBuffer<int32_t>(P == 1 ? std::max<int64_t>(config.max_tokens_per_rank * config.topk, 1) : 0);
   route_row_.fill_bytes(0);  // entries of routes a bad id left out stay inside the row buffers
@@ -373,7 +373,7 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
     rs.minibatch_starts = minibatch_starts_.data() + lr * (capacity_.max_m_blocks + 2);
     rs.sizes = sizes_.data() + lr;
     rs.topk_table = topk_tables_.data() + lr * P;
-    rs.rank_routes = rank_routes_.data() + lr * P;
+    rs.rank_routes = capacity_.bounded ? rank_routes_.data() + lr * P : nullptr;
     uint32_t* c = counters_.data() + lr * layout.words();
     rs.dispatched = c + layout.dispatched();
     rs.gemm1_done = c + layout.gemm1_done();

@@ -100,7 +100,7 @@ class FusedLayer {
       minibatch_starts_;
   DeviceBuffer<planner::DeviceScheduleSizes> sizes_;
   DeviceBuffer<const int32_t*> topk_tables_;
-  DeviceBuffer<int32_t> rank_routes_;   // [launch ranks, P]: each rank's planner counts every rank's routes
+  DeviceBuffer<int32_t> rank_routes_;   // [launch ranks, P], a bounded capacity only: every rank's routes
   DeviceBuffer<int32_t> route_row_;     // one rank: [T_max, k] the row of every route (in place: its ring row)
   DeviceBuffer<uint32_t> counters_;     // dispatched, gemm1_done, gemm2_done, combined, control
   DeviceBuffer<uint32_t> epoch_;        // the forward number, bumped on the device by every forward

@@ -105,7 +105,7 @@ struct RankState {
   int32_t *chunk_counts, *expert_routes, *expert_offsets, *row_source_rank, *row_token, *row_k, *minibatch_starts;
   planner::DeviceScheduleSizes* sizes;
   const int32_t** topk_table;  // [P]: the topk_ids pointers of every rank, for the planner
-  int32_t* rank_routes;        // [P]: the planner's count of every rank's routes (the capacity check)
+  int32_t* rank_routes;        // [P]: the planner's count of every rank's routes (a bounded capacity; else null)
   // Per-m-block counters [max_m_blocks].
   uint32_t* dispatched;  // +1 per piece of the m-block in the ring (kPiecesPerBlock per forward)
   uint32_t* gemm1_done;  // +1 per GEMM1 tile half (2 * n1_blocks per forward)

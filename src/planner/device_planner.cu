@@ -57,7 +57,7 @@ DevicePlanner::DevicePlanner(const EpConfig& config, int64_t minibatch_rows) : c
   minibatch_starts_ = DeviceBuffer<int32_t>(capacity_.max_m_blocks + 2);
   route_row_ = DeviceBuffer<int32_t>(std::max<int64_t>(1, config.ranks * config.max_tokens_per_rank * config.topk));
   route_row_.fill_bytes(0);
-  rank_routes_ = DeviceBuffer<int32_t>(config.ranks);
+  rank_routes_ = DeviceBuffer<int32_t>(capacity_.bounded ? config.ranks : 0);
   sizes_ = DeviceBuffer<DeviceScheduleSizes>(1);
 }
 
@@ -88,7 +88,7 @@ void DevicePlanner::plan(int rank, const int32_t* const* topk_ids, const int32_t
                          blocks_per_minibatch_,    route_row_.data(),     rank_routes_.data(),
                          capacity_.max_routes};
   const int chunks = r.chunks();
-  CUDA_CHECK(cudaMemsetAsync(rank_routes_.data(), 0, rank_routes_.bytes(), stream));
+  if (capacity_.bounded) CUDA_CHECK(cudaMemsetAsync(rank_routes_.data(), 0, rank_routes_.bytes(), stream));
   count_kernel<<<chunks, kChunkTokens, 0, stream>>>(r, o, errors_.device_sink());
   CUDA_CHECK_LAUNCH();
   scan_kernel<<<config_.local_experts(), 256, 0, stream>>>(r, o);

@@ -70,7 +70,7 @@ class DevicePlanner {
   DeviceBuffer<int32_t> chunk_counts_;  // [P * chunks_per_rank, E_local]: counts, then bases
   DeviceBuffer<int32_t> expert_routes_, expert_offsets_, row_source_rank_, row_token_, row_k_, minibatch_starts_,
       route_row_;
-  DeviceBuffer<int32_t> rank_routes_;  // [P]: routes to each rank, for the capacity check
+  DeviceBuffer<int32_t> rank_routes_;  // [P]: routes to each rank, for a bounded capacity's check
   DeviceBuffer<DeviceScheduleSizes> sizes_;
   DeviceErrorSlot errors_;
 };

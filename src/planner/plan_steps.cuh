@@ -43,7 +43,7 @@ struct Outputs {
   int64_t capacity_rows;
   int32_t blocks_per_minibatch;
   int32_t* route_row;    // optional [P, max_tokens, k]: the row each placed route went to
-  int32_t* rank_routes;  // [P]: routes to each rank, zeroed before count
+  int32_t* rank_routes;  // [P]: routes to each rank, zeroed before count; null: an unbounded capacity
   int64_t max_routes;    // routes one rank may receive (the capacity's)
 };
 
@@ -55,7 +55,8 @@ __device__ inline void clear_rows(const Outputs& o, int64_t worker, int64_t work
   for (int64_t i = worker; i < o.capacity_rows; i += workers) o.row_source_rank[i] = o.row_token[i] = o.row_k[i] = -1;
 }
 
-// CTA-level (all threads call it). counts: shared [kMaxLocalExperts], rank_counts: shared [kMaxRanks].
+// CTA-level (all threads call it). counts: shared [kMaxLocalExperts], rank_counts: shared [kMaxRanks]
+// (used only with o.rank_routes: a capacity of every route needs no per-rank count).
 // Entry j of a token is counted iff its id is in range and no earlier entry of the token has it;
 // place_chunk applies the same rule, so the two steps always agree.
 __device__ inline void count_chunk(const Routing& r, int32_t chunk, const Outputs& o, int32_t* counts,
@@ -88,20 +89,23 @@ __device__ inline void count_chunk(const Routing& r, int32_t chunk, const Output
       if (repeated) continue;
       const int32_t e = id - r.first_local;
       if (e >= 0 && e < r.local_experts) atomicAdd(&counts[e], 1);
-      atomicAdd(&rank_counts[id / r.local_experts], 1);
+      if (o.rank_routes != nullptr) atomicAdd(&rank_counts[id / r.local_experts], 1);
     }
   }
   __syncthreads();
   for (int32_t e = threadIdx.x; e < r.local_experts; e += blockDim.x)
     o.chunk_counts[int64_t(chunk) * r.local_experts + e] = counts[e];
-  for (int32_t q = threadIdx.x; q < r.ranks; q += blockDim.x)
-    if (rank_counts[q] > 0) atomicAdd(&o.rank_routes[q], rank_counts[q]);
+  if (o.rank_routes != nullptr) {
+    for (int32_t q = threadIdx.x; q < r.ranks; q += blockDim.x)
+      if (rank_counts[q] > 0) atomicAdd(&o.rank_routes[q], rank_counts[q]);
+  }
 }
 
 // After every chunk's count: whether every rank's routes fit the capacity. Every rank counted every
 // rank's routes from the same topk_ids, so all of them agree and stop together, before any data moves.
 // With `report`, a routing past the capacity is reported (naming the first rank over it). Any thread.
 __device__ inline bool routes_fit(const Routing& r, const Outputs& o, const DeviceErrorSink& error, bool report) {
+  if (o.rank_routes == nullptr) return true;  // unbounded: no routing exceeds it
   for (int32_t q = 0; q < r.ranks; ++q) {
     const int32_t routes = *reinterpret_cast<volatile const int32_t*>(&o.rank_routes[q]);
     if (routes > o.max_routes) {

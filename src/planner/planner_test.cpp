@@ -308,14 +308,17 @@ TEST(Capacity, MaxRoutesPerRankBoundsTheRows) {
   auto c = small_config(4, 32, 8, 1000);  // 8 local experts; worst case 4 * 1000 * 8 routes
   const Capacity worst = row_capacity(c);
   EXPECT_EQ(worst.max_routes, 32000);
+  EXPECT_FALSE(worst.bounded);
   c.max_routes_per_rank = 9001;
   const Capacity cap = row_capacity(c);
   EXPECT_EQ(cap.max_routes, 9001);
+  EXPECT_TRUE(cap.bounded);
   EXPECT_EQ(cap.max_padded_rows, (9001 + 8 * 127) / 128 * 128);
   EXPECT_EQ(cap.max_m_blocks, cap.max_padded_rows / 128);
   EXPECT_THAT(describe_capacity(c), HasSubstr("9001 routes per rank (max_routes_per_rank)"));
   c.max_routes_per_rank = 40000;
   EXPECT_EQ(row_capacity(c).max_routes, worst.max_routes);
+  EXPECT_FALSE(row_capacity(c).bounded);
   c.max_routes_per_rank = -1;
   EXPECT_THAT(error_message([&] { row_capacity(c); }), HasSubstr("max_routes_per_rank = -1 is negative"));
 }

@@ -67,17 +67,18 @@ void validate_routing(const EpConfig& c, int rank, std::span<const int32_t> topk
 
 Capacity row_capacity(const EpConfig& c) {
   validate_config(c);
+  const int64_t worst_routes = int64_t(c.ranks) * c.max_tokens_per_rank * std::min(c.topk, c.local_experts());
   // Every non-empty expert adds at most kBlockM - 1 padding rows, and the padded total is a multiple
   // of kBlockM, so it is at most the largest multiple of kBlockM not above that sum.
   const auto capacity_of = [&](int64_t max_routes) {
     const int64_t busy_experts = std::min<int64_t>(c.local_experts(), max_routes);
     const int64_t padded = (max_routes + busy_experts * (kBlockM - 1)) / kBlockM * kBlockM;
-    return Capacity{max_routes, padded, padded / kBlockM};
+    return Capacity{max_routes, padded, padded / kBlockM, max_routes < worst_routes};
   };
   // A token holds distinct experts, so it sends at most min(k, E_local) routes to one rank. The planners
   // count (and scan) a rank's routes in int32 whatever the bound: a routing past it is counted before it
   // is refused.
-  const Capacity worst = capacity_of(int64_t(c.ranks) * c.max_tokens_per_rank * std::min(c.topk, c.local_experts()));
+  const Capacity worst = capacity_of(worst_routes);
   POUNCE_REQUIRE(worst.max_padded_rows <= INT32_MAX, "EP config: up to ", worst.max_padded_rows,
                  " routed rows per rank do not fit int32 row indices; lower max_tokens_per_rank");
   if (c.max_routes_per_rank == 0 || c.max_routes_per_rank >= worst.max_routes) return worst;
@@ -86,7 +87,7 @@ Capacity row_capacity(const EpConfig& c) {
 
 std::string describe_capacity(const EpConfig& c) {
   const Capacity cap = row_capacity(c);
-  if (c.max_routes_per_rank > 0 && cap.max_routes == c.max_routes_per_rank)
+  if (cap.bounded)
     return "the capacity, sized for " + std::to_string(cap.max_routes) + " routes per rank (max_routes_per_rank)";
   return "the capacity, sized for every route of " + std::to_string(c.max_tokens_per_rank) + " tokens on each of " +
          std::to_string(c.ranks) + " ranks landing on one (max_routes_per_rank bounds it)";
@@ -106,14 +107,15 @@ RankSchedule build_schedule(const EpConfig& c, int rank, std::span<const std::sp
                  topk_ids.size(), " topk_ids and ", tokens.size(), " token counts for ", c.ranks, " ranks");
   POUNCE_REQUIRE(minibatch_rows > 0, "minibatch_rows = ", minibatch_rows, ", must be positive");
   for (int s = 0; s < c.ranks; ++s) validate_routing(c, s, topk_ids[s], tokens[s]);
-  // Every rank's routes within the capacity, as the device planners check (all ranks stop together).
-  std::vector<int64_t> rank_routes(c.ranks, 0);
-  for (int s = 0; s < c.ranks; ++s)
-    for (int32_t id : topk_ids[s]) ++rank_routes[id / c.local_experts()];
-  const int64_t max_routes = row_capacity(c).max_routes;
-  for (int q = 0; q < c.ranks; ++q)
-    POUNCE_REQUIRE(rank_routes[q] <= max_routes, "the routing sends rank ", q, " ", rank_routes[q],
-                   " routes, more than the ", max_routes, " its buffers hold (", describe_capacity(c), ")");
+  // Every rank's routes within a bounded capacity, as the device planners check (all ranks stop together).
+  if (const Capacity cap = row_capacity(c); cap.bounded) {
+    std::vector<int64_t> rank_routes(c.ranks, 0);
+    for (int s = 0; s < c.ranks; ++s)
+      for (int32_t id : topk_ids[s]) ++rank_routes[id / c.local_experts()];
+    for (int q = 0; q < c.ranks; ++q)
+      POUNCE_REQUIRE(rank_routes[q] <= cap.max_routes, "the routing sends rank ", q, " ", rank_routes[q],
+                     " routes, more than the ", cap.max_routes, " its buffers hold (", describe_capacity(c), ")");
+  }
 
   const int local = c.local_experts();
   const int first = c.first_local_expert(rank);

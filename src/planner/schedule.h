@@ -33,6 +33,7 @@ struct Capacity {
                                 // config's max_routes_per_rank says so
   int64_t max_padded_rows = 0;  // routed rows after per-expert padding, a multiple of kBlockM
   int64_t max_m_blocks = 0;     // max_padded_rows / kBlockM
+  bool bounded = false;         // below the worst case: the planners check every rank's routes against it
 };
 Capacity row_capacity(const EpConfig& config);
 // What the capacity was sized for, for error messages: "sized for 65536 routes (max_routes_per_rank)".
