@@ -1,11 +1,12 @@
 """pounce.MoE on drawn configurations against the eager fp32 MoE: shapes (H and I any multiple of 64, odd
 token counts and none, top-k from 1 to 12), rank counts (one, and 2 to 8 virtual ranks, odd ones included),
-routings (uniform, Zipf, half the experts empty, every token on the same experts, exact-zero weights), the
-fused backward, a bounded ring that the forward reuses and the backward replays, and several steps on
-one module with the token count and the routing changing between them; the E4M3 forward and data
-gradients on drawn configurations within FP8's band; then the layer shapes of real models. Skipped
-without a Hopper GPU. POUNCE_DRAWN_CONFIGS and POUNCE_DRAWN_FP8_CONFIGS draw more configurations (a
-longer search for failing ones)."""
+expert counts up to 48, or up to 1024 on one rank (the most a rank may hold) with small H and I, routings
+(uniform, Zipf, half the experts empty, every token on the same experts, exact-zero weights), the fused
+backward, a bounded ring that the forward reuses and the backward replays, and several steps on one
+module with the token count and the routing changing between them; the E4M3 forward and data gradients
+on drawn configurations within FP8's band; then the layer shapes of real models. Skipped without a Hopper
+GPU. POUNCE_DRAWN_CONFIGS and POUNCE_DRAWN_FP8_CONFIGS draw more configurations (a longer search for
+failing ones)."""
 
 import os
 import random
@@ -32,9 +33,14 @@ def draw_config(seed):
     """One configuration, reproducible from its seed: the layer's shape, ranks, options and step sizes."""
     r = random.Random(seed)
     P = r.choice([None, None, 2, 3, 5, 6, 7, 8])
-    E = (P or 1) * r.randint(1, 48 // (P or 1))
+    ranks = P or 1
+    if r.random() < 0.15:  # many small experts, up to 1024 on one rank (the most a rank may hold)
+        E = ranks * r.randint(49 // ranks + 1, 1024 // ranks)
+        H, I = 64 * r.randint(1, 4), 64 * r.randint(1, 2)
+    else:
+        E = ranks * r.randint(1, 48 // ranks)
+        H, I = 64 * r.randint(1, 12), 64 * r.randint(1, 8)
     k = r.randint(1, min(E, 12))
-    H, I = 64 * r.randint(1, 12), 64 * r.randint(1, 8)
     options = {}
     if r.random() < 0.5:
         options["fused_backward"] = 1
@@ -85,9 +91,14 @@ def draw_fp8_config(seed):
     """An E4M3 configuration (fp8_forward or fp8_data_gradients): H and I multiples of 128 (E4M3 blocks)."""
     r = random.Random(1_000_003 * (seed + 1))
     P = r.choice([None, None, 2, 3, 5, 7])
-    E = (P or 1) * r.randint(1, 28 // (P or 1))
+    ranks = P or 1
+    if r.random() < 0.15:  # many small experts
+        E = ranks * r.randint(29 // ranks + 1, 512 // ranks)
+        H, I = 128 * r.randint(1, 2), 128
+    else:
+        E = ranks * r.randint(1, 28 // ranks)
+        H, I = 128 * r.randint(1, 6), 128 * r.randint(1, 4)
     k = r.randint(1, min(E, 9))
-    H, I = 128 * r.randint(1, 6), 128 * r.randint(1, 4)
     option = r.choice(["fp8_forward", "fp8_data_gradients"])
     steps = [r.randint(1, 600) for _ in range(2)]
     steps[r.randrange(2)] |= 1
