@@ -63,6 +63,25 @@ def config_id(seed):
     )
 
 
+def drawn_steps(moe, c, seed, g):
+    """The steps of a drawn configuration on `moe`, the routing pattern changing with the step: yields
+    (where, x, ids, weights, y, dy) after each step's forward and its backward of dy. Routes with only
+    zero weights must give exact zeros."""
+    for step, T in enumerate(c["steps"]):
+        pattern = PATTERNS[(seed + step) % len(PATTERNS)]
+        where = f"step {step} (T {T}, {pattern}): "
+        x = torch.randn(T, c["H"], generator=g).bfloat16().cuda().requires_grad_()
+        ids, weights = random_routing(T, c["E"], c["k"], pattern=pattern, generator=g, device="cuda")
+        weights.requires_grad_()
+        moe.w13.grad = moe.w2.grad = None
+        y = moe(x, ids, weights)
+        dy = torch.randn(y.shape, generator=g).to(y)
+        y.backward(dy)
+        if pattern == "zero-weights" and T > 0:
+            assert y[0].abs().sum() == 0, f"{where}token 0 has only zero weights"
+        yield where, x, ids, weights, y, dy
+
+
 @pytest.mark.parametrize("seed", range(CONFIGS), ids=config_id)
 def test_drawn_configuration_over_steps_matches_the_eager_reference(seed):
     c = draw_config(seed)
@@ -71,19 +90,8 @@ def test_drawn_configuration_over_steps_matches_the_eager_reference(seed):
     with torch.no_grad():
         moe.w13.copy_(torch.randn(moe.w13.shape, generator=g) * 0.1)
         moe.w2.copy_(torch.randn(moe.w2.shape, generator=g) * 0.1)
-    for step, T in enumerate(c["steps"]):
-        pattern = PATTERNS[(seed + step) % len(PATTERNS)]
-        where = f"step {step} (T {T}, {pattern})"
-        x = torch.randn(T, c["H"], generator=g).bfloat16().cuda().requires_grad_()
-        ids, weights = random_routing(T, c["E"], c["k"], pattern=pattern, generator=g, device="cuda")
-        weights.requires_grad_()
-        moe.w13.grad = moe.w2.grad = None
-        y = moe(x, ids, weights)
-        dy = torch.randn(y.shape, generator=g).to(y)
-        y.backward(dy)
-        expect_matches_reference(moe, x, ids, weights, y, dy, where=f"{where}: ")
-        if pattern == "zero-weights" and T > 0:
-            assert y[0].abs().sum() == 0, f"{where}: token 0 has only zero weights"
+    for where, x, ids, weights, y, dy in drawn_steps(moe, c, seed, g):
+        expect_matches_reference(moe, x, ids, weights, y, dy, where=where)
     moe.check_device_errors()
 
 
@@ -107,7 +115,8 @@ def draw_fp8_config(seed):
 
 def fp8_config_id(seed):
     c = draw_fp8_config(seed)
-    return f"s{seed}_{c['option']}_P{c['P'] or 1}_E{c['E']}_k{c['k']}_H{c['H']}_I{c['I']}_T{'-'.join(map(str, c['steps']))}"
+    steps = "-".join(map(str, c["steps"]))
+    return f"s{seed}_{c['option']}_P{c['P'] or 1}_E{c['E']}_k{c['k']}_H{c['H']}_I{c['I']}_T{steps}"
 
 
 @pytest.mark.parametrize("seed", range(FP8_CONFIGS), ids=fp8_config_id)
@@ -120,16 +129,7 @@ def test_drawn_fp8_configuration_over_steps_is_within_the_fp8_band(seed):
     with torch.no_grad():
         moe.w13.copy_(torch.randn(moe.w13.shape, generator=g) / c["H"] ** 0.5)
         moe.w2.copy_(torch.randn(moe.w2.shape, generator=g) / c["I"] ** 0.5)
-    for step, T in enumerate(c["steps"]):
-        pattern = PATTERNS[(seed + step) % len(PATTERNS)]
-        where = f"step {step} (T {T}, {pattern}): "
-        x = torch.randn(T, c["H"], generator=g).bfloat16().cuda().requires_grad_()
-        ids, weights = random_routing(T, c["E"], c["k"], pattern=pattern, generator=g, device="cuda")
-        weights.requires_grad_()
-        moe.w13.grad = moe.w2.grad = None
-        y = moe(x, ids, weights)
-        dy = torch.randn(y.shape, generator=g).to(y)
-        y.backward(dy)
+    for where, x, ids, weights, y, dy in drawn_steps(moe, c, seed, g):
         leaves = [t.detach().float().requires_grad_() for t in (x, weights, moe.w13, moe.w2)]
         want = reference_moe(*leaves[:1], ids, *leaves[1:])
         want.backward(dy.float())
@@ -138,8 +138,6 @@ def test_drawn_fp8_configuration_over_steps_is_within_the_fp8_band(seed):
             reference = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             if name != "d_topk_weights" or got.numel() >= 64:  # a few route dots may cancel
                 expect_close(f"{where}{name}", got.grad, reference, tolerance=0.1)
-        if pattern == "zero-weights" and T > 0:
-            assert y[0].abs().sum() == 0, f"{where}token 0 has only zero weights"
     moe.check_device_errors()
 
 
