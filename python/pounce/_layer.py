@@ -259,11 +259,12 @@ class Layer:
         torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN, group=self.group)
         return bool(verdict.item())
 
-    def backward(self, dy, x, topk_ids, topk_weights, w13, w2):
+    def backward(self, dy, x, topk_ids, topk_weights, w13, w2, main_grads=None):
         """(dx, d_topk_weights, dw13, dw2) of a forward on these inputs, by pounce's backward on the current
         stream: no host synchronization. It starts from the rows the forward kept when that forward was this
         layer's latest, on these tensors. The op has checked every tensor (bf16 x, dy, w13 and w2, fp32
-        topk_weights), so the gradients take their inputs' dtypes."""
+        topk_weights), so the gradients take their inputs' dtypes. main_grads: fp32 tensors shaped like w13
+        and w2 that the weight gradients are added to (then dw13 and dw2 are None)."""
         tokens, n = x.shape[0], self.virtual_ranks
         with torch.cuda.device(x.device):
             self._ensure(tokens, x.device)
@@ -271,7 +272,12 @@ class Layer:
             self._set_weights(w13, w2)
             dx = torch.empty_like(x)
             d_topk_weights = torch.empty_like(topk_weights)
-            dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)  # bf16, as the op's inputs are
+            if main_grads is None:
+                dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)  # bf16, as the op's inputs are
+                mode = _lib.WEIGHT_GRAD_BF16
+            else:
+                dw13, dw2 = main_grads
+                mode = _lib.WEIGHT_GRAD_ACCUMULATE_F32
             ios, grads = self._rank_ios(x, topk_ids, topk_weights), (_lib.RankGrads * n)()
             dw13_ranks, dw2_ranks = dw13.chunk(n), dw2.chunk(n)
             for r, (t0, _) in enumerate(self._rank_spans(tokens)):
@@ -285,8 +291,10 @@ class Layer:
             stream = torch.cuda.current_stream(x.device).cuda_stream
             self._refresh_fp8_weights(w13, w2, stream, "fp8_data_gradients")
             _lib.check(
-                _lib.library().pounce_moe_backward(self._handle, n, ios, grads, _lib.WEIGHT_GRAD_BF16, stream)
+                _lib.library().pounce_moe_backward(self._handle, n, ios, grads, mode, stream)
             )
+        if main_grads is not None:
+            return dx, d_topk_weights, None, None
         return dx, d_topk_weights, dw13, dw2
 
     # ---- public --------------------------------------------------------------------------------------

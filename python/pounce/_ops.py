@@ -1,11 +1,12 @@
 """The custom ops: pounce::moe_forward (the fused kernel through the C ABI) and pounce::moe_backward
-(pounce's backward kernels; across GPUs from the kept rows of its forward, else PyTorch), with their
-fake (meta) implementations and the autograd formula joining them.
+(pounce's backward kernels; across GPUs from the kept rows of its forward, else PyTorch), or
+pounce::moe_backward_into_main_grads when the forward was given fp32 main grads (the weight gradients
+are added to them), with their fake (meta) implementations and the autograd formula joining them.
 
 The layer is passed as an int, the key of a pounce Layer, so the ops stay opaque to torch.compile and
 can be captured in CUDA graphs (the PyTorch backward synchronizes with the host: not that one)."""
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -44,21 +45,54 @@ def check_inputs(x, topk_ids, topk_weights, w13, w2, layer: Layer, *, pointers: 
             raise Error(f"pounce.moe: {name} is on {t.device}, x on {x.device}: all on one GPU")
 
 
+def check_main_grads(main_w13, main_w2, w13, w2, *, pointers: bool) -> None:
+    """Raises pounce.Error unless main_w13 and main_w2 are both None, or fp32 tensors shaped like w13 and
+    w2, contiguous, on their GPU (and, with `pointers`, 16-byte aligned)."""
+    if (main_w13 is None) != (main_w2 is None):
+        raise Error("pounce.moe: give main grads for both w13 and w2, or for neither")
+    if main_w13 is None:
+        return
+    for name, t, w in (("main_w13", main_w13, w13), ("main_w2", main_w2, w2)):
+        if t.dtype != torch.float32 or t.shape != w.shape:
+            raise Error(
+                f"pounce.moe: {name} is {t.dtype} {tuple(t.shape)}, expected torch.float32 {list(w.shape)} "
+                "(the fp32 gradient the weight's gradients are added to)"
+            )
+        if not t.is_contiguous():
+            raise Error(f"pounce.moe: {name} is not contiguous (strides {t.stride()})")
+        if t.device != w.device:
+            raise Error(f"pounce.moe: {name} is on {t.device}, its weight on {w.device}")
+        if pointers and t.numel() > 0 and t.data_ptr() % 16 != 0:
+            raise Error(f"pounce.moe: {name} at {t.data_ptr():#x} is not 16-byte aligned")
+
+
 @torch.library.custom_op("pounce::moe_forward", mutates_args=())
 def moe_forward(
-    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, layer: int, keep: bool = False
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    layer: int,
+    keep: bool = False,
+    main_w13: Optional[Tensor] = None,
+    main_w2: Optional[Tensor] = None,
 ) -> Tensor:
     """y [T, H] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), by the fused kernel on the
     current CUDA stream. keep: a training forward; the layer keeps the gate/up rows for its backward, so
-    the backward does not recompute them (and across GPUs can run at all)."""
+    the backward does not recompute them (and across GPUs can run at all). main_w13, main_w2: fp32
+    gradients (shaped like w13 and w2) that the backward adds the weight gradients to, instead of
+    returning them; the forward only checks them."""
     owner = Layer.get(layer)
     check_inputs(x, topk_ids, topk_weights, w13, w2, owner, pointers=True)
+    check_main_grads(main_w13, main_w2, w13, w2, pointers=True)
     return owner.forward(x, topk_ids, topk_weights, w13, w2, keep=keep and owner.runs_backward(x))
 
 
 @moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w13, w2, layer, keep=False):
+def _(x, topk_ids, topk_weights, w13, w2, layer, keep=False, main_w13=None, main_w2=None):
     check_inputs(x, topk_ids, topk_weights, w13, w2, Layer.get(layer), pointers=False)
+    check_main_grads(main_w13, main_w2, w13, w2, pointers=False)
     return torch.empty_like(x)
 
 
@@ -121,23 +155,21 @@ def _exchange(rows: Tensor, send: list, recv: list, group) -> Tensor:
     return out
 
 
-@torch.library.custom_op("pounce::moe_backward", mutates_args=())
-def moe_backward(
-    dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, layer: int
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def backward_gradients(dy, x, topk_ids, topk_weights, w13, w2, layer: int, main_grads=None):
     """(dx, d_topk_weights, dw13, dw2) of pounce::moe_forward. On one GPU: pounce's backward kernels.
     Across GPUs: pounce's fused backward from the rows the forward kept, when that forward is the layer's
     latest (the ranks agree on it by one all_reduce of a flag, read on the host); otherwise in PyTorch
     with fp32 accumulation (each route's x and dy rows travel to its
     expert's rank and its dx share and router-weight gradient back, all_to_all; this path synchronizes
-    with the host: per-expert loop)."""
+    with the host: per-expert loop). main_grads: (main_w13, main_w2), fp32, which the weight gradients
+    are added to; dw13 and dw2 are then None."""
     owner = Layer.get(layer)
     if owner.runs_backward(x) and (owner.group is None or owner.group_kept_forward(x, topk_ids, topk_weights, w13, w2)):
         check_inputs(x, topk_ids, topk_weights, w13, w2, owner, pointers=True)
         if dy.dtype != x.dtype or dy.shape != x.shape or not dy.is_contiguous() or dy.data_ptr() % 16 != 0:
             raise Error(f"pounce.moe backward: dy must be a contiguous, 16-byte aligned {x.dtype} tensor shaped "
                         f"like x {tuple(x.shape)}; got {dy.dtype} {tuple(dy.shape)}")
-        return owner.backward(dy, x, topk_ids, topk_weights, w13, w2)
+        return owner.backward(dy, x, topk_ids, topk_weights, w13, w2, main_grads)
     T, k = topk_ids.shape
     token = torch.arange(T, device=x.device).repeat_interleave(k)  # route (t, k) -> t, routes in (t, k) order
     expert, weight = topk_ids.reshape(-1).long(), topk_weights.reshape(-1)
@@ -163,7 +195,19 @@ def moe_backward(
         d_route[order] = _exchange(d_there, recv, send, g)
         d_weight[order] = _exchange(w_there, recv, send, g)
     dx = d_route.view(T, k, x.shape[1]).sum(1)  # k in order: deterministic
+    if main_grads is not None:
+        main_grads[0].add_(dw13)
+        main_grads[1].add_(dw2)
+        return dx.to(x.dtype), d_weight.view(T, k), None, None
     return dx.to(x.dtype), d_weight.view(T, k), dw13.to(w13.dtype), dw2.to(w2.dtype)
+
+
+@torch.library.custom_op("pounce::moe_backward", mutates_args=())
+def moe_backward(
+    dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, layer: int
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d_topk_weights, dw13, dw2) of pounce::moe_forward (backward_gradients)."""
+    return backward_gradients(dy, x, topk_ids, topk_weights, w13, w2, layer)
 
 
 @moe_backward.register_fake
@@ -171,18 +215,48 @@ def _(dy, x, topk_ids, topk_weights, w13, w2, layer):
     return torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13), torch.empty_like(w2)
 
 
+@torch.library.custom_op("pounce::moe_backward_into_main_grads", mutates_args=("main_w13", "main_w2"))
+def moe_backward_into_main_grads(
+    dy: Tensor,
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    main_w13: Tensor,
+    main_w2: Tensor,
+    layer: int,
+) -> Tuple[Tensor, Tensor]:
+    """(dx, d_topk_weights) of pounce::moe_forward; its weight gradients are added to main_w13 and main_w2
+    (fp32), as Megatron-style training accumulates micro-batches (backward_gradients)."""
+    dx, d_topk_weights, _, _ = backward_gradients(dy, x, topk_ids, topk_weights, w13, w2, layer, (main_w13, main_w2))
+    return dx, d_topk_weights
+
+
+@moe_backward_into_main_grads.register_fake
+def _(dy, x, topk_ids, topk_weights, w13, w2, main_w13, main_w2, layer):
+    return torch.empty_like(x), torch.empty_like(topk_weights)
+
+
 def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_weights, w13, w2, layer = inputs[:6]
-    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2)
+    main_w13, main_w2 = (tuple(inputs[7:9]) + (None, None))[:2]
+    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, main_w13, main_w2)
     ctx.layer = layer
 
 
 def _backward(ctx, dy):
-    x, topk_ids, topk_weights, w13, w2 = ctx.saved_tensors
-    dx, d_topk_weights, dw13, dw2 = torch.ops.pounce.moe_backward(
-        dy.contiguous(), x, topk_ids, topk_weights, w13, w2, ctx.layer
-    )
-    return dx, None, d_topk_weights, dw13, dw2, None, None
+    x, topk_ids, topk_weights, w13, w2, main_w13, main_w2 = ctx.saved_tensors
+    if main_w13 is None:
+        dx, d_topk_weights, dw13, dw2 = torch.ops.pounce.moe_backward(
+            dy.contiguous(), x, topk_ids, topk_weights, w13, w2, ctx.layer
+        )
+    else:  # the weight gradients went into the main grads: the weights get none through autograd
+        dx, d_topk_weights = torch.ops.pounce.moe_backward_into_main_grads(
+            dy.contiguous(), x, topk_ids, topk_weights, w13, w2, main_w13, main_w2, ctx.layer
+        )
+        dw13 = dw2 = None
+    return dx, None, d_topk_weights, dw13, dw2, None, None, None, None
 
 
 moe_forward.register_autograd(_backward, setup_context=_setup_context)

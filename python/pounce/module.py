@@ -1,7 +1,7 @@
 """pounce.MoE (the module) and pounce.moe (the function): the fused MoE forward as a PyTorch layer."""
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +40,7 @@ def moe(
     layer: Optional[Layer] = None,
     group=None,
     virtual_ranks: Optional[int] = None,
+    main_grads: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tensor:
     """y [T, H] bf16 = sum_k topk_weights[t, k] * (w2[e] @ (silu(g) * u)), [g, u] = w13[e] @ x[t],
     e = topk_ids[t, k], for x [T, H] bf16, topk_ids [T, k] int32 (int64 is converted), topk_weights
@@ -49,7 +50,10 @@ def moe(
     else PyTorch, fp32).
 
     layer: the pounce.Layer to run on; without one, a layer shared by calls of the same shape, group and
-    virtual_ranks is used (pass one explicitly under torch.compile). group / virtual_ranks: as for MoE."""
+    virtual_ranks is used (pass one explicitly under torch.compile). group / virtual_ranks: as for MoE.
+    main_grads: (main_w13, main_w2), fp32 tensors shaped like w13 and w2: the backward adds the weight
+    gradients to them in fp32 (pounce's kernels accumulate into them directly) and gives w13 and w2 no
+    gradient through autograd."""
     if layer is None:
         ranks = torch.distributed.get_world_size(group) if group is not None else 1
         shape = (x.shape[1], w2.shape[2], w13.shape[0] * ranks, topk_ids.shape[1])
@@ -61,14 +65,15 @@ def moe(
         topk_ids = topk_ids.to(torch.int32)
     # A forward that autograd will differentiate keeps what its backward needs (the gate/up rows).
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2))
-    return torch.ops.pounce.moe_forward(x, topk_ids, topk_weights, w13, w2, layer.key, keep)
+    main_w13, main_w2 = main_grads if main_grads is not None else (None, None)
+    return torch.ops.pounce.moe_forward(x, topk_ids, topk_weights, w13, w2, layer.key, keep, main_w13, main_w2)
 
 
 class MoE(nn.Module):
     """The routed experts of a Mixture-of-Experts layer, SwiGLU FFNs run by pounce's fused kernel.
 
     MoE(hidden, intermediate, experts, topk, group=None, *, max_tokens=None, capacity_factor=None,
-        dtype=torch.bfloat16, device=None, virtual_ranks=None, options=None)
+        main_grad=False, dtype=torch.bfloat16, device=None, virtual_ranks=None, options=None)
 
     Parameters: this rank's experts only, w13 [E/P, 2I, H] (each expert's gate and up projections, rows
     interleaved in groups of 8: use load_experts to set them from separate tensors) and w2 [E/P, H, I]
@@ -104,6 +109,12 @@ class MoE(nn.Module):
     one GPU the module runs on, across GPUs call close() on every rank (the next forward makes a new
     layer).
 
+    main_grad: the weight gradients are added in fp32 to w13.main_grad and w2.main_grad (fp32 tensors
+    shaped like the weights, made as zeros on the first forward unless the training framework set them,
+    as Megatron's distributed optimizer does with views of its gradient buffer) instead of becoming bf16
+    .grad: micro-batches accumulate without a bf16 rounding each, and the weights' .grad stays None. Zero
+    the main grads after each optimizer step.
+
     Memory: MoE layers of one shape on a GPU (same hidden, intermediate, experts, topk, ranks and token
     size) share their scratch rows, the forward's hidden and output rings and the backward's rows, so a
     model's n layers hold them once (layer.info(): shared_bytes, shared_id). Their forwards and backwards
@@ -130,6 +141,7 @@ class MoE(nn.Module):
         *,
         max_tokens: Optional[int] = None,
         capacity_factor: Optional[float] = None,
+        main_grad: bool = False,
         dtype: torch.dtype = torch.bfloat16,
         device=None,
         virtual_ranks: Optional[int] = None,
@@ -149,6 +161,7 @@ class MoE(nn.Module):
             capacity_factor=capacity_factor,
             options=options,
         )
+        self.uses_main_grad = main_grad
         n = self.layer.experts_here
         self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate, hidden, dtype=dtype, device=device))
         self.w2 = nn.Parameter(torch.empty(n, hidden, intermediate, dtype=dtype, device=device))
@@ -175,7 +188,13 @@ class MoE(nn.Module):
             self.w2.copy_(down)
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        return moe(x, topk_ids, topk_weights, self.w13, self.w2, layer=self.layer)
+        main_grads = None
+        if self.uses_main_grad:
+            for w in (self.w13, self.w2):
+                if getattr(w, "main_grad", None) is None:
+                    w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            main_grads = (self.w13.main_grad, self.w2.main_grad)
+        return moe(x, topk_ids, topk_weights, self.w13, self.w2, layer=self.layer, main_grads=main_grads)
 
     def refresh_fp8_weights(self) -> None:
         """With options={"fp8_forward": 1} or {"fp8_data_gradients": 1}: quantize the weights into the E4M3 copies now

@@ -1,6 +1,7 @@
 """The fused forward and the PyTorch backward on a Hopper GPU against an eager fp32 MoE, through the
-module, the function, torch.library.opcheck, torch.compile(fullgraph=True) and CUDA graphs; bad inputs
-and device errors named. Skipped without a Hopper GPU."""
+module, the function, torch.library.opcheck, torch.compile(fullgraph=True) and CUDA graphs; weight
+gradients accumulated into fp32 main grads; bad inputs and device errors named. Skipped without a Hopper
+GPU."""
 
 import pytest
 from support import expect_close, expect_matches_reference, needs_hopper, pounce, random_routing, reference_moe, torch
@@ -189,6 +190,51 @@ def test_layer_is_made_on_first_use_and_grows():
     expect_close("y[:100]", y[:100], y_small, 1e-3)  # the same tokens, split over the ranks differently
     expect_close("y", y, reference_moe(x, ids, weights, moe.w13, moe.w2))
     assert moe(x[:0], ids[:0], weights[:0]).shape == (0, 256)
+
+
+@pytest.mark.parametrize(
+    "virtual_ranks, options", [(None, {}), (None, {"fused_backward": 1}), (3, {})], ids=["chain", "fused", "P3"]
+)
+def test_main_grads_accumulate_micro_batches_in_fp32(virtual_ranks, options):
+    """main_grad=True: each backward adds its fp32 weight gradients to w13.main_grad and w2.main_grad. One
+    micro-batch's alone round to the bf16 layer's gradients bit for bit; two accumulate to the fp32 sum of
+    each one's alone; the weights' .grad stays None; dx and the router weights' gradient are the bf16
+    layer's bits."""
+    T, H, I, E, k = 300, 256, 128, 12, 4
+    g = torch.Generator().manual_seed(11)
+
+    def layer(main_grad):
+        return pounce.MoE(H, I, E, k, virtual_ranks=virtual_ranks, device="cuda", main_grad=main_grad, options=options)
+
+    main, plain, alone = layer(True), layer(False), layer(True)
+    with torch.no_grad():
+        main.w13.copy_(torch.randn(main.w13.shape, generator=g) * 0.1)
+        main.w2.copy_(torch.randn(main.w2.shape, generator=g) * 0.1)
+    plain.load_state_dict(main.state_dict())
+    alone.load_state_dict(main.state_dict())
+    each = []
+    for step, pattern in enumerate(("skewed", "zipf")):
+        x = torch.randn(T, H, generator=g).bfloat16().cuda()
+        ids, weights = random_routing(T, E, k, pattern=pattern, generator=g, device="cuda")
+        dy = torch.randn(T, H, generator=g).bfloat16().cuda()
+        xs = [x.clone().requires_grad_() for _ in range(3)]
+        ws = [weights.clone().requires_grad_() for _ in range(3)]
+        for w in (alone.w13, alone.w2):
+            if getattr(w, "main_grad", None) is not None:
+                w.main_grad.zero_()
+        plain.w13.grad = plain.w2.grad = None
+        for moe, x_, w_ in zip((main, plain, alone), xs, ws):
+            moe(x_, ids, w_).backward(dy)
+        each.append((alone.w13.main_grad.clone(), alone.w2.main_grad.clone()))
+        where = f"step {step}"
+        assert torch.equal(xs[0].grad, xs[1].grad) and torch.equal(ws[0].grad, ws[1].grad), where
+        assert torch.equal(each[-1][0].bfloat16(), plain.w13.grad), f"{where}: dw13"
+        assert torch.equal(each[-1][1].bfloat16(), plain.w2.grad), f"{where}: dw2"
+    assert main.w13.grad is None and main.w2.grad is None
+    assert torch.equal(main.w13.main_grad, each[0][0] + each[1][0])
+    assert torch.equal(main.w2.main_grad, each[0][1] + each[1][1])
+    for moe in (main, plain, alone):
+        moe.check_device_errors()
 
 
 def test_opcheck():

@@ -4,6 +4,8 @@ the CUDA-device check is dropped (on CPU tensors the backward op is the PyTorch 
 pounce's own. The GPU tests repeat this with the
 kernel."""
 
+import re
+
 import pytest
 from support import pounce, random_routing, reference_moe, relative_error, torch
 
@@ -52,3 +54,70 @@ def test_compile_fullgraph_forward_and_backward(kernel_on_cpu):
     assert torch.equal(y, want)
     for name, a, b in zip(("dx", "d_topk_weights", "dw13"), got, (x.grad, weights.grad, moe.w13.grad)):
         assert relative_error(a, b) < 1e-6, name
+
+
+def make_main_grad_module(T=24, H=64, I=64, E=4, k=2):
+    moe, x, ids, weights = make(T, H, I, E, k)
+    main = pounce.MoE(H, I, E, k, main_grad=True)
+    main.load_state_dict(moe.state_dict())
+    return main, moe, x, ids, weights
+
+
+def test_opcheck_with_main_grads(kernel_on_cpu):
+    moe, x, ids, weights = make()
+    mains = (torch.zeros(moe.w13.shape), torch.zeros(moe.w2.shape))
+    forward = torch.ops.pounce.moe_forward.default
+    torch.library.opcheck(forward, (x, ids, weights, moe.w13, moe.w2, moe.layer.key, True, *mains))
+    dy = torch.randn(x.shape).to(x)
+    inputs = [t.detach() for t in (x, weights, moe.w13, moe.w2)]  # the backward op has no backward
+    backward = torch.ops.pounce.moe_backward_into_main_grads.default
+    torch.library.opcheck(backward, (dy, inputs[0], ids, *inputs[1:], *mains, moe.layer.key))
+
+
+def test_main_grads_accumulate_micro_batches_and_leave_no_weight_grad(kernel_on_cpu):
+    """main_grad=True: each backward adds its fp32 weight gradients to w13.main_grad and w2.main_grad (made
+    as zeros on the first forward), the sum of the micro-batches' gradients, and w13.grad stays None;
+    dx and the router weights' gradient are those of the layer without main grads."""
+    main, plain, x, ids, weights = make_main_grad_module()
+    steps = [(x, ids, weights), (x.detach().flip(0).requires_grad_(), ids.flip(0), weights.detach().flip(0))]
+    want13, want2 = torch.zeros(plain.w13.shape), torch.zeros(plain.w2.shape)
+    for x_, ids_, w_ in steps:
+        xa, xb = x_.detach().requires_grad_(), x_.detach().requires_grad_()
+        wa, wb = w_.detach().requires_grad_(), w_.detach().requires_grad_()
+        main(xa, ids_, wa).float().square().sum().backward()
+        plain.w13.grad = plain.w2.grad = None
+        leaves = [t.detach().float().requires_grad_() for t in (xb, wb, plain.w13, plain.w2)]
+        reference_moe(leaves[0], ids_, *leaves[1:]).to(xb.dtype).float().square().sum().backward()
+        plain(xb, ids_, wb).float().square().sum().backward()
+        want13 += leaves[2].grad
+        want2 += leaves[3].grad
+        assert torch.equal(xa.grad, xb.grad) and torch.equal(wa.grad, wb.grad)
+    assert main.w13.grad is None and main.w2.grad is None
+    assert main.w13.main_grad.dtype == torch.float32
+    assert relative_error(main.w13.main_grad, want13) < 1e-2 and relative_error(main.w2.main_grad, want2) < 1e-2
+
+
+def test_compile_fullgraph_with_main_grads(kernel_on_cpu):
+    main, _, x, ids, weights = make_main_grad_module()
+    main(x, ids, weights)  # makes the main grads, outside the compiled region
+    main.w13.main_grad.zero_()
+    main.w2.main_grad.zero_()
+    compiled = torch.compile(lambda x, ids, w: main(x, ids, w) * 2, fullgraph=True, backend="aot_eager")
+    compiled(x, ids, weights).float().square().sum().backward()
+    got = main.w13.main_grad.clone(), main.w2.main_grad.clone()
+    main.w13.main_grad.zero_()
+    main.w2.main_grad.zero_()
+    (main(x, ids, weights) * 2).float().square().sum().backward()
+    assert main.w13.grad is None
+    for a, b in zip(got, (main.w13.main_grad, main.w2.main_grad)):
+        assert relative_error(a, b) < 1e-6
+
+
+def test_main_grads_of_the_wrong_dtype_or_shape_are_rejected_by_name(kernel_on_cpu):
+    moe, x, ids, weights = make()
+    wrong_dtype, wrong_shape = torch.zeros(moe.w13.shape, dtype=torch.bfloat16), torch.zeros(moe.w13.shape[1:])
+    for bad, what in ((wrong_dtype, "main_w13 is torch.bfloat16"), (wrong_shape, "main_w13 is torch.float32 (")):
+        with pytest.raises(pounce.Error, match=re.escape(what)):
+            pounce.moe(x, ids, weights, moe.w13, moe.w2, layer=moe.layer, main_grads=(bad, torch.zeros(moe.w2.shape)))
+    with pytest.raises(pounce.Error, match="both w13 and w2"):
+        torch.ops.pounce.moe_forward(x, ids, weights, moe.w13, moe.w2, moe.layer.key, False, torch.zeros(moe.w13.shape))
