@@ -338,8 +338,9 @@ class Layer:
 
     def __del__(self):
         # Across GPUs freeing is collective, which garbage collection cannot promise: those layers are freed
-        # by close() or with the process.
-        if self.group is None and self._handle is not None:
+        # by close() or with the process. (_handle is set first in __init__, so a layer whose arguments
+        # were rejected stops at it.)
+        if self._handle is not None and self.group is None:
             try:
                 self.close()
             except Exception:  # noqa: BLE001  (nothing can be raised from __del__)

@@ -3,6 +3,8 @@ eager reference, the inputs the forward op rejects by name, and errors from libp
 pounce.Error with the library's message."""
 
 import ctypes
+import gc
+import sys
 
 import pytest
 from support import library_skip_reason, pounce, random_routing, reference_moe, relative_error, torch
@@ -134,3 +136,15 @@ def test_c_errors_arrive_as_pounce_error_with_the_library_message():
     assert pounce._lib.default_options().fused_backward == 0  # on one GPU the chain of kernels by default
     with pytest.raises(pounce.Error, match="unknown option 'ring'"):
         pounce.Layer(64, 64, 8, 2, options={"ring": 1})._options()
+
+
+def test_a_rejected_layer_is_collected_without_an_error(monkeypatch):
+    """A Layer whose arguments were rejected in its constructor is garbage collected quietly (its __del__
+    must not read attributes the constructor never set)."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    for bad in ({"capacity_factor": 0}, {"virtual_ranks": 3}):  # 3 ranks do not divide 4 experts
+        with pytest.raises(pounce.Error):
+            pounce.Layer(64, 64, 4, 2, **bad)
+        gc.collect()
+    assert not unraisable, [str(u.exc_value) for u in unraisable]
