@@ -1,7 +1,7 @@
 """The fused forward and the PyTorch backward on a Hopper GPU against an eager fp32 MoE, through the
-module, the function, torch.library.opcheck, torch.compile(fullgraph=True) and CUDA graphs; weight
-gradients accumulated into fp32 main grads; bad inputs and device errors named. Skipped without a Hopper
-GPU."""
+module, the function, torch.library.opcheck, torch.compile(fullgraph=True), CUDA graphs and activation
+checkpointing; weight gradients accumulated into fp32 main grads; bad inputs and device errors named.
+Skipped without a Hopper GPU."""
 
 import pytest
 from support import expect_close, expect_matches_reference, needs_hopper, pounce, random_routing, reference_moe, torch
@@ -234,6 +234,43 @@ def test_main_grads_accumulate_micro_batches_in_fp32(virtual_ranks, options):
     assert torch.equal(main.w13.main_grad, each[0][0] + each[1][0])
     assert torch.equal(main.w2.main_grad, each[0][1] + each[1][1])
     for moe in (main, plain, alone):
+        moe.check_device_errors()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_gives_the_bits_of_a_plain_step(reentrant):
+    """torch.utils.checkpoint around two MoE layers with residuals: their forwards run again in the
+    backward, and each layer's backward starts from the rows its recomputed forward kept. Output, dx and
+    the weight gradients are those of the same step without checkpointing, bit for bit."""
+    T, H, I, E, k = 256, 256, 128, 8, 2
+    g = torch.Generator().manual_seed(21)
+    layers = [pounce.MoE(H, I, E, k, device="cuda") for _ in range(2)]
+    with torch.no_grad():
+        for moe in layers:
+            moe.w13.copy_(torch.randn(moe.w13.shape, generator=g) * 0.1)
+            moe.w2.copy_(torch.randn(moe.w2.shape, generator=g) * 0.1)
+    routings = [random_routing(T, E, k, pattern="zipf", generator=g, device="cuda") for _ in layers]
+    x = torch.randn(T, H, generator=g).bfloat16().cuda()
+    dy = torch.randn(T, H, generator=g).bfloat16().cuda()
+
+    def block(h):
+        for moe, (ids, weights) in zip(layers, routings):
+            h = h + moe(h, ids, weights)
+        return h
+
+    def step(checkpointed):
+        for moe in layers:
+            moe.w13.grad = moe.w2.grad = None
+        h = x.clone().requires_grad_()
+        y = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=reentrant) if checkpointed else block(h)
+        y.backward(dy)
+        return [y.detach(), h.grad] + [w.grad.clone() for moe in layers for w in (moe.w13, moe.w2)]
+
+    plain, checkpointed = step(False), step(True)
+    for name, a, b in zip(("y", "dx", "dw13 of layer 0", "dw2 of layer 0", "dw13 of layer 1", "dw2 of layer 1"),
+                          plain, checkpointed):
+        assert torch.equal(a, b), name
+    for moe in layers:
         moe.check_device_errors()
 
 
