@@ -121,3 +121,30 @@ def test_main_grads_of_the_wrong_dtype_or_shape_are_rejected_by_name(kernel_on_c
             pounce.moe(x, ids, weights, moe.w13, moe.w2, layer=moe.layer, main_grads=(bad, torch.zeros(moe.w2.shape)))
     with pytest.raises(pounce.Error, match="both w13 and w2"):
         torch.ops.pounce.moe_forward(x, ids, weights, moe.w13, moe.w2, moe.layer.key, False, torch.zeros(moe.w13.shape))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_gives_the_bits_of_a_plain_step(kernel_on_cpu, reentrant):
+    """torch.utils.checkpoint around two layers with residuals (the forwards run again in the backward):
+    output, dx and the weight gradients of the plain step, bit for bit."""
+    T, H, I, E, k = 64, 64, 64, 8, 2
+    g = torch.Generator().manual_seed(21)
+    layers = [pounce.MoE(H, I, E, k) for _ in range(2)]
+    routings = [random_routing(T, E, k, pattern="zipf", generator=g) for _ in layers]
+    x, dy = (torch.randn(T, H, generator=g).bfloat16() for _ in range(2))
+
+    def block(h):
+        for moe, (ids, weights) in zip(layers, routings):
+            h = h + moe(h, ids, weights)
+        return h
+
+    def step(checkpointed):
+        for moe in layers:
+            moe.w13.grad = moe.w2.grad = None
+        h = x.clone().requires_grad_()
+        y = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=reentrant) if checkpointed else block(h)
+        y.backward(dy)
+        return [y.detach(), h.grad] + [w.grad.clone() for moe in layers for w in (moe.w13, moe.w2)]
+
+    for a, b in zip(step(False), step(True)):
+        assert torch.equal(a, b)
