@@ -164,6 +164,8 @@ def backward_gradients(dy, x, topk_ids, topk_weights, w13, w2, layer: int, main_
     with the host: per-expert loop). main_grads: (main_w13, main_w2), fp32, which the weight gradients
     are added to; dw13 and dw2 are then None."""
     owner = Layer.get(layer)
+    if main_grads is not None:
+        check_main_grads(*main_grads, w13, w2, pointers=x.is_cuda)
     if owner.runs_backward(x) and (owner.group is None or owner.group_kept_forward(x, topk_ids, topk_weights, w13, w2)):
         check_inputs(x, topk_ids, topk_weights, w13, w2, owner, pointers=True)
         if dy.dtype != x.dtype or dy.shape != x.shape or not dy.is_contiguous() or dy.data_ptr() % 16 != 0:
@@ -240,22 +242,31 @@ def _(dy, x, topk_ids, topk_weights, w13, w2, main_w13, main_w2, layer):
 
 def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_weights, w13, w2, layer = inputs[:6]
-    main_w13, main_w2 = (tuple(inputs[7:9]) + (None, None))[:2]
-    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, main_w13, main_w2)
+    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2)
     ctx.layer = layer
+    # NOTES: the main grads are kept on ctx, not saved for backward. The backward writes them, and a
+    # saved tensor that was written fails autograd's version check in every other backward that saved
+    # it: the same main grads in two forwards awaiting their backwards (micro-batches in flight, a layer
+    # called twice), or layers whose main grads are views of one buffer, as Megatron keeps them.
+    main_grads = tuple(inputs[7:9])
+    ctx.main_grads = main_grads if len(main_grads) == 2 and main_grads[0] is not None else None
 
 
 def _backward(ctx, dy):
-    x, topk_ids, topk_weights, w13, w2, main_w13, main_w2 = ctx.saved_tensors
-    if main_w13 is None:
+    x, topk_ids, topk_weights, w13, w2 = ctx.saved_tensors
+    wants_w13, wants_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+    if ctx.main_grads is not None and (wants_w13 or wants_w2):
+        if not (wants_w13 and wants_w2):
+            raise Error("pounce.moe: with main grads, w13 and w2 must both require gradients or neither")
+        # The weight gradients go into the main grads: the weights get none through autograd.
+        dx, d_topk_weights = torch.ops.pounce.moe_backward_into_main_grads(
+            dy.contiguous(), x, topk_ids, topk_weights, w13, w2, *ctx.main_grads, ctx.layer
+        )
+        dw13 = dw2 = None
+    else:
         dx, d_topk_weights, dw13, dw2 = torch.ops.pounce.moe_backward(
             dy.contiguous(), x, topk_ids, topk_weights, w13, w2, ctx.layer
         )
-    else:  # the weight gradients went into the main grads: the weights get none through autograd
-        dx, d_topk_weights = torch.ops.pounce.moe_backward_into_main_grads(
-            dy.contiguous(), x, topk_ids, topk_weights, w13, w2, main_w13, main_w2, ctx.layer
-        )
-        dw13 = dw2 = None
     return dx, None, d_topk_weights, dw13, dw2, None, None, None, None
 
 

@@ -189,9 +189,14 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         main_grads = None
-        if self.uses_main_grad:
+        if self.uses_main_grad and torch.is_grad_enabled():
             for w in (self.w13, self.w2):
                 if getattr(w, "main_grad", None) is None:
+                    if torch.compiler.is_compiling():
+                        raise Error(
+                            "pounce.MoE(main_grad=True): the weights have no main_grad yet, and a compiled region "
+                            "cannot make one: run one forward outside torch.compile first (or set them)"
+                        )
                     w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
             main_grads = (self.w13.main_grad, self.w2.main_grad)
         return moe(x, topk_ids, topk_weights, self.w13, self.w2, layer=self.layer, main_grads=main_grads)

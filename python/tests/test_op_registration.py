@@ -148,3 +148,64 @@ def test_activation_checkpointing_gives_the_bits_of_a_plain_step(kernel_on_cpu, 
 
     for a, b in zip(step(False), step(True)):
         assert torch.equal(a, b)
+
+
+def test_main_grads_in_one_buffer_with_forwards_in_flight(kernel_on_cpu):
+    """Two layers whose main grads are views of one fp32 buffer (as Megatron keeps them), the second one
+    called twice, and two micro-batches' forwards before their backwards: each backward adds its weight
+    gradients, so the buffer ends as the sum over every call, as separate plain layers' fp32 gradients."""
+    T, H, I, E, k = 24, 64, 64, 4, 2
+    mains = [pounce.MoE(H, I, E, k, main_grad=True) for _ in range(2)]
+    plains = [pounce.MoE(H, I, E, k) for _ in range(2)]
+    for m, p in zip(mains, plains):
+        p.load_state_dict(m.state_dict())
+    weights = [w for m in mains for w in (m.w13, m.w2)]
+    buffer = torch.zeros(sum(w.numel() for w in weights))
+    offset = 0
+    for w in weights:
+        w.main_grad = buffer[offset : offset + w.numel()].view(w.shape)
+        offset += w.numel()
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(T, H, generator=g).bfloat16(), *random_routing(T, E, k, generator=g)) for _ in range(2)]
+
+    def net(layers, x, ids, weights):
+        return layers[1](layers[1](layers[0](x, ids, weights), ids, weights), ids, weights)
+
+    ys = [net(mains, *batch) for batch in batches]  # both forwards first, then both backwards
+    for y in ys:
+        y.float().square().sum().backward()
+    want = [torch.zeros(w.shape) for w in weights]
+    for batch in batches:
+        for p in plains:
+            p.w13.grad = p.w2.grad = None
+        leaves = [w.detach().float().requires_grad_() for p in plains for w in (p.w13, p.w2)]
+        x, ids, weights_ = batch
+        h = x
+        for layer in (0, 1, 1):
+            h = reference_moe(h, ids, weights_, *leaves[2 * layer : 2 * layer + 2]).to(x.dtype)
+        h.float().square().sum().backward()
+        for total, leaf in zip(want, leaves):
+            total += leaf.grad
+    assert all(w.grad is None for w in weights)
+    for w, total in zip(weights, want):
+        assert relative_error(w.main_grad, total) < 2e-2
+
+
+def test_main_grads_are_left_alone_without_gradients(kernel_on_cpu):
+    """Under torch.no_grad no main grads are made; with the experts frozen the backward adds nothing."""
+    main, _, x, ids, weights = make_main_grad_module()
+    with torch.no_grad():
+        main(x, ids, weights)
+    assert getattr(main.w13, "main_grad", None) is None
+    main.w13.requires_grad_(False)
+    main.w2.requires_grad_(False)
+    main(x, ids, weights).float().sum().backward()
+    assert main.w13.main_grad.abs().sum() == 0 and main.w2.main_grad.abs().sum() == 0
+    assert x.grad is not None and weights.grad is not None
+
+
+def test_main_grads_cannot_be_made_inside_torch_compile(kernel_on_cpu):
+    main, _, x, ids, weights = make_main_grad_module()
+    compiled = torch.compile(lambda x, ids, w: main(x, ids, w), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=re.escape("run one forward outside torch.compile first")):
+        compiled(x, ids, weights)
