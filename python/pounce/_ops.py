@@ -240,6 +240,18 @@ def _(dy, x, topk_ids, topk_weights, w13, w2, main_w13, main_w2, layer):
     return torch.empty_like(x), torch.empty_like(topk_weights)
 
 
+def _placeholder_gradient(w: Tensor) -> Optional[Tensor]:
+    """The gradient autograd passes on for a weight whose gradient went into its main grad: none, unless the
+    weight carries Megatron's grad_added_to_main_grad flag. Megatron's data-parallel wrapper sets it and
+    waits for a gradient to reach each such weight (its hook then starts that bucket's reduction): that
+    weight gets an uninitialized placeholder, flagged as already added, which the hook drops (Megatron's
+    own fused weight-gradient layers do the same)."""
+    if not hasattr(w, "grad_added_to_main_grad"):
+        return None
+    w.grad_added_to_main_grad = True
+    return torch.empty(w.shape, dtype=w.dtype, device=w.device)
+
+
 def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_weights, w13, w2, layer = inputs[:6]
     ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2)
@@ -258,11 +270,10 @@ def _backward(ctx, dy):
     if ctx.main_grads is not None and (wants_w13 or wants_w2):
         if not (wants_w13 and wants_w2):
             raise Error("pounce.moe: with main grads, w13 and w2 must both require gradients or neither")
-        # The weight gradients go into the main grads: the weights get none through autograd.
         dx, d_topk_weights = torch.ops.pounce.moe_backward_into_main_grads(
             dy.contiguous(), x, topk_ids, topk_weights, w13, w2, *ctx.main_grads, ctx.layer
         )
-        dw13 = dw2 = None
+        dw13, dw2 = _placeholder_gradient(w13), _placeholder_gradient(w2)
     else:
         dx, d_topk_weights, dw13, dw2 = torch.ops.pounce.moe_backward(
             dy.contiguous(), x, topk_ids, topk_weights, w13, w2, ctx.layer

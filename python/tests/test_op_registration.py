@@ -209,3 +209,28 @@ def test_main_grads_cannot_be_made_inside_torch_compile(kernel_on_cpu):
     compiled = torch.compile(lambda x, ids, w: main(x, ids, w), fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match=re.escape("run one forward outside torch.compile first")):
         compiled(x, ids, weights)
+
+
+def test_main_grads_follow_megatrons_protocol_for_flagged_weights(kernel_on_cpu):
+    """A weight flagged grad_added_to_main_grad (as Megatron's data-parallel wrapper flags them) gets a
+    placeholder gradient, so its gradient hook runs, and the flag is set, so the hook does not add the
+    placeholder: the main grad holds the gradient once."""
+    main, plain, x, ids, weights = make_main_grad_module()
+    hooked = []
+
+    def megatron_like_hook(w):  # what Megatron's backward hook does with overlapped reduction
+        assert w.grad is not None, "a weight's gradient must arrive for the hook to run"
+        if not w.grad_added_to_main_grad:
+            w.main_grad.add_(w.grad)
+        w.grad = None
+        hooked.append(w)
+
+    for w in (main.w13, main.w2):
+        w.grad_added_to_main_grad = False
+        w.register_post_accumulate_grad_hook(megatron_like_hook)
+    main(x, ids, weights).float().square().sum().backward()
+    plain(x.detach().requires_grad_(), ids, weights.detach()).float().square().sum().backward()
+    assert len(hooked) == 2 and all(w.grad_added_to_main_grad for w in (main.w13, main.w2))
+    assert main.w13.grad is None and main.w2.grad is None
+    assert relative_error(main.w13.main_grad, plain.w13.grad.float()) < 1e-2
+    assert relative_error(main.w2.main_grad, plain.w2.grad.float()) < 1e-2
