@@ -53,7 +53,20 @@ def moe(
     virtual_ranks is used (pass one explicitly under torch.compile). group / virtual_ranks: as for MoE.
     main_grads: (main_w13, main_w2), fp32 tensors shaped like w13 and w2: the backward adds the weight
     gradients to them in fp32 (pounce's kernels accumulate into them directly) and gives w13 and w2 no
-    gradient through autograd."""
+    gradient through autograd.
+
+    x may have leading dimensions ([batch, seq, H], topk_ids and topk_weights [batch, seq, k] or
+    [batch * seq, k]): they are flattened into tokens and y takes x's shape. Under torch.autocast to
+    bf16, x is cast to bf16 as a matmul's operand would be, and the router weights to fp32 (exactly)."""
+    leading = x.shape[:-1]
+    if x.dim() != 2 and x.dim() > 0:
+        x = x.reshape(-1, x.shape[-1])
+        topk_ids = topk_ids.reshape(-1, topk_ids.shape[-1])
+        topk_weights = topk_weights.reshape(-1, topk_weights.shape[-1])
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16:
+        x = x.to(torch.bfloat16)
+        topk_weights = topk_weights.float()
     if layer is None:
         ranks = torch.distributed.get_world_size(group) if group is not None else 1
         shape = (x.shape[1], w2.shape[2], w13.shape[0] * ranks, topk_ids.shape[1])
@@ -66,7 +79,8 @@ def moe(
     # A forward that autograd will differentiate keeps what its backward needs (the gate/up rows).
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2))
     main_w13, main_w2 = main_grads if main_grads is not None else (None, None)
-    return torch.ops.pounce.moe_forward(x, topk_ids, topk_weights, w13, w2, layer.key, keep, main_w13, main_w2)
+    y = torch.ops.pounce.moe_forward(x, topk_ids, topk_weights, w13, w2, layer.key, keep, main_w13, main_w2)
+    return y if len(leading) == 1 else y.reshape(*leading, y.shape[-1])
 
 
 class MoE(nn.Module):

@@ -24,9 +24,11 @@ def kernel_on_cpu(monkeypatch):
                 raise
 
     monkeypatch.setattr(_ops, "check_inputs", check_but_device)
-    monkeypatch.setattr(
-        pounce.Layer, "forward", lambda self, x, ids, w, w13, w2, keep=False: reference_moe(x, ids, w, w13, w2).to(x.dtype)
-    )
+    def forward(self, x, ids, w, w13, w2, keep=False):
+        with torch.autocast("cpu", enabled=False):  # as the kernel, which autocast does not reach
+            return reference_moe(x, ids, w, w13, w2).to(x.dtype)
+
+    monkeypatch.setattr(pounce.Layer, "forward", forward)
 
 
 def make(T=24, H=64, I=64, E=4, k=2):
@@ -234,3 +236,35 @@ def test_main_grads_follow_megatrons_protocol_for_flagged_weights(kernel_on_cpu)
     assert main.w13.grad is None and main.w2.grad is None
     assert relative_error(main.w13.main_grad, plain.w13.grad.float()) < 1e-2
     assert relative_error(main.w2.main_grad, plain.w2.grad.float()) < 1e-2
+
+
+def test_leading_dimensions_are_flattened_into_tokens(kernel_on_cpu):
+    """x [batch, seq, H] with the routing [batch, seq, k] or [batch * seq, k]: y [batch, seq, H], the
+    values and gradients of the flattened call."""
+    moe, x, ids, weights = make(T=24)
+    y = moe(x, ids, weights)
+    y.float().square().sum().backward()
+    want_dx = x.grad
+    for routing_shape in ((2, 12, -1), (24, -1)):
+        x3 = x.detach().reshape(2, 12, -1).requires_grad_()
+        y3 = moe(x3, ids.reshape(routing_shape), weights.detach().reshape(routing_shape))
+        assert y3.shape == (2, 12, x.shape[1]) and torch.equal(y3.reshape(y.shape), y)
+        y3.float().square().sum().backward()
+        assert torch.equal(x3.grad.reshape(want_dx.shape), want_dx)
+
+
+def test_autocast_to_bf16_casts_x_and_takes_the_router_weights_in_fp32(kernel_on_cpu):
+    """Under torch.autocast(dtype=torch.bfloat16) an fp32 x (a residual stream kept in fp32) and bf16
+    router weights are taken as bf16 and fp32: y is the bf16 call's, and x's gradient arrives in fp32;
+    outside autocast the same inputs are rejected by name."""
+    moe, x, ids, weights = make()
+    want = moe(x, ids, weights)
+    x32 = x.detach().float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x32, ids, weights.detach().bfloat16())
+    assert y.dtype == torch.bfloat16
+    assert relative_error(y, want) < 1e-2  # the router weights rounded to bf16 by the caller
+    y.float().sum().backward()
+    assert x32.grad.dtype == torch.float32
+    with pytest.raises(pounce.Error, match="x has dtype torch.float32"):
+        moe(x32, ids, weights)
