@@ -122,3 +122,25 @@ def expect_matches_reference(moe, x, topk_ids, topk_weights, y, dy, where=""):
     with torch.no_grad():
         route_outputs = reference_route_outputs(x, topk_ids, moe.w13, moe.w2)
     expect_route_dots_close(topk_weights.grad, leaves[1].grad, dy, route_outputs)
+
+
+def expect_checkpointing_gives_the_plain_bits(layers, routings, x, dy, reentrant):
+    """torch.utils.checkpoint around `layers` with residuals (h = h + moe(h) for each, on its routing)
+    gives the output, dx and every weight gradient of the same step without checkpointing, bit for bit."""
+
+    def block(h):
+        for moe, (ids, weights) in zip(layers, routings):
+            h = h + moe(h, ids, weights)
+        return h
+
+    def step(checkpointed):
+        for moe in layers:
+            moe.w13.grad = moe.w2.grad = None
+        h = x.clone().requires_grad_()
+        y = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=reentrant) if checkpointed else block(h)
+        y.backward(dy)
+        return [y.detach(), h.grad] + [w.grad.clone() for moe in layers for w in (moe.w13, moe.w2)]
+
+    names = ["y", "dx"] + [f"{w} of layer {i}" for i in range(len(layers)) for w in ("dw13", "dw2")]
+    for name, plain, checkpointed in zip(names, step(False), step(True)):
+        assert torch.equal(plain, checkpointed), f"{name} differs under checkpointing"

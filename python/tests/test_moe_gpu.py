@@ -4,7 +4,16 @@ checkpointing; weight gradients accumulated into fp32 main grads; bad inputs and
 Skipped without a Hopper GPU."""
 
 import pytest
-from support import expect_close, expect_matches_reference, needs_hopper, pounce, random_routing, reference_moe, torch
+from support import (
+    expect_checkpointing_gives_the_plain_bits,
+    expect_close,
+    expect_matches_reference,
+    needs_hopper,
+    pounce,
+    random_routing,
+    reference_moe,
+    torch,
+)
 
 pytestmark = needs_hopper
 
@@ -250,26 +259,8 @@ def test_activation_checkpointing_gives_the_bits_of_a_plain_step(reentrant):
             moe.w13.copy_(torch.randn(moe.w13.shape, generator=g) * 0.1)
             moe.w2.copy_(torch.randn(moe.w2.shape, generator=g) * 0.1)
     routings = [random_routing(T, E, k, pattern="zipf", generator=g, device="cuda") for _ in layers]
-    x = torch.randn(T, H, generator=g).bfloat16().cuda()
-    dy = torch.randn(T, H, generator=g).bfloat16().cuda()
-
-    def block(h):
-        for moe, (ids, weights) in zip(layers, routings):
-            h = h + moe(h, ids, weights)
-        return h
-
-    def step(checkpointed):
-        for moe in layers:
-            moe.w13.grad = moe.w2.grad = None
-        h = x.clone().requires_grad_()
-        y = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=reentrant) if checkpointed else block(h)
-        y.backward(dy)
-        return [y.detach(), h.grad] + [w.grad.clone() for moe in layers for w in (moe.w13, moe.w2)]
-
-    plain, checkpointed = step(False), step(True)
-    for name, a, b in zip(("y", "dx", "dw13 of layer 0", "dw2 of layer 0", "dw13 of layer 1", "dw2 of layer 1"),
-                          plain, checkpointed):
-        assert torch.equal(a, b), name
+    x, dy = (torch.randn(T, H, generator=g).bfloat16().cuda() for _ in range(2))
+    expect_checkpointing_gives_the_plain_bits(layers, routings, x, dy, reentrant)
     for moe in layers:
         moe.check_device_errors()
 

@@ -7,7 +7,14 @@ kernel."""
 import re
 
 import pytest
-from support import pounce, random_routing, reference_moe, relative_error, torch
+from support import (
+    expect_checkpointing_gives_the_plain_bits,
+    pounce,
+    random_routing,
+    reference_moe,
+    relative_error,
+    torch,
+)
 
 from pounce import _ops
 
@@ -134,22 +141,7 @@ def test_activation_checkpointing_gives_the_bits_of_a_plain_step(kernel_on_cpu, 
     layers = [pounce.MoE(H, I, E, k) for _ in range(2)]
     routings = [random_routing(T, E, k, pattern="zipf", generator=g) for _ in layers]
     x, dy = (torch.randn(T, H, generator=g).bfloat16() for _ in range(2))
-
-    def block(h):
-        for moe, (ids, weights) in zip(layers, routings):
-            h = h + moe(h, ids, weights)
-        return h
-
-    def step(checkpointed):
-        for moe in layers:
-            moe.w13.grad = moe.w2.grad = None
-        h = x.clone().requires_grad_()
-        y = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=reentrant) if checkpointed else block(h)
-        y.backward(dy)
-        return [y.detach(), h.grad] + [w.grad.clone() for moe in layers for w in (moe.w13, moe.w2)]
-
-    for a, b in zip(step(False), step(True)):
-        assert torch.equal(a, b)
+    expect_checkpointing_gives_the_plain_bits(layers, routings, x, dy, reentrant)
 
 
 def test_main_grads_in_one_buffer_with_forwards_in_flight(kernel_on_cpu):
