@@ -1,8 +1,8 @@
 """Expert parallelism over NCCL, one process per GPU (torch.multiprocessing, as torchrun would start
 them): every rank's forward and gradients against the eager reference over all ranks' tokens, two
 training steps with different routings and token counts, with the forward in BF16 or in E4M3
-(fp8_forward: within the FP8 band). A group of one rank runs on any Hopper GPU (the NCCL path with one
-peer); more ranks need as many GPUs."""
+(fp8_forward: within the FP8 band), and with the weight gradients added to fp32 main grads. A group of
+one rank runs on any Hopper GPU (the NCCL path with one peer); more ranks need as many GPUs."""
 
 import os
 import tempfile
@@ -24,7 +24,7 @@ def rank_inputs(rank, step):
     return x, ids, weights, torch.randn(tokens, H, generator=g).bfloat16()
 
 
-def run_rank(rank, ranks, store, options):
+def run_rank(rank, ranks, store, options, main_grad):
     torch.cuda.set_device(rank)
     torch.distributed.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=ranks)
     try:
@@ -33,13 +33,16 @@ def run_rank(rank, ranks, store, options):
         w2 = (torch.randn(E, H, I, generator=g) * 0.1).bfloat16()
         mine = slice(rank * E // ranks, (rank + 1) * E // ranks)
         moe = pounce.MoE(H, I, E, K, torch.distributed.group.WORLD, max_tokens=T + 3 * ranks, device="cuda",
-                         options=options)
+                         options=options, main_grad=main_grad)
         tolerance = 0.1 if options.get("fp8_forward") else 1e-2  # E4M3 keeps 3 fraction bits
         gate, up = pounce.split_w13(w13[mine])
         moe.load_experts(gate, up, w2[mine])
 
         for step in range(2):
             moe.zero_grad(set_to_none=True)
+            for w in (moe.w13, moe.w2):
+                if getattr(w, "main_grad", None) is not None:
+                    w.main_grad.zero_()
             x, ids, weights, dy = (t.cuda() for t in rank_inputs(rank, step))
             x.requires_grad_(), weights.requires_grad_()
             y = moe(x, ids, weights)
@@ -57,17 +60,24 @@ def run_rank(rank, ranks, store, options):
                     assert relative_error(y, want) < tolerance
                     assert relative_error(x.grad, leaves[0].grad) < tolerance
                     assert relative_error(weights.grad, leaves[1].grad) < tolerance
-            assert relative_error(moe.w13.grad, ref[0].grad[mine]) < tolerance
-            assert relative_error(moe.w2.grad, ref[1].grad[mine]) < tolerance
+            dw13, dw2 = (w.main_grad if main_grad else w.grad for w in (moe.w13, moe.w2))
+            assert not main_grad or (moe.w13.grad is None and dw13.dtype == torch.float32)
+            assert relative_error(dw13, ref[0].grad[mine]) < tolerance
+            assert relative_error(dw2, ref[1].grad[mine]) < tolerance
         moe.close()
     finally:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("options", [{}, {"fp8_forward": 1}], ids=["bf16", "fp8_forward"])
+@pytest.mark.parametrize(
+    "options, main_grad",
+    [({}, False), ({"fp8_forward": 1}, False), ({}, True)],
+    ids=["bf16", "fp8_forward", "bf16_main_grad"],
+)
 @pytest.mark.parametrize("ranks", sorted({1, 2, max(GPUS, 1)}))
-def test_nccl_ranks_match_the_reference(ranks, options):
+def test_nccl_ranks_match_the_reference(ranks, options, main_grad):
     if ranks > GPUS:
         pytest.skip(f"needs {ranks} GPUs, this machine has {GPUS}")
     with tempfile.TemporaryDirectory() as folder:
-        torch.multiprocessing.spawn(run_rank, args=(ranks, os.path.join(folder, "store"), options), nprocs=ranks)
+        store = os.path.join(folder, "store")
+        torch.multiprocessing.spawn(run_rank, args=(ranks, store, options, main_grad), nprocs=ranks)
