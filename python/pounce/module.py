@@ -233,4 +233,5 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         L = self.layer
         where = f", ranks={L.ranks}" + (", virtual" if L.group is None and L.ranks > 1 else "")
-        return f"hidden={L.hidden}, intermediate={L.intermediate}, experts={L.experts}, topk={L.topk}{where}"
+        main_grad = ", main_grad=True" if self.uses_main_grad else ""
+        return f"hidden={L.hidden}, intermediate={L.intermediate}, experts={L.experts}, topk={L.topk}{where}{main_grad}"
