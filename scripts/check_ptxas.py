@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """What ptxas says about the library's kernels only when asked (-v), checked on every build:
 
-- no kernel may have its wgmma instructions serialized (ptxas's notes C7510-C7515, "Potential Performance
-  Loss": every wgmma of the kernel then waits for the one before it, which costs a GEMM a large share of
-  its speed without any error or warning; it happens, for example, when wgmmas of two shapes share
-  accumulator registers, or when the accumulators do not fit the registers);
+- no "Potential Performance Loss" note of ptxas anywhere: above all the wgmma ones (C7509-C7520: every
+  wgmma of the kernel then waits for the one before it, which costs a GEMM a large share of its speed
+  without any error or warning; it happens, for example, when wgmmas of two shapes share accumulator
+  registers, or when the accumulators do not fit the registers), and setmaxnreg ignored;
 - the grouped GEMM's kernels (src/gemm/grouped_gemm.cu) may not spill registers.
 
 Recompiles the library's CUDA sources with the build's own nvcc commands (`ninja -t commands`) plus
@@ -23,7 +23,7 @@ import sys
 import tempfile
 
 NO_SPILLS = ("src/gemm/grouped_gemm.cu",)
-SERIALIZED = re.compile(r"\((C751\d)\) Potential Performance Loss: (.*?) in the function '([^']+)'")
+LOSS = re.compile(r"\((C\d+)\) Potential Performance Loss: (.*?)(?: in the function '([^']+)')?\s*$")
 PROPERTIES = re.compile(r"Function properties for (\S+)")
 SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 REGISTERS = re.compile(r"Compiling entry function '([^']+)'|Used (\d+) registers")
@@ -69,12 +69,12 @@ def demangle(names):
 
 
 def parse(log):
-    """({kernel: {registers, stack, spill_stores, spill_loads}}, [(note, what, kernel)] of serialized wgmmas)
-    from ptxas -v output (kernels by mangled name)."""
-    kernels, serialized, current = {}, [], None
+    """({kernel: {registers, stack, spill_stores, spill_loads}}, [(note, what, kernel or None)] of the
+    performance-loss notes) from ptxas -v output (kernels by mangled name)."""
+    kernels, losses, current = {}, [], None
     for line in log.splitlines():
-        if m := SERIALIZED.search(line):
-            serialized.append(m.groups())
+        if m := LOSS.search(line):
+            losses.append(m.groups())
         if m := PROPERTIES.search(line):
             current = m.group(1)
             kernels.setdefault(current, {})
@@ -86,7 +86,7 @@ def parse(log):
                 kernels.setdefault(current, {})
             elif current:
                 kernels[current]["registers"] = int(m.group(2))
-    return kernels, serialized
+    return kernels, losses
 
 
 def check(build, source, argv, folder, index):
@@ -94,10 +94,12 @@ def check(build, source, argv, folder, index):
     run = subprocess.run(without_outputs(argv, f"{folder}/{index}.o"), cwd=build, capture_output=True, text=True)
     if run.returncode != 0:
         return [run.stdout + run.stderr], [f"{source}: nvcc failed"]
-    kernels, serialized = parse(run.stdout + run.stderr)
-    names = demangle(sorted(set(kernels) | {kernel for _, _, kernel in serialized}))
-    problems = [f"{source}: ptxas serialized the wgmmas of {names[kernel]} ({note}: {what})"
-                for note, what, kernel in serialized]
+    kernels, losses = parse(run.stdout + run.stderr)
+    names = demangle(sorted(set(kernels) | {kernel for _, _, kernel in losses if kernel}))
+    problems = [f"{source}: ptxas {note} in {names[kernel] if kernel else 'a kernel'}: {what}"
+                for note, what, kernel in losses]
+    if not kernels:
+        problems.append(f"{source}: no kernel in ptxas's report (was -Xptxas -v honoured?)")
     report = [f"{source}:"]
     for name in sorted(kernels):
         k = kernels[name]
@@ -118,14 +120,16 @@ def main():
         sys.exit(f"check_ptxas: no nvcc command of the library in {args.build} (configure and build it first)")
     with tempfile.TemporaryDirectory() as folder, concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda c: check(args.build, c[1][0], c[1][1], folder, c[0]), enumerate(commands)))
-    problems = []
+    compiled = [source for source, _ in commands]
+    problems = [f"{path}: not among the library's sources" for path in NO_SPILLS
+                if not any(source.endswith(path) for source in compiled)]
     for report, found in results:
         print("\n".join(report))
         problems += found
     if problems:
         print("\ncheck_ptxas: " + "\n  ".join(["FAILED"] + problems))
         sys.exit(1)
-    print(f"\ncheck_ptxas: {len(commands)} sources, no serialized wgmma, no spill in {', '.join(NO_SPILLS)}")
+    print(f"\ncheck_ptxas: {len(commands)} sources, no performance-loss note, no spill in {', '.join(NO_SPILLS)}")
 
 
 if __name__ == "__main__":

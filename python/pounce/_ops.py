@@ -241,15 +241,17 @@ def _(dy, x, topk_ids, topk_weights, w13, w2, main_w13, main_w2, layer):
 
 
 def _placeholder_gradient(w: Tensor) -> Optional[Tensor]:
-    """The gradient autograd passes on for a weight whose gradient went into its main grad: none, unless the
-    weight carries Megatron's grad_added_to_main_grad flag. Megatron's data-parallel wrapper sets it and
-    waits for a gradient to reach each such weight (its hook then starts that bucket's reduction): that
-    weight gets an uninitialized placeholder, flagged as already added, which the hook drops (Megatron's
-    own fused weight-gradient layers do the same)."""
+    """The gradient autograd passes on for a weight (the parameter itself) whose gradient went into its main
+    grad: none, unless the weight carries Megatron's grad_added_to_main_grad flag. Megatron's data-parallel
+    wrapper sets it and waits for a gradient to reach each such weight (its hook then starts that bucket's
+    reduction): that weight gets a placeholder, flagged as already added, which the hook drops; zeros when
+    the weight is marked zero_out_wgrad (the hook then adds it), else uninitialized, as Megatron's own
+    fused weight-gradient layers do. Without such a hook the placeholder stays in .grad."""
     if not hasattr(w, "grad_added_to_main_grad"):
         return None
     w.grad_added_to_main_grad = True
-    return torch.empty(w.shape, dtype=w.dtype, device=w.device)
+    make = torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty
+    return make(w.shape, dtype=w.dtype, device=w.device)
 
 
 def _setup_context(ctx, inputs, output):
@@ -262,6 +264,9 @@ def _setup_context(ctx, inputs, output):
     # called twice), or layers whose main grads are views of one buffer, as Megatron keeps them.
     main_grads = tuple(inputs[7:9])
     ctx.main_grads = main_grads if len(main_grads) == 2 and main_grads[0] is not None else None
+    # The parameters themselves, for their flags: what saved_tensors returns is a copy under activation
+    # checkpointing or saved-tensor hooks.
+    ctx.weights = (w13, w2)
 
 
 def _backward(ctx, dy):
@@ -273,7 +278,7 @@ def _backward(ctx, dy):
         dx, d_topk_weights = torch.ops.pounce.moe_backward_into_main_grads(
             dy.contiguous(), x, topk_ids, topk_weights, w13, w2, *ctx.main_grads, ctx.layer
         )
-        dw13, dw2 = _placeholder_gradient(w13), _placeholder_gradient(w2)
+        dw13, dw2 = (_placeholder_gradient(w) for w in ctx.weights)
     else:
         dx, d_topk_weights, dw13, dw2 = torch.ops.pounce.moe_backward(
             dy.contiguous(), x, topk_ids, topk_weights, w13, w2, ctx.layer

@@ -60,6 +60,10 @@ def moe(
     bf16, x is cast to bf16 as a matmul's operand would be, and the router weights to fp32 (exactly)."""
     leading = x.shape[:-1]
     if x.dim() != 2 and x.dim() > 0:
+        for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if t.dim() < 1 or t.shape[:-1] not in (leading, (leading.numel(),)):
+                raise Error(f"pounce.moe: x has shape {tuple(x.shape)}, so {name} must be {[*leading, 'k']} or "
+                            f"{[leading.numel(), 'k']}; got {tuple(t.shape)}")
         x = x.reshape(-1, x.shape[-1])
         topk_ids = topk_ids.reshape(-1, topk_ids.shape[-1])
         topk_weights = topk_weights.reshape(-1, topk_weights.shape[-1])
@@ -205,6 +209,11 @@ class MoE(nn.Module):
         main_grads = None
         if self.uses_main_grad and torch.is_grad_enabled():
             for w in (self.w13, self.w2):
+                if torch.compiler.is_compiling() and hasattr(w, "grad_added_to_main_grad"):
+                    raise Error(
+                        "pounce.MoE(main_grad=True): a weight flagged grad_added_to_main_grad (Megatron's data-"
+                        "parallel protocol) needs its placeholder gradient, which a compiled backward cannot give"
+                    )
                 if getattr(w, "main_grad", None) is None:
                     if torch.compiler.is_compiling():
                         raise Error(

@@ -205,29 +205,43 @@ def test_main_grads_cannot_be_made_inside_torch_compile(kernel_on_cpu):
         compiled(x, ids, weights)
 
 
-def test_main_grads_follow_megatrons_protocol_for_flagged_weights(kernel_on_cpu):
+@pytest.mark.parametrize("zero_out_wgrad", [False, True], ids=["placeholder", "zero_out_wgrad"])
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_main_grads_follow_megatrons_protocol_for_flagged_weights(kernel_on_cpu, checkpointed, zero_out_wgrad):
     """A weight flagged grad_added_to_main_grad (as Megatron's data-parallel wrapper flags them) gets a
     placeholder gradient, so its gradient hook runs, and the flag is set, so the hook does not add the
-    placeholder: the main grad holds the gradient once."""
+    placeholder; marked zero_out_wgrad, the placeholder is zeros, which the hook adds. Either way the main
+    grad holds the gradient once, also under activation checkpointing (whose saved weights are copies)."""
     main, plain, x, ids, weights = make_main_grad_module()
     hooked = []
 
     def megatron_like_hook(w):  # what Megatron's backward hook does with overlapped reduction
         assert w.grad is not None, "a weight's gradient must arrive for the hook to run"
-        if not w.grad_added_to_main_grad:
+        if not w.grad_added_to_main_grad or w.zero_out_wgrad:
             w.main_grad.add_(w.grad)
         w.grad = None
         hooked.append(w)
 
     for w in (main.w13, main.w2):
         w.grad_added_to_main_grad = False
+        w.zero_out_wgrad = zero_out_wgrad
         w.register_post_accumulate_grad_hook(megatron_like_hook)
-    main(x, ids, weights).float().square().sum().backward()
+    if checkpointed:
+        y = torch.utils.checkpoint.checkpoint(main, x, ids, weights, use_reentrant=False)
+    else:
+        y = main(x, ids, weights)
+    y.float().square().sum().backward()
     plain(x.detach().requires_grad_(), ids, weights.detach()).float().square().sum().backward()
     assert len(hooked) == 2 and all(w.grad_added_to_main_grad for w in (main.w13, main.w2))
     assert main.w13.grad is None and main.w2.grad is None
     assert relative_error(main.w13.main_grad, plain.w13.grad.float()) < 1e-2
     assert relative_error(main.w2.main_grad, plain.w2.grad.float()) < 1e-2
+
+
+def test_routing_shaped_unlike_x_is_named(kernel_on_cpu):
+    moe, x, ids, weights = make(T=24)
+    with pytest.raises(pounce.Error, match=re.escape("topk_ids must be [2, 12, 'k'] or [24, 'k']")):
+        moe(x.reshape(2, 12, -1), ids.reshape(12, 2, -1), weights.reshape(2, 12, -1))
 
 
 def test_leading_dimensions_are_flattened_into_tokens(kernel_on_cpu):
