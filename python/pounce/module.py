@@ -130,7 +130,8 @@ class MoE(nn.Module):
     main_grad: the weight gradients are added in fp32 to w13.main_grad and w2.main_grad (fp32 tensors
     shaped like the weights, made as zeros on the first forward unless the training framework set them,
     as Megatron's distributed optimizer does with views of its gradient buffer) instead of becoming bf16
-    .grad: micro-batches accumulate without a bf16 rounding each, and the weights' .grad stays None. Zero
+    .grad: micro-batches accumulate without a bf16 rounding each, and the weights' .grad stays None (a
+    weight with Megatron's grad_added_to_main_grad flag gets a placeholder instead, for its hooks). Zero
     the main grads after each optimizer step.
 
     Memory: MoE layers of one shape on a GPU (same hidden, intermediate, experts, topk, ranks and token
