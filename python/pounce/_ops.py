@@ -262,8 +262,7 @@ def _setup_context(ctx, inputs, output):
     # saved tensor that was written fails autograd's version check in every other backward that saved
     # it: the same main grads in two forwards awaiting their backwards (micro-batches in flight, a layer
     # called twice), or layers whose main grads are views of one buffer, as Megatron keeps them.
-    main_grads = tuple(inputs[7:9])
-    ctx.main_grads = main_grads if len(main_grads) == 2 and main_grads[0] is not None else None
+    ctx.main_grads = tuple(inputs[7:9]) if inputs[7] is not None else None  # PyTorch passes the defaults too
     # The parameters themselves, for their flags: what saved_tensors returns is a copy under activation
     # checkpointing or saved-tensor hooks.
     ctx.weights = (w13, w2)

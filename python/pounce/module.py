@@ -209,14 +209,15 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         main_grads = None
         if self.uses_main_grad and torch.is_grad_enabled():
+            compiling = torch.compiler.is_compiling()
             for w in (self.w13, self.w2):
-                if torch.compiler.is_compiling() and hasattr(w, "grad_added_to_main_grad"):
+                if compiling and hasattr(w, "grad_added_to_main_grad"):
                     raise Error(
                         "pounce.MoE(main_grad=True): a weight flagged grad_added_to_main_grad (Megatron's data-"
                         "parallel protocol) needs its placeholder gradient, which a compiled backward cannot give"
                     )
                 if getattr(w, "main_grad", None) is None:
-                    if torch.compiler.is_compiling():
+                    if compiling:
                         raise Error(
                             "pounce.MoE(main_grad=True): the weights have no main_grad yet, and a compiled region "
                             "cannot make one: run one forward outside torch.compile first (or set them)"
