@@ -6,7 +6,8 @@ backward, a bounded ring that the forward reuses and the backward replays, and s
 module with the token count and the routing changing between them; the E4M3 forward and data gradients
 on drawn configurations within FP8's band; then the layer shapes of real models. Skipped without a Hopper
 GPU. POUNCE_DRAWN_CONFIGS and POUNCE_DRAWN_FP8_CONFIGS draw more configurations (a longer search for
-failing ones)."""
+failing ones), from seed POUNCE_DRAWN_FIRST_SEED on (default 0), so that a search can draw configurations
+that earlier searches did not."""
 
 import os
 import random
@@ -27,6 +28,7 @@ pytestmark = needs_hopper
 PATTERNS = ("uniform", "zipf", "skewed", "zero-weights", "hot")
 CONFIGS = int(os.environ.get("POUNCE_DRAWN_CONFIGS", 12))
 FP8_CONFIGS = int(os.environ.get("POUNCE_DRAWN_FP8_CONFIGS", 4))
+FIRST_SEED = int(os.environ.get("POUNCE_DRAWN_FIRST_SEED", 0))
 
 
 def draw_config(seed):
@@ -82,7 +84,7 @@ def drawn_steps(moe, c, seed, g):
         yield where, x, ids, weights, y, dy
 
 
-@pytest.mark.parametrize("seed", range(CONFIGS), ids=config_id)
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + CONFIGS), ids=config_id)
 def test_drawn_configuration_over_steps_matches_the_eager_reference(seed):
     c = draw_config(seed)
     g = torch.Generator().manual_seed(seed)
@@ -119,7 +121,7 @@ def fp8_config_id(seed):
     return f"s{seed}_{c['option']}_P{c['P'] or 1}_E{c['E']}_k{c['k']}_H{c['H']}_I{c['I']}_T{steps}"
 
 
-@pytest.mark.parametrize("seed", range(FP8_CONFIGS), ids=fp8_config_id)
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + FP8_CONFIGS), ids=fp8_config_id)
 def test_drawn_fp8_configuration_over_steps_is_within_the_fp8_band(seed):
     """Outputs and gradients within 0.1 relative L2 of the eager fp32 MoE (E4M3 keeps 3 fraction bits: the
     checks at fixed shapes measure 3.6-5.1 %); the routes with only zero weights give exact zeros."""
