@@ -301,6 +301,7 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
     g.n = n;
     g.experts = int(E);
     g.expert_offsets = offsets;
+    g.expert_rows = rows_in_use_.expert_rows;  // trailing all-padding K slices skipped
     g.c = weight_grad;
     g.epilogue = epilogue;
     g.timeline = timeline;
