@@ -389,6 +389,8 @@ INSTANTIATE_TEST_SUITE_P(
                       KCase{"empty_experts_accumulate", 5, 128, 256, {0, 300, 0, 129, 0}, Epilogue::kAddF32},
                       KCase{"ragged_m_and_n", 3, 192, 320, {500, 1, 260}, Epilogue::kStoreF32},
                       KCase{"bf16_out", 4, 256, 512, {700, 128, 0, 90}, Epilogue::kStore},
+                      // Routes ending on a K slice's edge (64, 192: an all-padding slice follows) or one past it.
+                      KCase{"slice_edges", 4, 128, 256, {64, 192, 65, 0}, Epilogue::kStoreF32},
                       KCase{"deep_reduction", 2, 256, 256, {3000, 2200}, Epilogue::kAddF32}),
     [](const auto& info) { return std::string(info.param.name); });
 
