@@ -344,9 +344,6 @@ TEST(BackwardKernels, QuantizedRowsAreTheQuantizersBits) {
       "a multiple of 128");
 }
 
-// Nothing to gather (a kept forward's x rows, no dy): only the padding rows become zero, the others keep
-// every bit. Row counts past one thread per row of the whole grid, and rows of a length that is no
-// multiple of the warp's stores.
 TEST(BackwardChain, RejectsBadInputByName) {
   POUNCE_REQUIRE_HOPPER();
   const EpConfig config{
