@@ -199,6 +199,7 @@ void UnfusedEpMoe::run_experts_backward(void* dw13, void* dw2, WeightGradOutput 
     g.n = n;
     g.experts = config_.local_experts();
     g.expert_offsets = expert_offsets_.data();
+    g.expert_rows = expert_rows_.data();
     g.c = c;
     g.epilogue = epilogue;
     gemm_.run_k_grouped(g, stream);

@@ -26,7 +26,7 @@ struct KernelParams {
   int32_t m, n, k;  // k-grouped: m and n of every expert's C (k comes from the schedule); m-grouped: n, k
   int64_t rows;     // of the row buffers: A (m-grouped), A and B (k-grouped)
   const int32_t* expert_offsets;
-  const int32_t* expert_rows;  // m-grouped, optional
+  const int32_t* expert_rows;  // optional
   const float* row_scale;
   const float* a_scale;  // FP8 only
   const float* b_scale;
@@ -96,7 +96,10 @@ class QueueTiles {
       const int32_t expert = int32_t(tile / tiles_per_expert()), in_expert = int32_t(tile % tiles_per_expert());
       const int32_t m_block = in_expert / n_blocks(), n_block = in_expert % n_blocks();
       const int32_t first_row = p_.expert_offsets[expert];
-      const int32_t k_blocks = (p_.expert_offsets[expert + 1] - first_row) / kSliceK;
+      // K slices past the expert's routed rows hold only padding: summing them adds zeros.
+      int32_t k_rows = p_.expert_offsets[expert + 1] - first_row;
+      if (p_.expert_rows != nullptr) k_rows = min(k_rows, max(0, p_.expert_rows[expert]));
+      const int32_t k_blocks = (k_rows + kSliceK - 1) / kSliceK;
       // Row buffers read transposed (bf16: K rows, M or N columns) or stored transposed (E4M3: M or N rows,
       // K columns).
       constexpr bool kStoredTransposed = kKind == TileKind::kWeightGradFp8;
@@ -287,6 +290,7 @@ void GroupedGemm::run_k_grouped(const KGroupedGemmArgs& args, cudaStream_t strea
   params.n = int32_t(args.n);
   params.rows = args.rows;
   params.expert_offsets = args.expert_offsets;
+  params.expert_rows = args.expert_rows;
   params.epilogue = args.epilogue;
   params.band_m_blocks = 1;
   params.ticket = ticket_.data();

@@ -119,6 +119,10 @@ struct KGroupedGemmArgs {
   // Device [experts + 1]: first row of each expert, multiples of 128; rows past [experts] are not read.
   // Every row in use must be finite; padding rows must be zero in A or B (they are summed like any row).
   const int32_t* expert_offsets = nullptr;
+  // Optional device [experts]: the rows of each expert that hold routes (the rest of its m-blocks is
+  // padding). K slices past them are all padding and skipped; the padding rows of the last slice that
+  // holds routes are still summed.
+  const int32_t* expert_rows = nullptr;
   void* c = nullptr;  // [experts, m, n], fp32 (kStoreF32, kAddF32) or bf16 (kStore)
   Epilogue epilogue = Epilogue::kStoreF32;
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // per wait

@@ -325,31 +325,36 @@ struct KGroupedRun {
 
 // Against a double-precision host sum. Padding rows are zero in A and finite in B, as the contract asks
 // (they are summed like any row); the unused tail of both buffers is NaN, so a tile reading past its
-// expert's rows fails.
-TEST_P(KGroupedGemmTest, MatchesHost) {
-  POUNCE_REQUIRE_HOPPER();
+// expert's rows fails. With `expert_rows` the GEMM is given each expert's routed rows, and the rows of
+// the K slices wholly past them are NaN in A and B: a tile that sums them fails.
+void expect_k_grouped_matches_host(const KCase& c, bool expert_rows) {
   auto rng = testing::fresh_rng();
-  const KCase c = GetParam();
   const int E = c.experts;
   KGroupedRun out(c, rng);
   const std::vector<int32_t>& offsets = out.offsets;
   const int64_t rows = out.rows;
   std::vector<float> a(rows * c.m, std::nanf("")), b(rows * c.n, std::nanf(""));
+  std::vector<float> host_a(rows * c.m, 0.0f), host_b(rows * c.n, 0.0f);  // the skipped slices as zeros
   const auto a_values = testing::random_bf16_values(rng, rows * c.m),
              b_values = testing::random_bf16_values(rng, rows * c.n);
-  for (int e = 0; e < E; ++e)
-    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
+  for (int e = 0; e < E; ++e) {
+    const int64_t summed_end =
+        expert_rows ? offsets[e] + (c.counts[e] + kBlockK - 1) / kBlockK * kBlockK : offsets[e + 1];
+    for (int64_t r = offsets[e]; r < summed_end; ++r) {
       const bool routed = r < offsets[e] + c.counts[e];
-      for (int64_t i = 0; i < c.m; ++i) a[r * c.m + i] = routed ? a_values[r * c.m + i] : 0.0f;
-      for (int64_t j = 0; j < c.n; ++j) b[r * c.n + j] = b_values[r * c.n + j];
+      for (int64_t i = 0; i < c.m; ++i) a[r * c.m + i] = host_a[r * c.m + i] = routed ? a_values[r * c.m + i] : 0.0f;
+      for (int64_t j = 0; j < c.n; ++j) b[r * c.n + j] = host_b[r * c.n + j] = b_values[r * c.n + j];
     }
+  }
   const bool fp32 = out.fp32();
-  const std::vector<double> want = out.want(a, b);
+  const std::vector<double> want = out.want(host_a, host_b);
 
   DeviceBuffer<uint16_t> d_a(testing::to_bf16_bits(a)), d_b(testing::to_bf16_bits(b));
+  DeviceBuffer<int32_t> d_expert_rows(c.counts);
   KGroupedGemmArgs args = out.args();
   args.a = reinterpret_cast<const __nv_bfloat16*>(d_a.data());
   args.b = reinterpret_cast<const __nv_bfloat16*>(d_b.data());
+  if (expert_rows) args.expert_rows = d_expert_rows.data();
   GroupedGemm gemm;
   const std::vector<float> got = out.run(gemm, args);
   int64_t non_finite = 0;
@@ -367,6 +372,16 @@ TEST_P(KGroupedGemmTest, MatchesHost) {
   EXPECT_EQ(out.run(gemm, args), got) << "not deterministic";
 }
 
+TEST_P(KGroupedGemmTest, MatchesHost) {
+  POUNCE_REQUIRE_HOPPER();
+  expect_k_grouped_matches_host(GetParam(), false);
+}
+
+TEST_P(KGroupedGemmTest, SkipsTheSlicesPastEachExpertsRoutedRows) {
+  POUNCE_REQUIRE_HOPPER();
+  expect_k_grouped_matches_host(GetParam(), true);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, KGroupedGemmTest,
     ::testing::Values(KCase{"one_expert_one_row", 1, 64, 64, {1}, Epilogue::kStoreF32},
@@ -374,6 +389,8 @@ INSTANTIATE_TEST_SUITE_P(
                       KCase{"empty_experts_accumulate", 5, 128, 256, {0, 300, 0, 129, 0}, Epilogue::kAddF32},
                       KCase{"ragged_m_and_n", 3, 192, 320, {500, 1, 260}, Epilogue::kStoreF32},
                       KCase{"bf16_out", 4, 256, 512, {700, 128, 0, 90}, Epilogue::kStore},
+                      // Routes ending on a K slice's edge (64, 192: an all-padding slice follows) or one past it.
+                      KCase{"slice_edges", 4, 128, 256, {64, 192, 65, 0}, Epilogue::kStoreF32},
                       KCase{"deep_reduction", 2, 256, 256, {3000, 2200}, Epilogue::kAddF32}),
     [](const auto& info) { return std::string(info.param.name); });
 

@@ -91,8 +91,8 @@ class FusedBackwardTiles : public RankTiles {
     ptx::bulk_load(b, gate_up, 2 * bytes, full, read_once);
   }
 
-  // A consumer warp: its segment of the slice. Padding rows get zero dgu and w.a, and zero dy rows too:
-  // the weight gradients sum whole m-blocks, and dispatch leaves padding rows stale.
+  // A consumer warp: its segment of the slice. Padding rows get zero dgu and w.a, and zero dy and x rows
+  // too: the weight gradients sum the padding rows of their last K slices, which dispatch leaves stale.
   __device__ void run_elementwise(const gemm::pipeline::TileInfo& tile, int slice, const void* a, const void* b,
                                   int consumer, int thread) const {
     const int lane = thread % 32;
@@ -117,6 +117,10 @@ class FusedBackwardTiles : public RankTiles {
         const int64_t h_vecs = p_.hidden / 8;
         uint4* dy = reinterpret_cast<uint4*>(p_.x_ring) + ring * h_vecs;
         for (int64_t v = lane; v < h_vecs; v += 32) dy[v] = make_uint4(0, 0, 0, 0);
+        if (bw.wgrad_x_rows != nullptr) {
+          uint4* x = reinterpret_cast<uint4*>(bw.wgrad_x_rows) + ring * h_vecs;
+          for (int64_t v = lane; v < h_vecs; v += 32) x[v] = make_uint4(0, 0, 0, 0);
+        }
       }
       return;
     }

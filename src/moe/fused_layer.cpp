@@ -855,7 +855,8 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
            fused_rows.segment_dots.data(),
            fused_rows.row_weight.data(),
            {},
-           P > 1 ? fused_rows.x_rows.data() : nullptr};
+           P > 1 ? fused_rows.x_rows.data() : nullptr,
+           P > 1 ? fused_rows.x_rows.data() : kept_rows(0).x_rows};
   const int kept_parity = int(forwards_ % 2), dy_parity = 1 - kept_parity;
   const int rank = params_.first_rank;
   if (window_) {
@@ -917,6 +918,7 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
   // The x rows of the weight gradients: in place, the forward's ring; with more ranks, the kernel's X
   // items pulled them from the source ranks' kept forward inputs (across GPUs the window copies, which
   // no rank overwrites before the forward after next starts) into fused_rows.x_rows, in schedule order.
+  // Either way the kernel's S items zeroed their padding rows (p.bwd.wgrad_x_rows).
   std::vector<const __nv_bfloat16*> x(P);
   for (int r = 0; r < P; ++r) x[r] = window_ ? window_x_[kept_parity][r] : sources[r].x;
   const int64_t rank_rows = M * kBlockM;

@@ -148,6 +148,10 @@ struct BackwardRows {
   // kernel. Null in place, where the forward's ring holds them.
   const __nv_bfloat16* x_source[kMaxRanks];
   __nv_bfloat16* x_rows;
+  // [ring rows, H]: the x rows the weight gradients read after the kernel (x_rows with more ranks, the
+  // forward's ring in place; null where they gather them). Their padding rows hold stale rows, which the
+  // GEMMs would sum: the S items zero them.
+  __nv_bfloat16* wgrad_x_rows;
 };
 
 // What only an E4M3 forward reads and writes (FusedParams::fp8). Each rank quantizes its own tokens

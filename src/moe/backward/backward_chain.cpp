@@ -209,14 +209,13 @@ void BackwardChain::run_weight_gradients(int rank, std::span<const __nv_bfloat16
   last_experts_ = experts;
   rows_in_use_ = kept;
   route_rows_ = rows;
-  // x rows: gathered, or only their padding rows zeroed (the GEMMs sum whole m-blocks).
-  const bool gather_x = kept.x_rows == nullptr;
-  if (gather_x) {
+  // x rows: the caller's (padding rows zero), or gathered with zero padding rows.
+  if (kept.x_rows == nullptr) {
     allocate(buffers_->x_rows, rows_ * H, "x rows", stream);
     rows_in_use_.x_rows = buffers_->x_rows.data();
+    backward::gather_route_rows(from, kept.row_source_rank, kept.row_token, kept.row_k, rows_, H, k,
+                                rows_in_use_.x_rows, true, nullptr, nullptr, stream);
   }
-  backward::gather_route_rows(from, kept.row_source_rank, kept.row_token, kept.row_k, rows_, H, k, rows_in_use_.x_rows,
-                              gather_x, nullptr, nullptr, stream);
   weight_gradients(experts, stream);
 }
 
@@ -301,6 +300,7 @@ void BackwardChain::gemm(BackwardGemm which, void* weight_grad, gemm::Epilogue e
     g.n = n;
     g.experts = int(E);
     g.expert_offsets = offsets;
+    g.expert_rows = rows_in_use_.expert_rows;  // trailing all-padding K slices skipped
     g.c = weight_grad;
     g.epilogue = epilogue;
     g.timeline = timeline;

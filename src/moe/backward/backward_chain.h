@@ -124,8 +124,9 @@ class BackwardChain {
   void check_source(int rank, const BackwardSource& source) const;
   void check_experts(int rank, const ExpertGradients& experts) const;
   // The weight gradients alone, from rows the fused backward left (moe/fused_kernel.h) for rank `rank`'s
-  // schedule `kept`; x rows from kept.x_rows when it has them, else gathered from each source rank's
-  // tokens x[s] (checked by the caller; across GPUs, peers' memory).
+  // schedule `kept`; x rows from kept.x_rows when it has them (padding rows zero, as the fused kernel
+  // leaves them), else gathered from each source rank's tokens x[s] (checked by the caller; across GPUs,
+  // peers' memory).
   void run_weight_gradients(int rank, std::span<const __nv_bfloat16* const> x, const ExpertGradients& experts,
                             const KeptForward& kept, const RouteRows& rows, cudaStream_t stream);
   // More ranks: each source's dx from its slots, after run() of every rank.

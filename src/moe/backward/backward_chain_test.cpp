@@ -344,31 +344,6 @@ TEST(BackwardKernels, QuantizedRowsAreTheQuantizersBits) {
       "a multiple of 128");
 }
 
-// Nothing to gather (a kept forward's x rows, no dy): only the padding rows become zero, the others keep
-// every bit. Row counts past one thread per row of the whole grid, and rows of a length that is no
-// multiple of the warp's stores.
-TEST(BackwardKernels, ZeroingPaddingRowsLeavesTheRoutedRows) {
-  POUNCE_REQUIRE_HOPPER();
-  auto rng = testing::fresh_rng();
-  for (const auto& [rows, hidden] : {std::pair<int64_t, int64_t>{600001, 8}, {1001, 264}}) {
-    std::vector<int32_t> token(rows);
-    std::bernoulli_distribution padding(0.1);
-    for (int64_t r = 0; r < rows; ++r) token[r] = padding(rng) ? -1 : int32_t(r % 977);
-    std::vector<uint16_t> x(rows * hidden);
-    for (auto& v : x) v = uint16_t(rng() | 1);  // never a zero
-    DeviceBuffer<uint16_t> x_rows(x);
-    const DeviceBuffer<int32_t> d_token(token), d_zeros(std::vector<int32_t>(rows, 0));  // source rank 0, k 0
-    backward::gather_route_rows({}, d_zeros.data(), d_token.data(), d_zeros.data(), rows, hidden, 1,
-                                reinterpret_cast<__nv_bfloat16*>(x_rows.data()), false, nullptr, nullptr, nullptr);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    const std::vector<uint16_t> got = x_rows.download();
-    int64_t wrong = 0;
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < hidden; ++c) wrong += got[r * hidden + c] != (token[r] < 0 ? 0 : x[r * hidden + c]);
-    EXPECT_EQ(wrong, 0) << rows << " rows of " << hidden;
-  }
-}
-
 TEST(BackwardChain, RejectsBadInputByName) {
   POUNCE_REQUIRE_HOPPER();
   const EpConfig config{

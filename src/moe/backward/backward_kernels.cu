@@ -61,22 +61,6 @@ __global__ void gather_kernel(const RouteSources sources, const int32_t* row_sou
   }
 }
 
-// gather_kernel with nothing to gather: only x_rows' padding rows zeroed. A warp reads 32 rows' tokens in
-// one load and zeroes the padding rows among them; one CTA a row, as the gather runs, waited out a
-// token load per row (~0.1 ms over the 140K rows of a Qwen3-30B schedule, for a few MB of stores).
-__global__ void zero_padding_rows_kernel(const int32_t* row_token, int64_t rows, int64_t vecs, uint4* x_rows) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t base = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * 32; base < rows;
-       base += warps * 32) {
-    uint32_t padding = __ballot_sync(0xFFFFFFFFu, base + lane < rows && row_token[base + lane] < 0);
-    for (; padding != 0; padding &= padding - 1) {
-      uint4* row = x_rows + (base + __ffs(padding) - 1) * vecs;
-      for (int64_t v = lane; v < vecs; v += 32) row[v] = make_uint4(0, 0, 0, 0);
-    }
-  }
-}
-
 __global__ void scatter_kernel(const uint4* dx_rows, const float* route_dot, const int32_t* row_source_rank,
                                const int32_t* row_token, const int32_t* row_k, int64_t rows, int64_t vecs, int64_t topk,
                                const RouteTargets targets) {
@@ -167,13 +151,6 @@ void gather_route_rows(const RouteSources& sources, const int32_t* row_source_ra
                  "gather_route_rows: quantized dy rows need their scales, the bf16 dy rows and H = ", hidden,
                  " a multiple of 128");
   if (rows == 0) return;
-  if (!gather_x && dy_rows == nullptr && row_weight == nullptr) {
-    constexpr int kRowsPerCta = kThreads;  // 32 rows per warp
-    zero_padding_rows_kernel<<<grid_for((rows + kRowsPerCta - 1) / kRowsPerCta), kThreads, 0, stream>>>(
-        row_token, rows, hidden / kVec, reinterpret_cast<uint4*>(x_rows));
-    CUDA_CHECK_LAUNCH();
-    return;
-  }
   gather_kernel<<<grid_for(rows), kThreads, 0, stream>>>(
       sources, row_source_rank, row_token, row_k, rows, hidden / kVec, topk, reinterpret_cast<uint4*>(x_rows), gather_x,
       reinterpret_cast<uint4*>(dy_rows), row_weight, dy_fp8);
