@@ -172,7 +172,10 @@ def backward_table(bench, torch):
             g = rows(s["backward_gemms"][key])
             p, d = g["pounce"]["tflops"], g[DENSE]["tflops"]
             c = g.get("cublas_loop")
-            cells.append(f"{p:.0f} ({p / d:.2f})" + (f", {p / c['tflops']:.2f}x" if c else ""))
+            cell = f"{p:.0f} ({p / d:.2f})" + (f", {p / c['tflops']:.2f}x" if c else "")
+            outputs = [(g[impl]["tflops"] / d, label) for impl, label in
+                       (("pounce bf16 out", "bf16 out"), ("pounce fp32 accumulated", "accumulated")) if impl in g]
+            cells.append(cell + "".join(f"; {label} {r:.2f}" for r, label in outputs))
         print(f"| {s['shape']} | " + " | ".join(cells) + " |")
     same = [(s["shape"], torch[s["shape"]]["same_process"]) for s in bench["shapes"]
             if "same_process" in torch.get(s["shape"], {})]

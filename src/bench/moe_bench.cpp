@@ -861,6 +861,17 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                               {}});
       candidates.push_back(
           {"pounce", Role::kPounce, [&chain, which = which, stream](int) { chain.run_gemm(which, stream); }, {}});
+      if (which == moe::BackwardGemm::kWeightDown || which == moe::BackwardGemm::kWeightGateUp) {
+        // The other two outputs a training step asks for: bf16 gradients (half the epilogue's bytes) and
+        // accumulation into fp32 main gradients (a read of each output beside the write).
+        for (const auto& [impl, output] : {std::pair{"pounce bf16 out", WeightGradOutput::kBf16},
+                                           std::pair{"pounce fp32 accumulated", WeightGradOutput::kAccumulateF32}})
+          candidates.push_back(
+              {impl,
+               Role::kPounce,
+               [&chain, which = which, output = output, stream](int) { chain.run_gemm(which, stream, output); },
+               {}});
+      }
       if (fp8_shape && which != moe::BackwardGemm::kGateUp)
         candidates.push_back({"pounce fp8",
                               Role::kPounce,

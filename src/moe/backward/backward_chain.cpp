@@ -241,7 +241,7 @@ int64_t BackwardChain::device_bytes() const {
   return planner_.device_bytes() + int64_t(ids_table_.bytes() + token_count_.bytes() + dw_scratch_.bytes());
 }
 
-void BackwardChain::run_gemm(BackwardGemm which, cudaStream_t stream) {
+void BackwardChain::run_gemm(BackwardGemm which, cudaStream_t stream, WeightGradOutput output) {
   POUNCE_REQUIRE(last_experts_.w13 != nullptr, "MoE backward: run_gemm needs an earlier run()");
   POUNCE_REQUIRE(which != BackwardGemm::kGateUp || buffers_->h13.size() > 0,
                  "MoE backward: GEMM1 again needs an earlier replay (a run without a kept forward)");
@@ -249,7 +249,7 @@ void BackwardChain::run_gemm(BackwardGemm which, cudaStream_t stream) {
                  "MoE backward: the data-gradient GEMMs alone need an earlier run of the chain's own data path");
   const int64_t E = config_.local_experts(), H = config_.hidden, I = config_.intermediate;
   allocate(dw_scratch_, E * 2 * I * H + E * H * I, "fp32 scratch", stream);
-  gemm(which, dw_scratch_.data(), gemm::Epilogue::kStoreF32, stream);
+  gemm(which, dw_scratch_.data(), weight_grad_epilogue(output), stream);
 }
 
 void BackwardChain::run_weight_gradient_quantization(cudaStream_t stream) {

@@ -141,9 +141,9 @@ class BackwardChain {
   void set_timeline(const TimelineSink& sink) { timeline_ = sink; }
 
   // One GEMM alone on the buffers and weights of the last run (benchmarks; shared route rows may hold
-  // another chain's rows since, which changes the results, not the work); weight gradients go to fp32
-  // scratch of the chain's own.
-  void run_gemm(BackwardGemm which, cudaStream_t stream);
+  // another chain's rows since, which changes the results, not the work); weight gradients go to scratch
+  // of the chain's own, written as `output` says (kAccumulateF32 adds to what earlier calls left there).
+  void run_gemm(BackwardGemm which, cudaStream_t stream, WeightGradOutput output = WeightGradOutput::kF32);
   // The FP8 weight gradients' quantization passes alone (the route rows into their transposes), on the
   // rows of the last run, which had ExpertGradients::fp8_weight_gradients (benchmarks: what they cost).
   void run_weight_gradient_quantization(cudaStream_t stream);
