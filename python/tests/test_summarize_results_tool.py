@@ -49,3 +49,23 @@ def test_summary_of_a_recorded_run_prints_the_gemm_table(tmp_path, capsys, monke
     out = capsys.readouterr().out
     assert "| deepseek_v3 | GEMM2 | 0 | 675 | 1.005 | 939 | 0.712 |" in out
     assert "| kimi_k2 | GEMM1 | 2048 |" in out
+
+
+def test_backward_gemm_table_prints_each_weight_gradient_output(capsys):
+    step = {"pounce backward, from the kept forward": 500, "pounce backward, replay (plans, recomputes GEMM1)": 400,
+            summarize.DENSE: 625}
+    s = {"shape": "a", "backward": [timed(i, r) for i, r in step.items()],
+         "training_forward": [timed("pounce fused forward", 600),
+                              timed("pounce fused training forward (keeps gate/up)", 550)],
+         "forward_backward": [timed("pounce fused training forward + backward from it", 520),
+                              timed("pounce fused forward + backward replay", 450)],
+         "backward_memory": {"kept_bytes_per_token": 1000},
+         "backward_gemms": {key: [timed("pounce", 500), timed(summarize.DENSE, 625)] +
+                            ([timed("cublas_loop", 250)] if key != "gemm1_again" else []) +
+                            ([timed("pounce bf16 out", 600), timed("pounce fp32 accumulated", 450)]
+                             if key.startswith("wgrad") else [])
+                            for key in ("gemm1_again", "dgrad_down", "dgrad_gate_up", "wgrad_down", "wgrad_gate_up")}}
+    summarize.backward_table({"shapes": [s]}, {})
+    out = capsys.readouterr().out
+    wgrad = "500 (0.80), 2.00x; bf16 out 0.96; accumulated 0.72"
+    assert f"| a | 500 (0.80) | 500 (0.80), 2.00x | 500 (0.80), 2.00x | {wgrad} | {wgrad} |" in out
