@@ -5,6 +5,10 @@
   wgmma of the kernel then waits for the one before it, which costs a GEMM a large share of its speed
   without any error or warning; it happens, for example, when wgmmas of two shapes share accumulator
   registers, or when the accumulators do not fit the registers), and setmaxnreg ignored;
+- no warpgroup.arrive that ptxas injected (C7519, printed as plain info): it comes with a dummy wgmma
+  where a commit group is closed after branches that issued wgmmas, and then each wait for the previous
+  group waits for the group just issued (a loop choosing between two wgmma layouts per slice lost
+  7-14 % of its cycles that way);
 - the grouped GEMM's kernels (src/gemm/grouped_gemm.cu) may not spill registers.
 
 Recompiles the library's CUDA sources with the build's own nvcc commands (`ninja -t commands`) plus
@@ -24,6 +28,7 @@ import tempfile
 
 NO_SPILLS = ("src/gemm/grouped_gemm.cu",)
 LOSS = re.compile(r"\((C\d+)\) Potential Performance Loss: (.*?)(?: in the function '([^']+)')?\s*$")
+INJECTED = re.compile(r"\((C\d+)\) (warpgroup\.\w+ is injected .*?)(?: in function '([^']+)')?\s*$")
 PROPERTIES = re.compile(r"Function properties for (\S+)")
 SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 REGISTERS = re.compile(r"Compiling entry function '([^']+)'|Used (\d+) registers")
@@ -70,10 +75,11 @@ def demangle(names):
 
 def parse(log):
     """({kernel: {registers, stack, spill_stores, spill_loads}}, [(note, what, kernel or None)] of the
-    performance-loss notes) from ptxas -v output (kernels by mangled name)."""
+    performance-loss notes and injected warpgroup instructions) from ptxas -v output (kernels by mangled
+    name)."""
     kernels, losses, current = {}, [], None
     for line in log.splitlines():
-        if m := LOSS.search(line):
+        if m := LOSS.search(line) or INJECTED.search(line):
             losses.append(m.groups())
         if m := PROPERTIES.search(line):
             current = m.group(1)

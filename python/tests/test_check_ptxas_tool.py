@@ -1,6 +1,6 @@
 """scripts/check_ptxas.py without a compiler: its reading of ptxas -v output (kernels' registers and spills,
-every performance-loss note, with or without a kernel named), and a note or a spill turning into a
-failing exit."""
+every performance-loss note, with or without a kernel named, and injected warpgroup instructions), and a
+note or a spill turning into a failing exit."""
 
 import importlib.util
 import pathlib
@@ -29,6 +29,8 @@ ptxas info    : Used 40 registers, used 0 barriers
 ptxas info    : (C7508) Potential Performance Loss: 'setmaxnreg' ignored; unable to determine register count at entry
 ptxas info    : (C7509) Potential Performance Loss: wgmma.mma_async instructions are serialized due to the presence \
 of Extern calls in the function '_Z5cleanv'
+ptxas info    : (C7519) warpgroup.arrive is injected in around line 41419 by compiler to allow use of registers in \
+GMMA in function '_Z6kernelILi3EEvv'
 """
 
 
@@ -37,7 +39,7 @@ def test_parse_reads_spills_registers_and_every_performance_loss_note():
     assert kernels["_Z6kernelILi3EEvv"] == {"stack": 136, "spill_stores": 248, "spill_loads": 488, "registers": 168}
     assert kernels["_Z5cleanv"] == {"stack": 0, "spill_stores": 0, "spill_loads": 0, "registers": 40}
     assert [(note, kernel) for note, _, kernel in losses] == [
-        ("C7514", "_Z6kernelILi3EEvv"), ("C7508", None), ("C7509", "_Z5cleanv")
+        ("C7514", "_Z6kernelILi3EEvv"), ("C7508", None), ("C7509", "_Z5cleanv"), ("C7519", "_Z6kernelILi3EEvv")
     ]
 
 
