@@ -66,6 +66,8 @@ enum class TileKind {
                    // (k-grouped; a tile may have no K slices)
   kWeightGradFp8,  // kWeightGrad with E4M3 A and B quantized along the rows and stored transposed (K-major),
                    // each row of both with its own scale per 128 of K: B's scales vary along the tile's columns
+  kBackward,       // kDataGrad tiles and, from TileInfo::gemm kWeightGradTile on, kWeightGrad tiles: the fused
+                   // backward with its weight gradients in one kernel
 };
 constexpr bool is_fp8(TileKind kind) { return kind == TileKind::kForwardFp8 || kind == TileKind::kWeightGradFp8; }
 
@@ -105,6 +107,17 @@ struct OperandOrigin {
 // TileInfo::gemm of an item that is not a GEMM tile: the tile source's own elementwise work, fed through
 // the stages like a GEMM tile (k_blocks of them), each filled by the tile source's own loads.
 inline constexpr int32_t kElementwiseTile = 2;
+// kBackward: TileInfo::gemm of its weight-gradient tiles (kWeightGradTile and the next), k-grouped.
+inline constexpr int32_t kWeightGradTile = 3;
+// A tile of a weight gradient (k-grouped: 3-D C), and one whose bf16 A is read MN-major (E4M3 weight
+// gradients read theirs stored transposed).
+__device__ __forceinline__ bool is_weight_grad_tile(TileKind kind, int32_t gemm) {
+  return kind == TileKind::kWeightGrad || kind == TileKind::kWeightGradFp8 ||
+         (kind == TileKind::kBackward && gemm >= kWeightGradTile);
+}
+__device__ __forceinline__ bool reads_a_mn_major(TileKind kind, int32_t gemm) {
+  return kind != TileKind::kWeightGradFp8 && is_weight_grad_tile(kind, gemm);
+}
 
 struct TileInfo {
   int32_t gemm;  // which GemmOperands, or kElementwiseTile
@@ -309,15 +322,19 @@ __device__ void load_tile(Storage& s, const Tiles& tiles, const TileInfo& info, 
     }
   }
   const GemmOperands& op = tiles.operands(info.gemm);
+  const bool trans_a = reads_a_mn_major(Tiles::kKind, info.gemm);
   for (int kb = 0; kb < info.k_blocks; ++kb) {
     maybe_claim(kb);
     mbarrier_wait_bounded(&s.empty[stage], phase ^ 1, pipe_site, WaitTarget::kStageEmpty, stage);
     ptx::mbarrier_arrive_expect_tx(&s.full[stage], Storage::kStageBytes);
-    load_slice<kBlockM, Tiles::kKind == TileKind::kWeightGrad, Stages::kSliceK>(s.a[stage], op.a, info.a, kb,
-                                                                                &s.full[stage]);
+    if (trans_a)
+      load_slice<kBlockM, true, Stages::kSliceK>(s.a[stage], op.a, info.a, kb, &s.full[stage]);
+    else
+      load_slice<kBlockM, false, Stages::kSliceK>(s.a[stage], op.a, info.a, kb, &s.full[stage]);
     // B rows past the last expert are out of bounds and zero-filled; rows past this expert's N belong
     // to the next expert and only feed output columns the clipped store never writes.
-    constexpr bool kTransB = Tiles::kKind == TileKind::kDataGrad || Tiles::kKind == TileKind::kWeightGrad;
+    constexpr bool kTransB = Tiles::kKind == TileKind::kDataGrad || Tiles::kKind == TileKind::kWeightGrad ||
+                             Tiles::kKind == TileKind::kBackward;
     load_slice<Stages::kTileN, kTransB, Stages::kSliceK>(s.b[stage], op.b, info.b, kb, &s.full[stage]);
     if (++stage == kStages) stage = 0, phase ^= 1;
   }
@@ -574,30 +591,47 @@ __device__ __forceinline__ void drain_stages(Storage& s, int k_blocks, uint32_t&
 // soon as the group reading it has completed. K-major slices step K by 32 bytes per wgmma, MN-major ones
 // by 16 rows of 128 bytes; each consumer reads its 64 rows of A (8 KB into the stage either way).
 // `skip`: this consumer's rows are all padding.
-template <bool kTransA, bool kTransB>
+// kBackward's consumers pass `a_mn_major` per tile (kTransA = true, kRuntimeA): one loop whose slice
+// issues either layout's wgmmas. NOTES: two loops, one per layout, made ptxas serialize every wgmma of the
+// kernel (C7514); and each branch fences, commits and waits for its own group: with the commit after the
+// branches ptxas issued a dummy wgmma at the merge (C7519), and every slice then waited for the one
+// before it (7-14 % more cycles a tile, measured).
+template <bool kTransA, bool kTransB, bool kRuntimeA = false>
 __device__ __forceinline__ void run_mainloop(SharedStorage<Bf16Stages>& s, float (&acc)[128], int k_blocks, bool skip,
                                              uint32_t& stage, uint32_t& phase, uint32_t*& pending_done,
-                                             const WaitSite& pipe_site, int consumer, int thread) {
-  constexpr uint32_t kStepA = kTransA ? 16 * 128 : 32, kStepB = kTransB ? 16 * 128 : 32;
+                                             const WaitSite& pipe_site, int consumer, int thread,
+                                             bool a_mn_major = kTransA) {
+  constexpr uint32_t kStepB = kTransB ? 16 * 128 : 32;
   const int lane = thread % 32;
   if (skip) return drain_stages(s, k_blocks, stage, phase, pending_done, pipe_site, thread);
+  // The slice's four wgmmas with A K-major (stepping K by 32 bytes) or MN-major (by 16 rows of 128 bytes).
+  const auto issue = [&]<bool kMNMajorA>(uint32_t a_base, uint32_t b_base, int kb) {
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      const uint64_t a = kMNMajorA ? ptx::wgmma_desc_mn_major_sw128(a_base + kk * 16 * 128, 64 * 128)
+                                   : ptx::wgmma_desc_k_major_sw128(a_base + kk * 32);
+      const uint64_t b = kTransB ? ptx::wgmma_desc_mn_major_sw128(b_base + kk * kStepB, 64 * 128)
+                                 : ptx::wgmma_desc_k_major_sw128(b_base + kk * kStepB);
+      ptx::wgmma_m64n256k16_bf16<kMNMajorA, kTransB>(acc, a, b, kb > 0 || kk > 0);
+    }
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait_group<1>();
+  };
   uint32_t previous_stage = 0;
   for (int kb = 0; kb < k_blocks; ++kb) {
     mbarrier_wait_bounded(&s.full[stage], phase, pipe_site, WaitTarget::kStageFull, stage);
     const uint32_t a_base = ptx::smem_addr(s.a[stage]) + consumer * kRowsPerConsumer * 128;
     const uint32_t b_base = ptx::smem_addr(s.b[stage]);
     ptx::fence_registers(acc);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockK / 16; ++kk) {
-      const uint64_t a = kTransA ? ptx::wgmma_desc_mn_major_sw128(a_base + kk * kStepA, 64 * 128)
-                                 : ptx::wgmma_desc_k_major_sw128(a_base + kk * kStepA);
-      const uint64_t b = kTransB ? ptx::wgmma_desc_mn_major_sw128(b_base + kk * kStepB, 64 * 128)
-                                 : ptx::wgmma_desc_k_major_sw128(b_base + kk * kStepB);
-      ptx::wgmma_m64n256k16_bf16<kTransA, kTransB>(acc, a, b, kb > 0 || kk > 0);
+    if constexpr (kRuntimeA) {
+      if (a_mn_major)
+        issue.template operator()<true>(a_base, b_base, kb);
+      else
+        issue.template operator()<false>(a_base, b_base, kb);
+    } else {
+      issue.template operator()<kTransA>(a_base, b_base, kb);
     }
-    ptx::wgmma_commit_group();
-    ptx::wgmma_wait_group<1>();
     ptx::fence_registers(acc);
     if (kb > 0 && lane == 0) free_stage(&s.empty[previous_stage]);
     if (kb == kDoneLagSlices && thread == 0) release_done(pending_done);
@@ -853,12 +887,16 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
 
     constexpr bool kForward = kKind == TileKind::kForward || kKind == TileKind::kForwardFp8;
     const bool padding = tile.rows <= consumer * kRowsPerConsumer;  // this consumer's 64 rows hold no route
+    const bool weight_grad = is_weight_grad_tile(kKind, tile.gemm);
     const timeline::Stamp started = timeline::now();
     if constexpr (kKind == TileKind::kForwardFp8) {
       run_fp8_mainloop(s, acc, tile.k_blocks, padding, stage, phase, pending_done, turns, pipe_site, consumer, thread);
     } else if constexpr (kKind == TileKind::kWeightGradFp8) {
       run_fp8_column_scale_mainloop(s, acc, tile.k_blocks, padding, stage, phase, pending_done, turns, pipe_site,
                                     consumer, thread);
+    } else if constexpr (kKind == TileKind::kBackward) {
+      run_mainloop<true, true, true>(s, acc, tile.k_blocks, padding, stage, phase, pending_done, pipe_site, consumer,
+                                     thread, weight_grad);
     } else {
       constexpr bool kTransA = kKind == TileKind::kWeightGrad, kTransB = kKind != TileKind::kForward;
       run_mainloop<kTransA, kTransB>(s, acc, tile.k_blocks, padding, stage, phase, pending_done, pipe_site, consumer,
@@ -881,7 +919,7 @@ __device__ void run_consumer(Storage& s, const Tiles& tiles, const WaitSite& pip
       } else if (!padding) {
         store_tile<Epilogue::kStore>(acc, s, to, false, store_slot, consumer, thread);
       }
-    } else if constexpr (kKind == TileKind::kDataGrad) {
+    } else if (!weight_grad) {  // data gradients
       if (!padding) store_tile<Epilogue::kStore>(acc, s, to, false, store_slot, consumer, thread);
     } else {
       // An expert without rows stores zeros; its accumulators hold stale values. Selecting in the store

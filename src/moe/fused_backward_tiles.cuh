@@ -8,9 +8,14 @@
 //          da values in stage A and their gate/up values in stage B, two bulk copies since the rows lie
 //          back to back in both buffers; each of the 8 consumer warps takes one segment of a slice.
 //   D2(b): dx_rows = dgu . W13[e] (W13 read N-major); waits for every piece of S(b).
-// Step j of the queue holds D1(j), S(j-1), D2(j-2) (moe/work_queues.h). Every wait points at an earlier
-// queue entry or at dispatch, which waits for nothing (the backward's ring holds every m-block), so the
-// queue cannot deadlock.
+//   W(e):  with BackwardRows::weight_grads, expert e's weight gradients, k-grouped over its rows:
+//          dW2[e] = dy_rows^T . wa, then dW13[e] = dgu^T . x_rows; a CTA's first W tile waits for every
+//          S item (they wrote wa and dgu, and zeroed the padding rows of dy and x that the last K slice
+//          sums): one wait, where each tile waiting for its expert's m-blocks, one counter after the
+//          other, cost the fused backward up to 10 % on one H200.
+// Step j of the queue holds D1(j), S(j-1), D2(j-2) (moe/work_queues.h); the W tiles follow the last step:
+// every expert's dW2 tiles, then every expert's dW13 tiles. Every wait points at an earlier queue entry or at dispatch, which waits for nothing
+// (the backward's ring holds every m-block), so the queue cannot deadlock.
 #pragma once
 
 #include "common/bounded_wait.cuh"
@@ -31,9 +36,11 @@ static_assert(kSliceSegments * backward::kSegmentGroups * 16 == kBlockM * kBlock
 
 class FusedBackwardTiles : public RankTiles {
  public:
-  static constexpr gemm::pipeline::TileKind kKind = gemm::pipeline::TileKind::kDataGrad;
+  static constexpr gemm::pipeline::TileKind kKind = gemm::pipeline::TileKind::kBackward;
+  static constexpr int32_t kWeightDown = gemm::pipeline::kWeightGradTile, kWeightGateUp = kWeightDown + 1;
+  static constexpr int kOperands = 4;  // D1, D2, dW2, dW13: operands() skips the S items' number
 
-  // ops: shared [2], as in FusedTiles.
+  // ops: shared [kOperands].
   __device__ FusedBackwardTiles(const FusedParams& p, const RankState& rs, int lr, const FusedMaps& maps,
                                 gemm::pipeline::GemmOperands* ops)
       : RankTiles(p, rs, lr, p.intermediate, p.hidden, ops) {
@@ -41,17 +48,33 @@ class FusedBackwardTiles : public RankTiles {
     groups_ = int32_t(slices_.groups);
     segments_per_row_ = int32_t(slices_.segments_per_row());
     segments_ = int32_t(slices_.segments());
+    data_tiles_ = p.bwd.weight_grads ? elementwise_queue(kSwigluPieces).tiles() : INT64_MAX;
+    // A weight gradient [M, N] per expert in tiles of kBlockM x kBlockN: dW2 is H x I, dW13 2I x H.
+    down_n_blocks_ = int32_t(n_blocks(p.intermediate));
+    gate_up_n_blocks_ = int32_t(n_blocks(p.hidden));
+    down_tiles_ = int32_t((p.hidden + kBlockM - 1) / kBlockM) * down_n_blocks_;
+    expert_tiles_ = down_tiles_ + int32_t((2 * p.intermediate + kBlockM - 1) / kBlockM) * gate_up_n_blocks_;
     if (threadIdx.x == 0) {
       ops[0] = {&maps.x_ring,  &maps.w2[lr], &maps.h_ring_store, gemm::Epilogue::kStore, nullptr,
                 rs.gemm1_done, nullptr};
       ops[1] = {&maps.h_ring_load, &maps.w13[lr], &maps.out_ring_store, gemm::Epilogue::kStore, nullptr,
                 rs.gemm2_done,     nullptr};
+      const gemm::Epilogue out = p.bwd.weight_grad_epilogue;
+      ops[kWeightDown - 1] = {&maps.wgrad_dy, &maps.wgrad_wa, &maps.wgrad_dw2, out, nullptr, nullptr, nullptr};
+      ops[kWeightGateUp - 1] = {&maps.wgrad_dgu, &maps.wgrad_x, &maps.wgrad_dw13, out, nullptr, nullptr, nullptr};
     }
   }
 
+  __device__ const gemm::pipeline::GemmOperands& operands(int gemm) const {
+    static_assert(kElementwiseItem + 1 == kWeightDown, "the S items' number lies between the GEMMs' and the W tiles'");
+    return ops_[gemm > kElementwiseItem ? gemm - 1 : gemm];
+  }
+
   __device__ bool next(gemm::pipeline::TileInfo& info) {
+    const int64_t ticket = take_ticket();
+    if (ticket >= data_tiles_) return weight_grad_tile(ticket - data_tiles_, info);
     GemmTile tile;
-    if (!take_with_items(kSwigluPieces, WaitTarget::kSwigluDone, tile)) return false;
+    if (!take_with_items(ticket, kSwigluPieces, WaitTarget::kSwigluDone, tile)) return false;
     const int32_t m_block = tile.m_block;
     const MBlockRows m = rows_of(m_block);
     if (tile.gemm == kElementwiseItem) {
@@ -72,6 +95,45 @@ class FusedBackwardTiles : public RankTiles {
             1,
             0,
             m.rows};
+    return true;
+  }
+
+  // W tile w (the weight gradients' queue, after the data path's): every expert's dW2 tiles, then every
+  // expert's dW13 tiles, as the two stand-alone k-grouped GEMMs order them (expert-major, n-blocks fastest). One rank: schedule rows are ring rows. K runs over the
+  // expert's routed rows (the K slices past them hold only padding); an expert without any stores zeros
+  // (kAddF32: adds them).
+  __device__ bool weight_grad_tile(int64_t w, gemm::pipeline::TileInfo& info) {
+    const int64_t down_all = int64_t(down_tiles_) * p_.local_experts;
+    const bool down = w < down_all;
+    const int32_t per_expert = down ? down_tiles_ : expert_tiles_ - down_tiles_;
+    const int64_t v = down ? w : w - down_all;
+    const int64_t e64 = v / per_expert;
+    if (e64 >= p_.local_experts) return false;
+    const int32_t e = int32_t(e64);
+    const int32_t in_expert = int32_t(v - e64 * per_expert);
+    const int32_t columns = down ? down_n_blocks_ : gate_up_n_blocks_;
+    const int32_t m_block = in_expert / columns, n_block = in_expert % columns;
+    if (!items_done_) {
+      const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
+      const uint32_t items = uint32_t(sizes_.m_blocks) * kSwigluPieces * gemm::kConsumerWarpgroups;
+      if (!counter_wait_bounded(&rs_.control[kItemsDone], items, site, WaitTarget::kSwigluDone, -1)) return false;
+      items_done_ = true;
+    }
+    // NOTES: the rows were written by other CTAs (bulk copies, TMA stores, the S items' stores), acquired
+    // above through the generic proxy; TMA reads them through the async proxy.
+    ptx::fence_proxy_async_global();
+    const int32_t first_row = rs_.expert_offsets[e], routes = rs_.expert_routes[e];
+    info = {down ? kWeightDown : kWeightGateUp,
+            {first_row, m_block * kBlockM},
+            {first_row, n_block * kBlockN},
+            m_block * kBlockM,
+            e,
+            n_block,
+            m_block,
+            (routes + kBlockK - 1) / kBlockK,
+            1,
+            0,
+            kBlockM};
     return true;
   }
 
@@ -162,6 +224,7 @@ class FusedBackwardTiles : public RankTiles {
       else
         ptx::fence_acq_rel_sys();
       ptx::red_release_gpu_add(&rs_.elementwise_done[tile.m_block], 1);
+      if (p_.bwd.weight_grads) ptx::red_release_gpu_add(&rs_.control[kItemsDone], 1);
     }
   }
 
@@ -178,6 +241,9 @@ class FusedBackwardTiles : public RankTiles {
 
   ElementwiseSlices slices_;  // of an S item: rows of da in 16-byte groups, their segments and slices
   int32_t groups_, segments_per_row_, segments_;  // slices_' in 32 bits, for the consumers' index math
+  int64_t data_tiles_;                            // tickets of the data path; the W tiles follow
+  bool items_done_ = false;                       // the fetcher saw every S item done
+  int32_t down_n_blocks_, gate_up_n_blocks_, down_tiles_, expert_tiles_;  // W tiles per expert
 };
 
 }  // namespace pounce::moe

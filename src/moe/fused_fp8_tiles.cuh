@@ -64,7 +64,7 @@ class FusedFp8Tiles : public RankTiles {
 
   __device__ bool next(gemm::pipeline::TileInfo& info) {
     GemmTile tile;
-    if (!take_with_items(pieces_, WaitTarget::kHiddenQuantized, tile)) return false;
+    if (!take_with_items(take_ticket(), pieces_, WaitTarget::kHiddenQuantized, tile)) return false;
     const int32_t m_block = tile.m_block;
     const MBlockRows m = rows_of(m_block);
     if (tile.gemm == kElementwiseItem) {

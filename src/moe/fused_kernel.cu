@@ -218,7 +218,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::fence_proxy_async_shared();
     __syncthreads();
   }
-  __shared__ gemm::pipeline::GemmOperands tile_operands[2];
+  constexpr int kOperands = std::is_same_v<Tiles, FusedBackwardTiles> ? FusedBackwardTiles::kOperands : 2;
+  __shared__ gemm::pipeline::GemmOperands tile_operands[kOperands];
   Tiles tiles(p, rs, lr, maps, tile_operands);
   const WaitSite pipe_site{p.error, DeviceRole::kGemmProducer, gemm::pipeline::pipeline_timeout_ns(p.wait_timeout_ns),
                            rs.rank};

@@ -24,6 +24,14 @@ struct FusedMaps {             // CUtensorMap is 64-byte aligned
   CUtensorMap hidden_fp8;          // GEMM2 A [ring rows, I]
   CUtensorMap w13_fp8[kMaxRanks];  // GEMM1 B [E/P * 2I, H]
   CUtensorMap w2_fp8[kMaxRanks];   // GEMM2 B [E/P * H, I]
+  // The backward's weight gradients (BackwardRows::weight_grads), row buffers read MN-major (boxes 64
+  // columns x kBlockK rows) and 3-D outputs [E/P, M, N] (store boxes).
+  CUtensorMap wgrad_dy;    // dW2 A [ring rows, H]
+  CUtensorMap wgrad_wa;    // dW2 B [ring rows, I]
+  CUtensorMap wgrad_dgu;   // dW13 A [ring rows, 2I]
+  CUtensorMap wgrad_x;     // dW13 B [ring rows, H]
+  CUtensorMap wgrad_dw2;   // [E/P, H, I]
+  CUtensorMap wgrad_dw13;  // [E/P, 2I, H]
 };
 
 // One cooperative launch of p.launch_ranks * p.ctas_per_rank CTAs (one per SM; the launch fails rather
@@ -31,7 +39,8 @@ struct FusedMaps {             // CUtensorMap is 64-byte aligned
 void launch_fused_moe(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream);
 
 // The fused backward's data path, one cooperative launch (p.backward set; its maps: x_ring the dy rows,
-// h_ring_store da, h_ring_load dgu, out_ring_store the dx rows, w2 and w13 N-major).
+// h_ring_store da, h_ring_load dgu, out_ring_store the dx rows, w2 and w13 N-major), with the weight
+// gradients where p.bwd.weight_grads says so (the wgrad_* maps).
 void launch_fused_moe_backward(const FusedParams& p, const FusedMaps& maps, cudaStream_t stream);
 
 // Reports a kKeptForward error (into p.error) unless the rows the latest forward kept are those of a

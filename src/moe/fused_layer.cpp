@@ -856,7 +856,13 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
            fused_rows.row_weight.data(),
            {},
            P > 1 ? fused_rows.x_rows.data() : nullptr,
-           P > 1 ? fused_rows.x_rows.data() : kept_rows(0).x_rows};
+           P > 1 ? fused_rows.x_rows.data() : kept_rows(0).x_rows,
+           0,
+           weight_grad_epilogue(experts[0].mode)};
+  // One rank whose forward kept its x rows, with bf16 weight gradients: the kernel runs them too (E4M3
+  // ones quantize their rows first; with more ranks the x rows arrive by X items, which no counter
+  // announces to the GEMM tiles; a bounded forward ring kept none, and the chain gathers them).
+  p.bwd.weight_grads = P == 1 && p.bwd.wgrad_x_rows != nullptr && !experts[0].fp8_weight_gradients;
   const int kept_parity = int(forwards_ % 2), dy_parity = 1 - kept_parity;
   const int rank = params_.first_rank;
   if (window_) {
@@ -909,12 +915,23 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
     maps.w2[lr] = make_bf16_tensor_map(weights_[lr].w2, I, E * H, 64, kBlockK);
     maps.w13[lr] = make_bf16_tensor_map(weights_[lr].w13, H, E * 2 * I, 64, kBlockK);
   }
+  if (p.bwd.weight_grads) {  // as the stand-alone k-grouped GEMM reads and writes them
+    const bool fp32 = p.bwd.weight_grad_epilogue != gemm::Epilogue::kStore;
+    const uint32_t out_box = fp32 ? 32 : kStoreBoxCols;
+    maps.wgrad_dy = make_bf16_tensor_map(fused_rows.dy_rows.data(), H, ring_rows, 64, kBlockK);
+    maps.wgrad_wa = make_bf16_tensor_map(fused_rows.wa.data(), I, ring_rows, 64, kBlockK);
+    maps.wgrad_dgu = make_bf16_tensor_map(fused_rows.dgu.data(), 2 * I, ring_rows, 64, kBlockK);
+    maps.wgrad_x = make_bf16_tensor_map(p.bwd.wgrad_x_rows, H, ring_rows, 64, kBlockK);
+    maps.wgrad_dw2 = gemm::make_3d_tensor_map(experts[0].dw2, fp32, I, H, E, out_box, kStoreBoxRows);
+    maps.wgrad_dw13 = gemm::make_3d_tensor_map(experts[0].dw13, fp32, H, 2 * I, E, out_box, kStoreBoxRows);
+  }
   launch_fused_moe_backward(p, maps, stream);
   if (window_ && forward_inputs[0].tokens > 0)
     CUDA_CHECK(cudaMemcpyAsync(grads[0].d_topk_weights, window_d_topk_[rank],
                                forward_inputs[0].tokens * config_.topk * sizeof(float), cudaMemcpyDeviceToDevice,
                                stream));
 
+  if (p.bwd.weight_grads) return;
   // The x rows of the weight gradients: in place, the forward's ring; with more ranks, the kernel's X
   // items pulled them from the source ranks' kept forward inputs (across GPUs the window copies, which
   // no rank overwrites before the forward after next starts) into fused_rows.x_rows, in schedule order.

@@ -1161,6 +1161,50 @@ INSTANTIATE_TEST_SUITE_P(VirtualRanks, FusedMoeBackwardTest,
                                            Case{2, 150, 256, 2176, 8, 2, RoutingPattern::kUniform}),
                          testing::NameFromPrintTo());
 
+// One rank runs the weight gradients inside the fused backward's kernel: in each output a training step
+// asks for (bf16, fp32, fp32 added into main gradients), they have the bits of the chain's k-grouped
+// GEMMs, experts nobody chose included (zeros; added: the main gradients unchanged).
+TEST(FusedMoe, FusedBackwardWeightGradientsInEveryOutputMatchTheChain) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  Problem p = make_problem(rng, Case{1, 300, 256, 192, 16, 4, RoutingPattern::kHalfEmpty});
+  FusedMoe fused(p.config, {.fused_backward = true}), chained(p.config);
+  p.load_weights(fused);
+  p.load_weights(chained);
+  const int64_t H = p.config.hidden, I = p.config.intermediate, E = p.config.local_experts(), T = p.tokens[0];
+  const DeviceBuffer<uint16_t> dy(testing::to_bf16_bits(testing::random_bf16_values(rng, T * H)));
+  const std::vector<float> main_dw13 = testing::random_bf16_values(rng, E * 2 * I * H),
+                           main_dw2 = testing::random_bf16_values(rng, E * H * I);
+  for (const WeightGradOutput mode : {WeightGradOutput::kBf16, WeightGradOutput::kF32, WeightGradOutput::kAccumulateF32}) {
+    SCOPED_TRACE("mode " + std::to_string(int(mode)));
+    const int64_t bytes = mode == WeightGradOutput::kBf16 ? 2 : 4;
+    std::vector<std::vector<uint8_t>> got;
+    for (FusedMoe* layer : {&fused, &chained}) {
+      DeviceBuffer<uint16_t> dx(T * H);
+      DeviceBuffer<float> d_topk(T * p.config.topk);
+      DeviceBuffer<uint8_t> dw13(E * 2 * I * H * bytes), dw2(E * H * I * bytes);
+      if (mode == WeightGradOutput::kAccumulateF32) {
+        CUDA_CHECK(cudaMemcpy(dw13.data(), main_dw13.data(), dw13.size(), cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(dw2.data(), main_dw2.data(), dw2.size(), cudaMemcpyHostToDevice));
+      } else {
+        dw13.fill_bytes(0xFF);
+        dw2.fill_bytes(0xFF);
+      }
+      layer->forward(p.io(), nullptr, /*keep_for_backward=*/true);
+      const RankGrads grads{bf16(dy), bf16(dx), d_topk.data(), dw13.data(), dw2.data()};
+      layer->backward(p.io(), std::span(&grads, 1), mode, nullptr);
+      const cudaError_t synced = cudaDeviceSynchronize();
+      layer->check_device_errors();
+      CUDA_CHECK(synced);
+      EXPECT_FALSE(layer->last_backward_replayed());
+      std::vector<uint8_t> all = dw13.download(), more = dw2.download();
+      all.insert(all.end(), more.begin(), more.end());
+      got.push_back(std::move(all));
+    }
+    EXPECT_TRUE(got[0] == got[1]) << "the fused backward's weight gradients differ from the chain's";
+  }
+}
+
 // Virtual ranks give every gradient with the bits of one rank that holds all their tokens and experts:
 // each route's work is the same, and an expert's rows come in the same order (source rank, token, k),
 // so even the weight gradients sum them alike.

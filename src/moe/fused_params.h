@@ -91,7 +91,8 @@ enum ControlWord : int {
   kGemmTicket = 1,   // next GEMM tile
   kCommTicket = 2,   // next dispatch / combine item
   kSumTicket = 3,    // next token to sum
-  kControlWords = 4,
+  kItemsDone = 4,    // the backward's S items: +1 per consumer half done (every item of the launch's rank)
+  kControlWords = 5,
 };
 
 // One rank's buffers that only its own CTAs touch.
@@ -152,6 +153,11 @@ struct BackwardRows {
   // forward's ring in place; null where they gather them). Their padding rows hold stale rows, which the
   // GEMMs would sum: the S items zero them.
   __nv_bfloat16* wgrad_x_rows;
+  // 1 (one rank, bf16 weight gradients): the kernel runs the weight gradients too, as k-grouped tiles
+  // queued after the data path's (FusedMaps::wgrad_*): dW2[e] = dy_rows[e]^T . wa[e] and dW13[e] =
+  // dgu[e]^T . x_rows[e], written as weight_grad_epilogue says. 0: they run after the kernel.
+  int32_t weight_grads;
+  gemm::Epilogue weight_grad_epilogue;
 };
 
 // What only an E4M3 forward reads and writes (FusedParams::fp8). Each rank quantizes its own tokens

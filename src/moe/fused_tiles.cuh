@@ -38,7 +38,7 @@ class FusedTiles : public RankTiles {
   }
 
   __device__ bool next(gemm::pipeline::TileInfo& info) {
-    const int64_t ticket = atomicAdd(&rs_.control[kGemmTicket], 1u);
+    const int64_t ticket = take_ticket();
     int32_t gemm = 0, m_block = 0, n_block = 0;
     if (!decode(ticket, gemm, m_block, n_block)) return false;
     const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};

@@ -43,15 +43,20 @@ class RankTiles {
         min(kBlockM, max(0, rs_.expert_offsets[expert] + rs_.expert_routes[expert] - m_block * kBlockM));
     return {expert, int32_t(ring_row(p_, lr_, m_block, 0)), rows};
   }
-  // The next entry of the rank's ElementwiseTileQueue (`pieces` items per m-block) once its inputs are
+  // The rank's next GEMM ticket.
+  __device__ int64_t take_ticket() { return atomicAdd(&rs_.control[kGemmTicket], 1u); }
+
+  // The rank's ElementwiseTileQueue with `pieces` items per m-block.
+  __device__ ElementwiseTileQueue elementwise_queue(int32_t pieces) const {
+    return {sizes_.m_blocks, sizes_.minibatches, p_.blocks_per_minibatch, {n_blocks_[0], n_blocks_[1]}, pieces};
+  }
+
+  // Entry `ticket` of the rank's ElementwiseTileQueue (`pieces` items per m-block) once its inputs are
   // ready: a GEMM1 tile waits for dispatch, an item for every GEMM1 tile of its m-block, a GEMM2 tile for
   // every item of its m-block (`items_done` names that wait in errors). False past the end of the queue
   // or when a wait gave up.
-  __device__ bool take_with_items(int32_t pieces, WaitTarget items_done, GemmTile& tile) {
-    const int64_t ticket = atomicAdd(&rs_.control[kGemmTicket], 1u);
-    const ElementwiseTileQueue queue{
-        sizes_.m_blocks, sizes_.minibatches, p_.blocks_per_minibatch, {n_blocks_[0], n_blocks_[1]}, pieces};
-    if (!queue.tile(ticket, tile)) return false;
+  __device__ bool take_with_items(int64_t ticket, int32_t pieces, WaitTarget items_done, GemmTile& tile) {
+    if (!elementwise_queue(pieces).tile(ticket, tile)) return false;
     const int32_t m_block = tile.m_block;
     const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
     const uint32_t e = epoch(p_);
