@@ -14,8 +14,9 @@
 //          sums): one wait, where each tile waiting for its expert's m-blocks, one counter after the
 //          other, cost the fused backward up to 10 % on one H200.
 // Step j of the queue holds D1(j), S(j-1), D2(j-2) (moe/work_queues.h); the W tiles follow the last step:
-// every expert's dW2 tiles, then every expert's dW13 tiles. Every wait points at an earlier queue entry or at dispatch, which waits for nothing
-// (the backward's ring holds every m-block), so the queue cannot deadlock.
+// every expert's dW2 tiles, then every expert's dW13 tiles. Every wait points at an earlier queue entry or
+// at dispatch, which waits for nothing (the backward's ring holds every m-block), so the queue cannot
+// deadlock.
 #pragma once
 
 #include "common/bounded_wait.cuh"
@@ -99,9 +100,9 @@ class FusedBackwardTiles : public RankTiles {
   }
 
   // W tile w (the weight gradients' queue, after the data path's): every expert's dW2 tiles, then every
-  // expert's dW13 tiles, as the two stand-alone k-grouped GEMMs order them (expert-major, n-blocks fastest). One rank: schedule rows are ring rows. K runs over the
-  // expert's routed rows (the K slices past them hold only padding); an expert without any stores zeros
-  // (kAddF32: adds them).
+  // expert's dW13 tiles, as the two stand-alone k-grouped GEMMs order them (expert-major, n-blocks fastest). One rank:
+  // schedule rows are ring rows. K runs over the expert's routed rows (the K slices past them hold only padding); an
+  // expert without any stores zeros (kAddF32: adds them).
   __device__ bool weight_grad_tile(int64_t w, gemm::pipeline::TileInfo& info) {
     const int64_t down_all = int64_t(down_tiles_) * p_.local_experts;
     const bool down = w < down_all;

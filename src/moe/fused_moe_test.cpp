@@ -1175,7 +1175,8 @@ TEST(FusedMoe, FusedBackwardWeightGradientsInEveryOutputMatchTheChain) {
   const DeviceBuffer<uint16_t> dy(testing::to_bf16_bits(testing::random_bf16_values(rng, T * H)));
   const std::vector<float> main_dw13 = testing::random_bf16_values(rng, E * 2 * I * H),
                            main_dw2 = testing::random_bf16_values(rng, E * H * I);
-  for (const WeightGradOutput mode : {WeightGradOutput::kBf16, WeightGradOutput::kF32, WeightGradOutput::kAccumulateF32}) {
+  for (const WeightGradOutput mode :
+       {WeightGradOutput::kBf16, WeightGradOutput::kF32, WeightGradOutput::kAccumulateF32}) {
     SCOPED_TRACE("mode " + std::to_string(int(mode)));
     const int64_t bytes = mode == WeightGradOutput::kBf16 ? 2 : 4;
     std::vector<std::vector<uint8_t>> got;

@@ -149,13 +149,13 @@ struct BackwardRows {
   // kernel. Null in place, where the forward's ring holds them.
   const __nv_bfloat16* x_source[kMaxRanks];
   __nv_bfloat16* x_rows;
-  // [ring rows, H]: the x rows the weight gradients read after the kernel (x_rows with more ranks, the
-  // forward's ring in place; null where they gather them). Their padding rows hold stale rows, which the
-  // GEMMs would sum: the S items zero them.
+  // [ring rows, H]: the x rows the weight gradients read (x_rows with more ranks, the forward's ring in
+  // place; null where they gather them). Their padding rows hold stale rows, which the GEMMs would sum:
+  // the S items zero them.
   __nv_bfloat16* wgrad_x_rows;
-  // 1 (one rank, bf16 weight gradients): the kernel runs the weight gradients too, as k-grouped tiles
-  // queued after the data path's (FusedMaps::wgrad_*): dW2[e] = dy_rows[e]^T . wa[e] and dW13[e] =
-  // dgu[e]^T . x_rows[e], written as weight_grad_epilogue says. 0: they run after the kernel.
+  // 1 (one rank, bf16 weight gradients, x rows kept): the kernel runs the weight gradients too, as
+  // k-grouped tiles queued after the data path's (FusedMaps::wgrad_*): dW2[e] = dy_rows[e]^T . wa[e] and
+  // dW13[e] = dgu[e]^T . x_rows[e], written as weight_grad_epilogue says. 0: they run after the kernel.
   int32_t weight_grads;
   gemm::Epilogue weight_grad_epilogue;
 };
