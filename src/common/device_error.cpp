@@ -73,6 +73,7 @@ static std::string likely_cause(const DeviceErrorRecord& r) {
     case WaitTarget::kGemm2Done:
     case WaitTarget::kSwigluDone:
     case WaitTarget::kHiddenQuantized:
+    case WaitTarget::kWgradInputs:
       out << "rank " << r.rank << "'s pipeline stopped: token rows it waits for never arrived (a source rank, or "
           << "this rank's communication CTAs, stalled or failed in this forward), or one of its GEMM CTAs stopped";
       break;
@@ -119,6 +120,10 @@ std::string DeviceErrorSlot::describe() const {
     case WaitTarget::kHiddenQuantized:
       out << "m-block " << r.index << " hidden-row quantization counter stayed at " << r.observed
           << ", expected >= " << r.expected;
+      break;
+    case WaitTarget::kWgradInputs:
+      out << "the weight gradients' count of " << (r.index == 0 ? "SwiGLU-backward items" : "x-row pulls")
+          << " done stayed at " << r.observed << ", expected >= " << r.expected;
       break;
     case WaitTarget::kTokensQuantized:
       out << "rank " << r.index << "'s count of CTAs done quantizing its tokens stayed at " << r.observed

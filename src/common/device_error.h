@@ -59,6 +59,7 @@ enum class WaitTarget : uint32_t {
   kTokensQuantized = 20,  // the E4M3 forward's count of rank index's CTAs that quantized their tokens
   kTileClaim = 21,        // the loader's go for the tile fetcher's next claim (a GEMM pipeline's own barrier)
   kRouteCapacity = 22,    // not a wait: rank index receives observed routes, more than its capacity (expected)
+  kWgradInputs = 23,      // the fused backward's count of its rank's S items (index 0) or X items (index 1) done
 };
 
 struct DeviceErrorRecord {

@@ -7,7 +7,8 @@
 //         count it in that rank's arrivals[token] (system scope); release combined[b] (frees the slot).
 // In place (one rank, the ring holds every m-block) the queue is D(0) ... D(M-1): nothing is combined.
 // The backward across ranks adds X(b) (backward_comm_item): pull m-block b's x rows from the kept
-// forward's source ranks for the weight gradients, which run after the kernel (its end publishes them).
+// forward's source ranks for the weight gradients: counted in kXRowsDone for the kernel's own W tiles,
+// published by the kernel's end to those that run after it.
 // The opening D(0) ... D(m0-1) (the first minibatch) is pulled before the queue starts, in pieces of
 // kPieceRows rows by every CTA of the rank (pull_opening), so the queue's first ticket is D(m0).
 // Padding rows are never copied: the ring slot keeps stale rows there, whose outputs nobody reads.
@@ -184,7 +185,8 @@ __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs,
     }
     if (threadIdx.x == 0) {
       if (item.x_rows) {
-        // Nothing in this kernel reads them: its end orders them before the weight gradients.
+        // Its rows landed before move_rows' barrier: the release covers them (cumulative).
+        if (p.bwd.weight_grads) ptx::red_release_gpu_add(&rs.control[kXRowsDone], 1);
       } else if (!item.combine) {
         ptx::red_release_gpu_add(&rs.dispatched[b], p.steps.dispatched);
       } else {

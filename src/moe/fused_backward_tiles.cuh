@@ -11,12 +11,13 @@
 //   W(e):  with BackwardRows::weight_grads, expert e's weight gradients, k-grouped over its rows:
 //          dW2[e] = dy_rows^T . wa, then dW13[e] = dgu^T . x_rows; a CTA's first W tile waits for every
 //          S item (they wrote wa and dgu, and zeroed the padding rows of dy and x that the last K slice
-//          sums): one wait, where each tile waiting for its expert's m-blocks, one counter after the
-//          other, cost the fused backward up to 10 % on one H200.
+//          sums) and, with more ranks, every X item (the x rows): one wait each, where each tile waiting
+//          for its expert's m-blocks, one counter after the other, cost the fused backward up to 10 % on
+//          one H200.
 // Step j of the queue holds D1(j), S(j-1), D2(j-2) (moe/work_queues.h); the W tiles follow the last step:
 // every expert's dW2 tiles, then every expert's dW13 tiles. Every wait points at an earlier queue entry or
-// at dispatch, which waits for nothing (the backward's ring holds every m-block), so the queue cannot
-// deadlock.
+// at communication items that wait for nothing (D and X: the backward's ring holds every m-block), so the
+// queue cannot deadlock.
 #pragma once
 
 #include "common/bounded_wait.cuh"
@@ -61,8 +62,8 @@ class FusedBackwardTiles : public RankTiles {
       ops[1] = {&maps.h_ring_load, &maps.w13[lr], &maps.out_ring_store, gemm::Epilogue::kStore, nullptr,
                 rs.gemm2_done,     nullptr};
       const gemm::Epilogue out = p.bwd.weight_grad_epilogue;
-      ops[kWeightDown - 1] = {&maps.wgrad_dy, &maps.wgrad_wa, &maps.wgrad_dw2, out, nullptr, nullptr, nullptr};
-      ops[kWeightGateUp - 1] = {&maps.wgrad_dgu, &maps.wgrad_x, &maps.wgrad_dw13, out, nullptr, nullptr, nullptr};
+      ops[kWeightDown - 1] = {&maps.wgrad_dy, &maps.wgrad_wa, &maps.wgrad_dw2[lr], out, nullptr, nullptr, nullptr};
+      ops[kWeightGateUp - 1] = {&maps.wgrad_dgu, &maps.wgrad_x, &maps.wgrad_dw13[lr], out, nullptr, nullptr, nullptr};
     }
   }
 
@@ -100,9 +101,9 @@ class FusedBackwardTiles : public RankTiles {
   }
 
   // W tile w (the weight gradients' queue, after the data path's): every expert's dW2 tiles, then every
-  // expert's dW13 tiles, as the two stand-alone k-grouped GEMMs order them (expert-major, n-blocks fastest). One rank:
-  // schedule rows are ring rows. K runs over the expert's routed rows (the K slices past them hold only padding); an
-  // expert without any stores zeros (kAddF32: adds them).
+  // expert's dW13 tiles, as the two stand-alone k-grouped GEMMs order them (expert-major, n-blocks
+  // fastest). K runs over the expert's routed rows (the K slices past them hold only padding), from its
+  // first ring row; an expert without any stores zeros (kAddF32: adds them).
   __device__ bool weight_grad_tile(int64_t w, gemm::pipeline::TileInfo& info) {
     const int64_t down_all = int64_t(down_tiles_) * p_.local_experts;
     const bool down = w < down_all;
@@ -114,16 +115,20 @@ class FusedBackwardTiles : public RankTiles {
     const int32_t in_expert = int32_t(v - e64 * per_expert);
     const int32_t columns = down ? down_n_blocks_ : gate_up_n_blocks_;
     const int32_t m_block = in_expert / columns, n_block = in_expert % columns;
-    if (!items_done_) {
+    if (!inputs_done_) {  // with more ranks the x rows come by X items
       const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
       const uint32_t items = uint32_t(sizes_.m_blocks) * kSwigluPieces * gemm::kConsumerWarpgroups;
-      if (!counter_wait_bounded(&rs_.control[kItemsDone], items, site, WaitTarget::kSwigluDone, -1)) return false;
-      items_done_ = true;
+      if (!counter_wait_bounded(&rs_.control[kItemsDone], items, site, WaitTarget::kWgradInputs, 0)) return false;
+      if (p_.bwd.x_rows != nullptr &&
+          !counter_wait_bounded(&rs_.control[kXRowsDone], uint32_t(sizes_.m_blocks), site, WaitTarget::kWgradInputs, 1))
+        return false;
+      inputs_done_ = true;
     }
     // NOTES: the rows were written by other CTAs (bulk copies, TMA stores, the S items' stores), acquired
     // above through the generic proxy; TMA reads them through the async proxy.
     ptx::fence_proxy_async_global();
-    const int32_t first_row = rs_.expert_offsets[e], routes = rs_.expert_routes[e];
+    const int32_t routes = rs_.expert_routes[e];
+    const int32_t first_row = int32_t(ring_row(p_, lr_, rs_.expert_offsets[e] / kBlockM, 0));
     info = {down ? kWeightDown : kWeightGateUp,
             {first_row, m_block * kBlockM},
             {first_row, n_block * kBlockN},
@@ -243,7 +248,7 @@ class FusedBackwardTiles : public RankTiles {
   ElementwiseSlices slices_;  // of an S item: rows of da in 16-byte groups, their segments and slices
   int32_t groups_, segments_per_row_, segments_;  // slices_' in 32 bits, for the consumers' index math
   int64_t data_tiles_;                            // tickets of the data path; the W tiles follow
-  bool items_done_ = false;                       // the fetcher saw every S item done
+  bool inputs_done_ = false;                      // the fetcher saw every S item (and X item) done
   int32_t down_n_blocks_, gate_up_n_blocks_, down_tiles_, expert_tiles_;  // W tiles per expert
 };
 

@@ -26,12 +26,12 @@ struct FusedMaps {             // CUtensorMap is 64-byte aligned
   CUtensorMap w2_fp8[kMaxRanks];   // GEMM2 B [E/P * H, I]
   // The backward's weight gradients (BackwardRows::weight_grads), row buffers read MN-major (boxes 64
   // columns x kBlockK rows) and 3-D outputs [E/P, M, N] (store boxes).
-  CUtensorMap wgrad_dy;    // dW2 A [ring rows, H]
-  CUtensorMap wgrad_wa;    // dW2 B [ring rows, I]
-  CUtensorMap wgrad_dgu;   // dW13 A [ring rows, 2I]
-  CUtensorMap wgrad_x;     // dW13 B [ring rows, H]
-  CUtensorMap wgrad_dw2;   // [E/P, H, I]
-  CUtensorMap wgrad_dw13;  // [E/P, 2I, H]
+  CUtensorMap wgrad_dy;               // dW2 A [ring rows, H]
+  CUtensorMap wgrad_wa;               // dW2 B [ring rows, I]
+  CUtensorMap wgrad_dgu;              // dW13 A [ring rows, 2I]
+  CUtensorMap wgrad_x;                // dW13 B [ring rows, H]
+  CUtensorMap wgrad_dw2[kMaxRanks];   // [launch rank]: [E/P, H, I]
+  CUtensorMap wgrad_dw13[kMaxRanks];  // [launch rank]: [E/P, 2I, H]
 };
 
 // One cooperative launch of p.launch_ranks * p.ctas_per_rank CTAs (one per SM; the launch fails rather

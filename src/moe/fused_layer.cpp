@@ -859,10 +859,12 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
            P > 1 ? fused_rows.x_rows.data() : kept_rows(0).x_rows,
            0,
            weight_grad_epilogue(experts[0].mode)};
-  // One rank whose forward kept its x rows, with bf16 weight gradients: the kernel runs them too (E4M3
-  // ones quantize their rows first; with more ranks the x rows arrive by X items, which no counter
-  // announces to the GEMM tiles; a bounded forward ring kept none, and the chain gathers them).
-  p.bwd.weight_grads = P == 1 && p.bwd.wgrad_x_rows != nullptr && !experts[0].fp8_weight_gradients;
+  // With bf16 weight gradients the kernel runs them too, where it has the x rows: kept in place at one
+  // rank, pulled by its X items with more (a bounded forward ring at one rank kept none: the chain
+  // gathers them; E4M3 weight gradients quantize their rows first).
+  bool fp8_weight_gradients = false;
+  for (int lr = 0; lr < L; ++lr) fp8_weight_gradients |= experts[lr].fp8_weight_gradients;
+  p.bwd.weight_grads = p.bwd.wgrad_x_rows != nullptr && !fp8_weight_gradients;
   const int kept_parity = int(forwards_ % 2), dy_parity = 1 - kept_parity;
   const int rank = params_.first_rank;
   if (window_) {
@@ -922,8 +924,10 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
     maps.wgrad_wa = make_bf16_tensor_map(fused_rows.wa.data(), I, ring_rows, 64, kBlockK);
     maps.wgrad_dgu = make_bf16_tensor_map(fused_rows.dgu.data(), 2 * I, ring_rows, 64, kBlockK);
     maps.wgrad_x = make_bf16_tensor_map(p.bwd.wgrad_x_rows, H, ring_rows, 64, kBlockK);
-    maps.wgrad_dw2 = gemm::make_3d_tensor_map(experts[0].dw2, fp32, I, H, E, out_box, kStoreBoxRows);
-    maps.wgrad_dw13 = gemm::make_3d_tensor_map(experts[0].dw13, fp32, H, 2 * I, E, out_box, kStoreBoxRows);
+    for (int lr = 0; lr < L; ++lr) {
+      maps.wgrad_dw2[lr] = gemm::make_3d_tensor_map(experts[lr].dw2, fp32, I, H, E, out_box, kStoreBoxRows);
+      maps.wgrad_dw13[lr] = gemm::make_3d_tensor_map(experts[lr].dw13, fp32, H, 2 * I, E, out_box, kStoreBoxRows);
+    }
   }
   launch_fused_moe_backward(p, maps, stream);
   if (window_ && forward_inputs[0].tokens > 0)

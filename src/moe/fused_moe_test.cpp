@@ -1161,48 +1161,67 @@ INSTANTIATE_TEST_SUITE_P(VirtualRanks, FusedMoeBackwardTest,
                                            Case{2, 150, 256, 2176, 8, 2, RoutingPattern::kUniform}),
                          testing::NameFromPrintTo());
 
-// One rank runs the weight gradients inside the fused backward's kernel: in each output a training step
-// asks for (bf16, fp32, fp32 added into main gradients), they have the bits of the chain's k-grouped
-// GEMMs, experts nobody chose included (zeros; added: the main gradients unchanged).
+// The fused backward runs the weight gradients inside its kernel (one rank: from the x rows the forward
+// kept; virtual ranks: from the x rows its X items pull): in each output a training step asks for (bf16,
+// fp32, fp32 added into main gradients) they have the bits of the chain's k-grouped GEMMs, experts nobody
+// chose included (zeros; added: the main gradients unchanged).
 TEST(FusedMoe, FusedBackwardWeightGradientsInEveryOutputMatchTheChain) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();
-  Problem p = make_problem(rng, Case{1, 300, 256, 192, 16, 4, RoutingPattern::kHalfEmpty});
-  FusedMoe fused(p.config, {.fused_backward = true}), chained(p.config);
-  p.load_weights(fused);
-  p.load_weights(chained);
-  const int64_t H = p.config.hidden, I = p.config.intermediate, E = p.config.local_experts(), T = p.tokens[0];
-  const DeviceBuffer<uint16_t> dy(testing::to_bf16_bits(testing::random_bf16_values(rng, T * H)));
-  const std::vector<float> main_dw13 = testing::random_bf16_values(rng, E * 2 * I * H),
-                           main_dw2 = testing::random_bf16_values(rng, E * H * I);
-  for (const WeightGradOutput mode :
-       {WeightGradOutput::kBf16, WeightGradOutput::kF32, WeightGradOutput::kAccumulateF32}) {
-    SCOPED_TRACE("mode " + std::to_string(int(mode)));
-    const int64_t bytes = mode == WeightGradOutput::kBf16 ? 2 : 4;
-    std::vector<std::vector<uint8_t>> got;
-    for (FusedMoe* layer : {&fused, &chained}) {
-      DeviceBuffer<uint16_t> dx(T * H);
-      DeviceBuffer<float> d_topk(T * p.config.topk);
-      DeviceBuffer<uint8_t> dw13(E * 2 * I * H * bytes), dw2(E * H * I * bytes);
-      if (mode == WeightGradOutput::kAccumulateF32) {
-        CUDA_CHECK(cudaMemcpy(dw13.data(), main_dw13.data(), dw13.size(), cudaMemcpyHostToDevice));
-        CUDA_CHECK(cudaMemcpy(dw2.data(), main_dw2.data(), dw2.size(), cudaMemcpyHostToDevice));
-      } else {
-        dw13.fill_bytes(0xFF);
-        dw2.fill_bytes(0xFF);
+  for (const Case& c : {Case{1, 300, 256, 192, 16, 4, RoutingPattern::kHalfEmpty},
+                        Case{3, 111, 128, 192, 12, 3, RoutingPattern::kZipf}}) {
+    SCOPED_TRACE(::testing::PrintToString(c));
+    Problem p = make_problem(rng, c);
+    FusedMoe fused(p.config, {.fused_backward = true}), chained(p.config);
+    p.load_weights(fused);
+    p.load_weights(chained);
+    const int64_t H = p.config.hidden, I = p.config.intermediate, E = p.config.local_experts();
+    std::vector<DeviceBuffer<uint16_t>> dy;
+    for (int r = 0; r < c.ranks; ++r)
+      dy.emplace_back(testing::to_bf16_bits(testing::random_bf16_values(rng, p.tokens[r] * H)));
+    const std::vector<float> main_dw13 = testing::random_bf16_values(rng, E * 2 * I * H),
+                             main_dw2 = testing::random_bf16_values(rng, E * H * I);
+    for (const WeightGradOutput mode :
+         {WeightGradOutput::kBf16, WeightGradOutput::kF32, WeightGradOutput::kAccumulateF32}) {
+      SCOPED_TRACE("mode " + std::to_string(int(mode)));
+      const int64_t bytes = mode == WeightGradOutput::kBf16 ? 2 : 4;
+      std::vector<std::vector<uint8_t>> got;
+      for (FusedMoe* layer : {&fused, &chained}) {
+        std::vector<DeviceBuffer<uint16_t>> dx;
+        std::vector<DeviceBuffer<float>> d_topk;
+        std::vector<DeviceBuffer<uint8_t>> dw13, dw2;
+        std::vector<RankGrads> grads;
+        for (int r = 0; r < c.ranks; ++r) {
+          dx.emplace_back(p.tokens[r] * H);
+          d_topk.emplace_back(p.tokens[r] * c.topk);
+          dw13.emplace_back(E * 2 * I * H * bytes);
+          dw2.emplace_back(E * H * I * bytes);
+          if (mode == WeightGradOutput::kAccumulateF32) {
+            CUDA_CHECK(cudaMemcpy(dw13[r].data(), main_dw13.data(), dw13[r].size(), cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(dw2[r].data(), main_dw2.data(), dw2[r].size(), cudaMemcpyHostToDevice));
+          } else {
+            dw13[r].fill_bytes(0xFF);
+            dw2[r].fill_bytes(0xFF);
+          }
+        }
+        for (int r = 0; r < c.ranks; ++r)
+          grads.push_back({bf16(dy[r]), bf16(dx[r]), d_topk[r].data(), dw13[r].data(), dw2[r].data()});
+        layer->forward(p.io(), nullptr, /*keep_for_backward=*/true);
+        layer->backward(p.io(), grads, mode, nullptr);
+        const cudaError_t synced = cudaDeviceSynchronize();
+        layer->check_device_errors();
+        CUDA_CHECK(synced);
+        EXPECT_FALSE(layer->last_backward_replayed());
+        std::vector<uint8_t> all;
+        for (int r = 0; r < c.ranks; ++r)
+          for (const auto* b : {&dw13[r], &dw2[r]}) {
+            const std::vector<uint8_t> bits = b->download();
+            all.insert(all.end(), bits.begin(), bits.end());
+          }
+        got.push_back(std::move(all));
       }
-      layer->forward(p.io(), nullptr, /*keep_for_backward=*/true);
-      const RankGrads grads{bf16(dy), bf16(dx), d_topk.data(), dw13.data(), dw2.data()};
-      layer->backward(p.io(), std::span(&grads, 1), mode, nullptr);
-      const cudaError_t synced = cudaDeviceSynchronize();
-      layer->check_device_errors();
-      CUDA_CHECK(synced);
-      EXPECT_FALSE(layer->last_backward_replayed());
-      std::vector<uint8_t> all = dw13.download(), more = dw2.download();
-      all.insert(all.end(), more.begin(), more.end());
-      got.push_back(std::move(all));
+      EXPECT_TRUE(got[0] == got[1]) << "the fused backward's weight gradients differ from the chain's";
     }
-    EXPECT_TRUE(got[0] == got[1]) << "the fused backward's weight gradients differ from the chain's";
   }
 }
 

@@ -91,8 +91,9 @@ enum ControlWord : int {
   kGemmTicket = 1,   // next GEMM tile
   kCommTicket = 2,   // next dispatch / combine item
   kSumTicket = 3,    // next token to sum
-  kItemsDone = 4,    // the backward's S items: +1 per consumer half done (every item of the launch's rank)
-  kControlWords = 5,
+  kItemsDone = 4,    // the backward's S items: +1 per consumer half done (W tiles wait for all of them)
+  kXRowsDone = 5,    // the backward's X items: +1 per item done (W tiles wait for all of them)
+  kControlWords = 6,
 };
 
 // One rank's buffers that only its own CTAs touch.
@@ -153,7 +154,7 @@ struct BackwardRows {
   // place; null where they gather them). Their padding rows hold stale rows, which the GEMMs would sum:
   // the S items zero them.
   __nv_bfloat16* wgrad_x_rows;
-  // 1 (one rank, bf16 weight gradients, x rows kept): the kernel runs the weight gradients too, as
+  // 1 (bf16 weight gradients, x rows kept or pulled): the kernel runs the weight gradients too, as
   // k-grouped tiles queued after the data path's (FusedMaps::wgrad_*): dW2[e] = dy_rows[e]^T . wa[e] and
   // dW13[e] = dgu[e]^T . x_rows[e], written as weight_grad_epilogue says. 0: they run after the kernel.
   int32_t weight_grads;
