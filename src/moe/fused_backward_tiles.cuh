@@ -103,7 +103,8 @@ class FusedBackwardTiles : public RankTiles {
   // W tile w (the weight gradients' queue, after the data path's): every expert's dW2 tiles, then every
   // expert's dW13 tiles, as the two stand-alone k-grouped GEMMs order them (expert-major, n-blocks
   // fastest). K runs over the expert's routed rows (the K slices past them hold only padding), from its
-  // first ring row; an expert without any stores zeros (kAddF32: adds them).
+  // first ring row: they lie together since the backward's ring holds every m-block (ring_blocks = M).
+  // An expert without any stores zeros (kAddF32: adds them).
   __device__ bool weight_grad_tile(int64_t w, gemm::pipeline::TileInfo& info) {
     const int64_t down_all = int64_t(down_tiles_) * p_.local_experts;
     const bool down = w < down_all;

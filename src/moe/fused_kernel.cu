@@ -12,7 +12,7 @@
 // The fused backward is the same kernel with the directions swapped (p.backward, FusedBackwardTiles):
 // dispatch pulls dy rows, the compute CTAs run the data-gradient GEMMs with the SwiGLU backward between
 // them (moe/fused_backward_tiles.cuh), combine pushes the dx rows back, and the sums add them unweighted;
-// at one rank the weight gradients' tiles follow the data path's in the same queue.
+// the weight gradients' tiles follow the data path's in the same queue (bf16, where the x rows are at hand).
 // The E4M3 forward (p.fp8, FusedFp8Tiles) starts with every rank quantizing its own tokens; dispatch
 // moves the E4M3 rows and their scales, and the compute CTAs run the FP8 GEMMs with the hidden rows'
 // quantization between them (moe/fused_fp8_tiles.cuh).

@@ -24,7 +24,8 @@ class RankTiles {
   __device__ const TimelineSink& timeline() const { return p_.timeline; }
 
  protected:
-  // n1, n2: the two GEMMs' output widths, in tiles of tile_n columns. ops: shared [2] (see FusedTiles).
+  // n1, n2: the two GEMMs' output widths, in tiles of tile_n columns. ops: shared, one entry per GEMM of
+  // the derived source (see FusedTiles, FusedBackwardTiles::kOperands).
   __device__ RankTiles(const FusedParams& p, const RankState& rs, int lr, int64_t n1, int64_t n2,
                        gemm::pipeline::GemmOperands* ops, int64_t tile_n = kBlockN)
       : p_(p), rs_(rs), lr_(lr), sizes_(*rs.sizes), ops_(ops) {
