@@ -21,6 +21,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <type_traits>
@@ -204,71 +205,96 @@ __global__ void __launch_bounds__(kThreadsPerCta)
     out_scales[(m * block_cols + bc) * block_rows + br] = scales[(m * block_rows + br) * block_cols + bc];
 }
 
-// One CTA per 128 x 128 tile of x, staged in shared memory with rows paired: word (p, c) holds column c
-// of rows 2 p and 2 p + 1 (the lower row in the low half), so a thread reading its column down the rows
-// gets two elements per 4-byte load, already in the chunk order of the row-wise quantizer (element 2i in
-// the low half of word i). Thread c then owns column c of the tile, one row of the output: it reads the
-// column twice (a warp reads 32 neighbouring words of one pair of rows at a time: no bank conflicts), once
-// for the block's amax and once to convert, eight rows at a time, so that only a chunk is live (the
-// one-pass form held all 128 values: 167 registers).
+// A persistent CTA loops over 128 x 128 tiles of x (only those of the rows in use), each staged in shared
+// memory with rows paired: word (p, c) holds column c of rows 2 p and 2 p + 1 (the lower row in the low
+// half), so a thread reading its column down the rows gets two elements per 4-byte load, already in the
+// chunk order of the row-wise quantizer (element 2i in the low half of word i). Thread c then owns column
+// c of the tile, one row of the output: it reads the column twice (a warp reads 32 neighbouring words of
+// one pair of rows at a time: no bank conflicts), once for the block's amax and once to convert, eight
+// rows at a time, so that only a chunk is live (the one-pass form held all 128 values: 167 registers).
+// The converted rows go back through shared memory, so that eight lanes store each 128-byte output row
+// whole: stored straight from thread c, every store instruction of a warp wrote 16 bytes into each of
+// 32 different rows.
 constexpr int kTransposeThreads = 128;
 __global__ void __launch_bounds__(kTransposeThreads)
     quantize_1x128_transposed_kernel(const uint16_t* __restrict__ x, int64_t rows, int64_t cols,
                                      uint8_t* __restrict__ out, float* __restrict__ scales,
                                      const int32_t* __restrict__ rows_in_use) {
   constexpr int kB = kActivationBlock, kVectors = kB / kElemsPerThread;
+  constexpr int kPieces = kB / 16;       // 16-byte pieces of an output row
+  constexpr int kStagedPitch = kB + 16;  // bytes; 16-byte aligned, and a store phase's eight rows
+                                         // start on eight different 4-bank groups
   __shared__ alignas(16) uint32_t pairs[kB / 2][kB];
-  const int64_t block_cols = cols / kB, rb = blockIdx.x / block_cols, cb = blockIdx.x % block_cols;
-  if (rows_in_use != nullptr && rb * kB >= *rows_in_use) return;  // the whole CTA: before any barrier
-  const uint16_t* from = x + rb * kB * cols + cb * kB;
-  // A thread takes 8 column chunks of both rows of a pair: all 16 of its loads first, then its
-  // shared-memory stores (16 loads in flight per thread instead of one).
-  constexpr int kPairChunks = kB / 2 * kVectors / kTransposeThreads;  // 8
-  uint4 upper[kPairChunks], lower[kPairChunks];
-#pragma unroll
-  for (int j = 0; j < kPairChunks; ++j) {
-    const int i = threadIdx.x + j * kTransposeThreads, p = i / kVectors, v = i % kVectors;
-    upper[j] = *reinterpret_cast<const uint4*>(from + (2 * p) * cols + v * kElemsPerThread);
-    lower[j] = *reinterpret_cast<const uint4*>(from + (2 * p + 1) * cols + v * kElemsPerThread);
-  }
-#pragma unroll
-  for (int j = 0; j < kPairChunks; ++j) {
-    const int i = threadIdx.x + j * kTransposeThreads, p = i / kVectors, v = i % kVectors;
-    const uint32_t a[4] = {upper[j].x, upper[j].y, upper[j].z, upper[j].w};
-    const uint32_t b[4] = {lower[j].x, lower[j].y, lower[j].z, lower[j].w};
-    uint32_t words[8];  // columns 8 v .. 8 v + 7
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      words[2 * k] = __byte_perm(a[k], b[k], 0x5410);      // the even column's two rows
-      words[2 * k + 1] = __byte_perm(a[k], b[k], 0x7632);  // the odd column's
-    }
-    // A thread's two 16-byte stores in the order (v / 4) % 2: the eight lanes of a store phase then cover
-    // all 32 banks once.
-    uint4* const to = reinterpret_cast<uint4*>(&pairs[p][v * kElemsPerThread]);
-    const int first = v / 4 % 2;
-    to[first] = first == 0 ? make_uint4(words[0], words[1], words[2], words[3])
-                           : make_uint4(words[4], words[5], words[6], words[7]);
-    to[1 - first] = first == 0 ? make_uint4(words[4], words[5], words[6], words[7])
-                               : make_uint4(words[0], words[1], words[2], words[3]);
-  }
-  __syncthreads();
+  // The converted tile, [column][row] bytes, reuses `pairs` once every thread has read its column.
+  uint8_t* const staged = reinterpret_cast<uint8_t*>(&pairs[0][0]);
+  static_assert(kB * kStagedPitch <= int(sizeof(pairs)));
+  const int64_t block_cols = cols / kB;
+  const int64_t used_rows = rows_in_use != nullptr ? min(rows, int64_t(*rows_in_use)) : rows;
+  const int64_t tiles = (used_rows + kB - 1) / kB * block_cols;
   const int c = threadIdx.x;
-  // Column rows 8 v .. 8 v + 7 as a chunk of 8 bf16.
-  const auto chunk = [&](int v) {
-    return make_uint4(pairs[4 * v][c], pairs[4 * v + 1][c], pairs[4 * v + 2][c], pairs[4 * v + 3][c]);
-  };
-  uint32_t amax = 0;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t rb = tile / block_cols, cb = tile % block_cols;
+    const uint16_t* from = x + rb * kB * cols + cb * kB;
+    // A thread takes 8 column chunks of both rows of a pair: all 16 of its loads first, then its
+    // shared-memory stores (16 loads in flight per thread instead of one).
+    constexpr int kPairChunks = kB / 2 * kVectors / kTransposeThreads;  // 8
+    uint4 upper[kPairChunks], lower[kPairChunks];
+#pragma unroll
+    for (int j = 0; j < kPairChunks; ++j) {
+      const int i = threadIdx.x + j * kTransposeThreads, p = i / kVectors, v = i % kVectors;
+      upper[j] = *reinterpret_cast<const uint4*>(from + (2 * p) * cols + v * kElemsPerThread);
+      lower[j] = *reinterpret_cast<const uint4*>(from + (2 * p + 1) * cols + v * kElemsPerThread);
+    }
+#pragma unroll
+    for (int j = 0; j < kPairChunks; ++j) {
+      const int i = threadIdx.x + j * kTransposeThreads, p = i / kVectors, v = i % kVectors;
+      const uint32_t a[4] = {upper[j].x, upper[j].y, upper[j].z, upper[j].w};
+      const uint32_t b[4] = {lower[j].x, lower[j].y, lower[j].z, lower[j].w};
+      uint32_t words[8];  // columns 8 v .. 8 v + 7
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        words[2 * k] = __byte_perm(a[k], b[k], 0x5410);      // the even column's two rows
+        words[2 * k + 1] = __byte_perm(a[k], b[k], 0x7632);  // the odd column's
+      }
+      // A thread's two 16-byte stores in the order (v / 4) % 2: the eight lanes of a store phase then
+      // cover all 32 banks once.
+      uint4* const to = reinterpret_cast<uint4*>(&pairs[p][v * kElemsPerThread]);
+      const int first = v / 4 % 2;
+      to[first] = first == 0 ? make_uint4(words[0], words[1], words[2], words[3])
+                             : make_uint4(words[4], words[5], words[6], words[7]);
+      to[1 - first] = first == 0 ? make_uint4(words[4], words[5], words[6], words[7])
+                                 : make_uint4(words[0], words[1], words[2], words[3]);
+    }
+    __syncthreads();
+    // Column rows 8 v .. 8 v + 7 as a chunk of 8 bf16.
+    const auto chunk = [&](int v) {
+      return make_uint4(pairs[4 * v][c], pairs[4 * v + 1][c], pairs[4 * v + 2][c], pairs[4 * v + 3][c]);
+    };
+    uint32_t amax = 0;
 #pragma unroll 4
-  for (int v = 0; v < kVectors; ++v) amax = max(amax, finite_amax_bits(chunk(v)));
-  const int e = scale_exponent<false>(amax);
-  const float inv_scale = exp2_int(-e);
-  uint8_t* to = out + (cb * kB + c) * rows + rb * kB;
-#pragma unroll 2
-  for (int v = 0; v < kVectors; v += 2) {
-    const uint2 lo = e4m3x8(chunk(v), inv_scale), hi = e4m3x8(chunk(v + 1), inv_scale);
-    *reinterpret_cast<uint4*>(to + v * kElemsPerThread) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    for (int v = 0; v < kVectors; ++v) amax = max(amax, finite_amax_bits(chunk(v)));
+    const int e = scale_exponent<false>(amax);
+    const float inv_scale = exp2_int(-e);
+    uint4 converted[kPieces];
+#pragma unroll
+    for (int v = 0; v < kVectors; v += 2) {
+      const uint2 lo = e4m3x8(chunk(v), inv_scale), hi = e4m3x8(chunk(v + 1), inv_scale);
+      converted[v / 2] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    }
+    scales[rb * cols + cb * kB + c] = exp2_int(e);
+    __syncthreads();  // every column read before `staged` overwrites the pairs
+#pragma unroll
+    for (int j = 0; j < kPieces; ++j) *reinterpret_cast<uint4*>(staged + c * kStagedPitch + 16 * j) = converted[j];
+    __syncthreads();
+    // Output row cb * kB + r holds rows rb * kB .. + kB of x's column r: eight lanes a row, 16 bytes each.
+#pragma unroll
+    for (int j = 0; j < kPieces; ++j) {
+      const int i = threadIdx.x + j * kTransposeThreads, r = i / kPieces, piece = i % kPieces;
+      *reinterpret_cast<uint4*>(out + (cb * kB + r) * rows + rb * kB + 16 * piece) =
+          *reinterpret_cast<const uint4*>(staged + r * kStagedPitch + 16 * piece);
+    }
+    __syncthreads();  // the staged rows stored before the next tile's pairs overwrite them
   }
-  scales[rb * cols + cb * kB + c] = exp2_int(e);
 }
 
 // What both dequantizers check and do once their shape is known to be whole blocks.
@@ -364,8 +390,16 @@ void quantize_1x128_transposed_device(const uint16_t* x_bf16, int64_t rows, int6
                  name, ": x and out must be 16-byte and scales 4-byte aligned");
   const int64_t tiles = (rows / kActivationBlock) * (cols / kActivationBlock);
   POUNCE_REQUIRE(tiles <= INT_MAX, name, ": [", rows, ", ", cols, "] has too many tiles for one launch");
-  quantize_1x128_transposed_kernel<<<unsigned(tiles), kTransposeThreads, 0, stream>>>(x_bf16, rows, cols, out, scales,
-                                                                                      rows_in_use);
+  // As many CTAs as fit on the GPU at once, at most one per tile: with rows_in_use the tiles in use are
+  // known only on the device, and the capacity past them can be several times as many.
+  int device = 0, sms = 0, per_sm = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quantize_1x128_transposed_kernel, kTransposeThreads, 0));
+  const int64_t ctas = std::min<int64_t>(tiles, int64_t(std::max(per_sm, 1)) * sms);
+  quantize_1x128_transposed_kernel<<<unsigned(ctas), kTransposeThreads, 0, stream>>>(x_bf16, rows, cols, out, scales,
+                                                                                     rows_in_use);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -425,6 +425,36 @@ TEST(QuantizeKernel, TransposedQuantizerIsTheHostsQuantizerOfTheTranspose) {
                Error);
 }
 
+// More tiles than the GPU holds CTAs at once (each CTA loops over several), and a device row count that
+// leaves the last row block out: every tile in use bit for bit the host's, the rest untouched.
+TEST(QuantizeKernel, TransposedQuantizerLoopsOverMoreTilesThanFitOnTheGpu) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const int64_t rows = 128 * 96, cols = 128 * 17, used = rows - 128;  // 1615 tiles in use
+  const std::vector<uint16_t> x = wide_range_bf16(rng, size_t(rows * cols), 12);
+  std::vector<float> transposed(size_t(used * cols));
+  for (int64_t r = 0; r < used; ++r)
+    for (int64_t c = 0; c < cols; ++c) transposed[c * used + r] = bf16_to_float(x[r * cols + c]);
+  const Fp8Rows1x128 want = quantize_1x128(transposed, cols, used);
+  const std::vector<float> want_scales = scales_k_block_major(want);  // [used / 128, cols]
+
+  GuardedBuffer d_x(x.size() * sizeof(uint16_t)), d_out(size_t(rows * cols)), d_scales(size_t(rows / 128 * cols * 4));
+  CUDA_CHECK(cudaMemcpy(d_x.as<void>(), x.data(), x.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  d_out.poison();
+  d_scales.poison();
+  const DeviceBuffer<int32_t> in_use(std::vector<int32_t>{int32_t(used)});
+  quantize_1x128_transposed_device(d_x.as<uint16_t>(), rows, cols, d_out.as<uint8_t>(), d_scales.as<float>(), nullptr,
+                                   in_use.data());
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint8_t> out = d_out.download(), scales = d_scales.download();
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t r = 0; r < rows; ++r)
+      ASSERT_EQ(out[c * rows + r], r < used ? want.data[c * used + r] : kPoison) << "row " << r << ", column " << c;
+  const std::vector<uint8_t> want_bytes = as_bytes(want_scales);
+  for (size_t b = 0; b < scales.size(); ++b)
+    ASSERT_EQ(scales[b], b < want_bytes.size() ? want_bytes[b] : kPoison) << "scale byte " << b;
+}
+
 TEST(QuantizeKernel, RejectsBadArguments) {
   POUNCE_REQUIRE_HOPPER();
   GuardedBuffer d_x(1024 * 2), d_out(1024), d_scales(64);
