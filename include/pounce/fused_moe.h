@@ -54,11 +54,16 @@ struct FusedMoeOptions {
                                                 // more. docs/fused_moe.md gives the formula.
   uint64_t wait_timeout_ns = 5'000'000'000ull;  // any single wait inside the kernel; then a named error
   bool backward_replays = true;  // a backward without its kept forward replays it (false: throws instead)
-  // On one GPU, a backward from a kept forward runs its data path as one persistent kernel, the forward's
-  // with the directions swapped (same bits as the chain of kernels). Off by default: there the two are
-  // within 1-3 % on large experts and the chain is ~4 % faster on small ones (docs/backward.md). A layer
-  // across GPUs always runs the persistent kernel.
+  // On one GPU, a backward from a kept forward runs as one persistent kernel, the forward's with the
+  // directions swapped (same bits as the chain of kernels). Off by default: there the two are within 1-2 %
+  // on large experts and the chain is ~2 % faster on small ones (docs/backward.md). A layer across GPUs
+  // always runs the persistent kernel.
   bool fused_backward = false;
+  // One rank in place: a training forward keeps every routed row's x (its ring, R x H bf16, this layer's
+  // own) for the backward's dW13. false: the ring is shared with the layers of the same shape and the
+  // backward copies the x rows again from the forward's input (into rows shared by those layers too):
+  // R x H x 2 bytes less per layer, one more copy of them per backward (docs/backward.md).
+  bool keep_x_rows = true;
   // The backward chain's two data-gradient GEMMs in E4M3 (docs/backward.md#fp8-data-gradients), on copies
   // of the weights that refresh_fp8_weights() quantizes and transposes. Needs H and I multiples of 128 and
   // the chain: not with fused_backward, nor across GPUs (where only the persistent kernel runs).

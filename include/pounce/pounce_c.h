@@ -16,7 +16,7 @@ extern "C" {
 
 /* Raised whenever a struct below changes layout or a function is added; bindings compare it with
  * pounce_abi_version(). */
-#define POUNCE_C_ABI_VERSION 10
+#define POUNCE_C_ABI_VERSION 11
 #define POUNCE_NCCL_UNIQUE_ID_BYTES 128
 
 enum {
@@ -50,6 +50,7 @@ typedef struct pounce_options {
   int32_t fp8_data_gradients;   /* 1: the backward chain's data gradients in E4M3 (see refresh_fp8_weights) */
   int32_t fp8_weight_gradients; /* 1: the backward's weight gradients in E4M3 */
   int32_t fp8_forward;          /* 1: the forward in E4M3 (virtual ranks; see refresh_fp8_weights) */
+  int32_t keep_x_rows;          /* 1: one rank in place keeps each routed row's x for the backward (0: copied again) */
 } pounce_options;
 
 /* pounce::RankIO: one rank's tensors for one forward, device pointers, 16-byte aligned. */

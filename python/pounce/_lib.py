@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 NCCL_UNIQUE_ID_BYTES = 128
 
 
@@ -45,6 +45,7 @@ class Options(ctypes.Structure):
         ("fp8_data_gradients", ctypes.c_int32),
         ("fp8_weight_gradients", ctypes.c_int32),
         ("fp8_forward", ctypes.c_int32),
+        ("keep_x_rows", ctypes.c_int32),
     ]
 
 

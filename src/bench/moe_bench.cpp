@@ -723,6 +723,11 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
       kept_replays += layer.last_backward_replayed();
     };
     const std::unique_ptr<FusedMoe> fused_backward_layer = kept_fused_backward_layer(0);
+    // keep_x_rows = false: the forward's x ring shared by the layers of the shape, the backward copying
+    // the x rows again (its X items).
+    const std::unique_ptr<FusedMoe> copying_x_layer = keep_forward(
+        std::make_unique<FusedMoe>(one_rank, FusedMoeOptions{.fused_backward = true, .keep_x_rows = false}));
+    const auto own_bytes = [](const FusedMoe& layer) { return layer.device_bytes() - layer.shared_device_bytes(); };
     const double routes = double(plan.routes), backward_flops = 12.0 * routes * double(H) * double(I);
     const auto dx_check = [&](const char* reference) {
       return Output{dx.data(), [&](int rep) { return dx_first[rep % kSets].data(); }, T, H, nullptr, reference};
@@ -736,6 +741,8 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
         chain_from_kept,
         {"pounce backward, from the kept forward, fused kernel", Role::kFused,
          [&](int) { fused_backward(*fused_backward_layer); }, dx_set0},
+        {"pounce backward, from the kept forward, fused kernel, x rows copied again", Role::kFused,
+         [&](int) { fused_backward(*copying_x_layer); }, dx_set0},
         {"pounce backward, from the kept forward, bf16 weight gradients", Role::kFused,
          [&](int) { layer_backward(0, true, WeightGradOutput::kBf16); }, dx_set0}};
     if (fp8_shape) {
@@ -838,7 +845,11 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
                                  {"kept_bytes", capacity * 2 * I * 2},
                                  {"replay_bytes", capacity * (H + 2 * I) * 2},
                                  {"kept_bytes_per_token", double(capacity * 2 * I * 2) / double(T)},
-                                 {"layer_device_bytes", fused.device_bytes()}};
+                                 {"layer_device_bytes", fused.device_bytes()},
+                                 // Each layer's own memory (its shared rows left out) with the fused backward,
+                                 // keeping its x rows and not (FusedMoeOptions::keep_x_rows).
+                                 {"layer_own_bytes", own_bytes(*fused_backward_layer)},
+                                 {"layer_own_bytes_without_kept_x_rows", own_bytes(*copying_x_layer)}};
     // Each GEMM of the backward alone (on the chain's buffers of its last replay), beside one cuBLAS call
     // per expert on the same schedule and the dense GEMM.
     baseline::CublasBackwardGemms cublas_backward(dims, plan, w13.data(), w2.data(), stream);
@@ -896,6 +907,7 @@ Json bench_shape(const MoeModelShape& s, const Options& o, double dense_tflops, 
     CUDA_CHECK(cudaStreamSynchronize(stream));
     chain.check_device_errors();
     if (chain_fp8) chain_fp8->check_device_errors();
+    for (FusedMoe* layer : {fused_backward_layer.get(), copying_x_layer.get()}) layer->check_device_errors();
   }
   if (!o.timeline_dir.empty()) {
     // The in-kernel timeline: what recording costs the forward (a recording layer timed beside `fused`,

@@ -93,6 +93,7 @@ pounce::FusedMoeOptions to_options(const pounce_options* o) {
           .wait_timeout_ns = o->wait_timeout_ns,
           .backward_replays = o->backward_replays != 0,
           .fused_backward = o->fused_backward != 0,
+          .keep_x_rows = o->keep_x_rows != 0,
           .fp8_data_gradients = o->fp8_data_gradients != 0,
           .fp8_weight_gradients = o->fp8_weight_gradients != 0,
           .fp8_forward = o->fp8_forward != 0};
@@ -129,7 +130,8 @@ int pounce_default_options(pounce_options* out) {
             .fused_backward = d.fused_backward ? 1 : 0,
             .fp8_data_gradients = d.fp8_data_gradients ? 1 : 0,
             .fp8_weight_gradients = d.fp8_weight_gradients ? 1 : 0,
-            .fp8_forward = d.fp8_forward ? 1 : 0};
+            .fp8_forward = d.fp8_forward ? 1 : 0,
+            .keep_x_rows = d.keep_x_rows ? 1 : 0};
   });
 }
 

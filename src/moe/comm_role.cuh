@@ -6,9 +6,10 @@
 //   C(b): wait until GEMM2 finished m-block b; push each row to slot [token, k] of its source rank, then
 //         count it in that rank's arrivals[token] (system scope); release combined[b] (frees the slot).
 // In place (one rank, the ring holds every m-block) the queue is D(0) ... D(M-1): nothing is combined.
-// The backward across ranks adds X(b) (backward_comm_item): pull m-block b's x rows from the kept
-// forward's source ranks for the weight gradients: counted in kXRowsDone for the kernel's own W tiles,
-// published by the kernel's end to those that run after it.
+// The backward adds X(b) (backward_comm_item) across ranks, or in place where the forward did not keep
+// its x rows (keep_x_rows): pull m-block b's x rows from the kept forward's source ranks for the weight
+// gradients: counted in kXRowsDone for the kernel's own W tiles, published by the kernel's end to those
+// that run after it. In place the queue is then D(0) ... D(M-1), X(0) ... X(M-1).
 // The opening D(0) ... D(m0-1) (the first minibatch) is pulled before the queue starts, in pieces of
 // kPieceRows rows by every CTA of the rank (pull_opening), so the queue's first ticket is D(m0).
 // Padding rows are never copied: the ring slot keeps stale rows there, whose outputs nobody reads.
@@ -114,7 +115,8 @@ template <int kThreads, bool kFp8>
 __device__ inline void run_comm_items(const FusedParams& p, const RankState& rs, int lr, CommShared& cs) {
   const planner::DeviceScheduleSizes sizes = *rs.sizes;
   const bool pull_x = p.backward && p.bwd.x_rows != nullptr;
-  const int64_t items = (p.in_place ? 1 : pull_x ? 3 : 2) * int64_t(sizes.m_blocks);  // in place: D(b) only
+  // In place: D(b) (and X(b)) only; backward_comm_item puts every C(b) after them.
+  const int64_t items = ((p.in_place ? 1 : 2) + (pull_x ? 1 : 0)) * int64_t(sizes.m_blocks);
   const int64_t opening = opening_blocks(sizes.m_blocks, p.blocks_per_minibatch);
   const bool stalled = p.stall_rank == rs.rank;  // fault injection: never take an item
   CopyEngine engine(cs.engine, WaitSite{p.error, DeviceRole::kDispatch, p.wait_timeout_ns, rs.rank});

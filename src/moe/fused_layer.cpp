@@ -350,13 +350,14 @@ void FusedLayer::setup(const EpConfig& config, const FusedMoeOptions& options, i
   const int64_t x_ring_rows = options.fp8_forward ? kBlockM : ring_rows;
   shared_rows_ = SharedRows::of(config, launch_ranks);
   const SharedRows::Rings& rings = shared_rows_->rings(ring);
-  if (in_place || options.fp8_forward) {
-    // In place the backward reads the x rows from the ring: they stay this layer's until its backward.
+  x_rows_kept_ = in_place && options.keep_x_rows && !options.fp8_forward;
+  if (x_rows_kept_ || options.fp8_forward) {
+    // Kept in place, the backward reads the x rows from the ring: they stay this layer's until its backward.
     x_ring_ = DeviceBuffer<__nv_bfloat16>(x_ring_rows * config.hidden);
     x_ring_.fill_bytes(0);  // padding rows are never written: start them at zero
     p.x_ring = x_ring_.data();
   } else {
-    p.x_ring = shared_rows_->x_ring(ring);  // a backward pulls its x rows again
+    p.x_ring = shared_rows_->x_ring(ring);  // a backward copies its x rows again
   }
   p.h_ring = rings.h.data();
   p.out_ring = rings.out.data();
@@ -657,7 +658,7 @@ bool FusedLayer::kept_forward_matches(std::span<const RankIO> inputs) const {
 }
 
 // What the latest forward kept for one rank of this launch: its schedule, its gate/up rows, and, in
-// place, its x rows (the ring holds every row, in schedule order).
+// place with keep_x_rows, its x rows (the ring holds every row, in schedule order).
 KeptForward FusedLayer::kept_rows(int lr) const {
   const int64_t rows = capacity_.max_padded_rows, E = config_.local_experts();
   return {expert_offsets_.data() + lr * (E + 1),
@@ -666,7 +667,7 @@ KeptForward FusedLayer::kept_rows(int lr) const {
           row_token_.data() + lr * rows,
           row_k_.data() + lr * rows,
           config_.ranks == 1 ? route_row_.data() : nullptr,
-          params_.in_place && !params_.fp8 ? x_ring_.data() : nullptr,  // the E4M3 forward's ring rows are not bf16
+          x_rows_kept_ ? x_ring_.data() : nullptr,
           gate_up_kept_.data() + lr * rows * 2 * config_.intermediate};
 }
 
@@ -795,8 +796,12 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
   // before their S items zero them for the weight gradients. They start zero, and hold zeros or another
   // layer's dy rows later (what the GEMM makes of them lands in padding rows too).
   BackwardRowBuffers::Fused& fused_rows = shared_rows_->backward().fused;
-  const bool make_rows = fused_rows.dy_rows.size() == 0;  // every layer of the set has this P: x rows too
-  if (!fused_backward_ || make_rows) {
+  const bool make_rows = fused_rows.dy_rows.size() == 0;
+  // The x rows of the weight gradients: kept in place, or copied again by the kernel's X items into
+  // fused_rows.x_rows (made by the first layer of the set that needs them).
+  const bool pull_x = !x_rows_kept_;
+  const bool make_x_rows = pull_x && fused_rows.x_rows.size() == 0;
+  if (!fused_backward_ || make_rows || make_x_rows) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     POUNCE_REQUIRE(capture == cudaStreamCaptureStatusNone,
@@ -813,14 +818,23 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
       made.dx_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
       made.segment_dots = DeviceBuffer<float>(ring_rows * backward::segments_per_row(I / 8));
       made.row_weight = DeviceBuffer<float>(ring_rows);
-      if (P > 1) made.x_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);  // in place the forward's ring has them
     } catch (const Error& e) {
       POUNCE_FAIL("FusedMoe::backward: the fused backward's row buffers (", ring_rows,
                   " rows: ", planner::describe_capacity(config_), ") do not fit: ", e.what(),
                   "; a smaller max_routes_per_rank or max_tokens_per_rank shrinks them");
     }
     made.dy_rows.fill_bytes(0);
+    made.x_rows = std::move(fused_rows.x_rows);
     fused_rows = std::move(made);
+  }
+  if (make_x_rows) {
+    try {
+      fused_rows.x_rows = DeviceBuffer<__nv_bfloat16>(ring_rows * H);
+    } catch (const Error& e) {
+      POUNCE_FAIL("FusedMoe::backward: the fused backward's x rows (", ring_rows,
+                  " rows: ", planner::describe_capacity(config_), ") do not fit: ", e.what(),
+                  "; keep_x_rows, or a smaller max_routes_per_rank or max_tokens_per_rank, avoids them");
+    }
   }
   if (!fused_backward_) {
     auto s = std::make_unique<FusedBackwardState>();
@@ -855,8 +869,8 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
            fused_rows.segment_dots.data(),
            fused_rows.row_weight.data(),
            {},
-           P > 1 ? fused_rows.x_rows.data() : nullptr,
-           P > 1 ? fused_rows.x_rows.data() : kept_rows(0).x_rows,
+           pull_x ? fused_rows.x_rows.data() : nullptr,
+           pull_x ? fused_rows.x_rows.data() : kept_rows(0).x_rows,
            0,
            weight_grad_epilogue(experts[0].mode)};
   // With bf16 weight gradients the kernel runs them too, where it has the x rows: kept in place at one
@@ -936,7 +950,7 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
                                stream));
 
   if (p.bwd.weight_grads) return;
-  // The x rows of the weight gradients: in place, the forward's ring; with more ranks, the kernel's X
+  // The x rows of the weight gradients: kept in place, the forward's ring; otherwise the kernel's X
   // items pulled them from the source ranks' kept forward inputs (across GPUs the window copies, which
   // no rank overwrites before the forward after next starts) into fused_rows.x_rows, in schedule order.
   // Either way the kernel's S items zeroed their padding rows (p.bwd.wgrad_x_rows).
@@ -945,7 +959,7 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
   const int64_t rank_rows = M * kBlockM;
   for (int lr = 0; lr < L; ++lr) {
     KeptForward rows = kept_rows(lr);
-    if (P > 1) rows.x_rows = fused_rows.x_rows.data() + lr * rank_rows * H;
+    if (pull_x) rows.x_rows = fused_rows.x_rows.data() + lr * rank_rows * H;
     backward_->run_weight_gradients(
         rank + lr, x, experts[lr], rows,
         {fused_rows.dy_rows.data() + lr * rank_rows * H, fused_rows.dgu.data() + lr * rank_rows * 2 * I,

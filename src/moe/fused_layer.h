@@ -106,7 +106,8 @@ class FusedLayer {
   DeviceBuffer<uint32_t> epoch_;        // the forward number, bumped on the device by every forward
   DeviceBuffer<uint64_t> kept_record_;  // FusedParams::kept_record
   uint32_t forwards_ = 0;               // forwards enqueued since the counters were last cleared
-  DeviceBuffer<__nv_bfloat16> x_ring_;  // in place only: otherwise the ring is all shared_rows_'s
+  DeviceBuffer<__nv_bfloat16> x_ring_;  // in place, kept (or E4M3): otherwise the ring is all shared_rows_'s
+  bool x_rows_kept_ = false;            // in place, bf16, FusedMoeOptions::keep_x_rows: x_ring_ holds them
   // Symmetric buffers: virtual ranks keep them here; the NCCL transport in its window.
   DeviceBuffer<uint32_t> peer_words_;  // per rank: arrivals [T_max], start flags [P]
   DeviceBuffer<int32_t> token_counts_;

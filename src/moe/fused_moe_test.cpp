@@ -1225,6 +1225,57 @@ TEST(FusedMoe, FusedBackwardWeightGradientsInEveryOutputMatchTheChain) {
   }
 }
 
+// keep_x_rows = false at one rank: the forward's x ring is the shared one (R x H x 2 bytes less of the
+// layer's own memory) and the backward copies the x rows again, fused (X items) or chained (a gather).
+// Every gradient has the kept layer's bits, also when another layer's forward overwrote the shared ring
+// between a forward and its backward, over rounds of changing routing, inputs and zero router weights.
+TEST(FusedMoe, BackwardWithoutKeptXRowsHasTheBitsOfTheKeptOne) {
+  POUNCE_REQUIRE_HOPPER();
+  auto rng = testing::fresh_rng();
+  const Case c{1, 333, 256, 192, 16, 6, RoutingPattern::kZipf};
+  Problem p = make_problem(rng, c);
+  FusedMoe kept(p.config, {.fused_backward = true});
+  FusedMoe fused(p.config, {.fused_backward = true, .keep_x_rows = false});
+  FusedMoe chained(p.config, {.keep_x_rows = false});
+  for (FusedMoe* layer : {&kept, &fused, &chained}) {
+    p.load_weights(*layer);
+    ASSERT_TRUE(layer->in_place());
+  }
+  const int64_t H = p.config.hidden;
+  const auto own_bytes = [](const FusedMoe& layer) { return layer.device_bytes() - layer.shared_device_bytes(); };
+  EXPECT_EQ(own_bytes(kept) - own_bytes(fused), kept.max_m_blocks() * kBlockM * H * 2);
+  EXPECT_EQ(own_bytes(fused), own_bytes(chained));
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    if (round > 0) {
+      p.x[0] = testing::random_bf16_values(rng, p.tokens[0] * H);
+      p.ids[0] = reference::synthetic_topk_ids(round == 1 ? RoutingPattern::kOneExpert : RoutingPattern::kUniform,
+                                               p.tokens[0], c.experts, c.topk, rng);
+      p.weights[0] = reference::synthetic_topk_weights(p.tokens[0], c.topk, rng);
+      for (int64_t route = round; route < p.tokens[0] * c.topk; route += 4) p.weights[0][route] = 0.0f;
+      p.d_x[0].upload(testing::to_bf16_bits(p.x[0]));
+      p.d_ids[0].upload(p.ids[0]);
+      p.d_weights[0].upload(p.weights[0]);
+    }
+    const std::vector<std::vector<float>> dy = {testing::random_bf16_values(rng, p.tokens[0] * H)};
+    std::vector<DeviceBuffer<uint16_t>> d_dy;
+    d_dy.emplace_back(testing::to_bf16_bits(dy[0]));
+    kept.forward(p.io(), nullptr, /*keep_for_backward=*/true);
+    const Gradients want = run_backward(kept, p, d_dy);
+    expect_gradients(want, reference_backward(p, dy), p.config);
+    // Both forwards first: the second one's x rows overwrite the first one's in the shared ring.
+    fused.forward(p.io(), nullptr, /*keep_for_backward=*/true);
+    chained.forward(p.io(), nullptr, /*keep_for_backward=*/true);
+    const cudaError_t synced = cudaDeviceSynchronize();
+    for (FusedMoe* layer : {&fused, &chained}) layer->check_device_errors();
+    CUDA_CHECK(synced);
+    EXPECT_TRUE(run_backward(fused, p, d_dy) == want) << "the fused backward without kept x rows differs";
+    EXPECT_TRUE(run_backward(chained, p, d_dy) == want) << "the chained backward without kept x rows differs";
+    EXPECT_FALSE(fused.last_backward_replayed());
+    EXPECT_FALSE(chained.last_backward_replayed());
+  }
+}
+
 // Virtual ranks give every gradient with the bits of one rank that holds all their tokens and experts:
 // each route's work is the same, and an expert's rows come in the same order (source rank, token, k),
 // so even the weight gradients sum them alike.

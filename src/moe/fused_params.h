@@ -145,9 +145,9 @@ struct BackwardRows {
   // [ring rows]: each routed row's router weight, copied by dispatch beside its dy row (across GPUs the
   // weights live in the source ranks' memory, an NVLink round trip away from the elementwise items).
   float* row_weight;
-  // More than one rank: the kept forward's x of each global rank [T, H], and [ring rows, H] where the
-  // backward's X items copy each routed row's x (schedule order) for the weight gradients after the
-  // kernel. Null in place, where the forward's ring holds them.
+  // The kept forward's x of each global rank [T, H], and [ring rows, H] where the backward's X items copy
+  // each routed row's x (schedule order) for the weight gradients. Null in place where the forward kept
+  // them in its ring (FusedMoeOptions::keep_x_rows).
   const __nv_bfloat16* x_source[kMaxRanks];
   __nv_bfloat16* x_rows;
   // [ring rows, H]: the x rows the weight gradients read (x_rows with more ranks, the forward's ring in

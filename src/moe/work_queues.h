@@ -20,7 +20,7 @@ namespace pounce::moe {
 struct CommItem {
   bool combine;  // C(b) pushes m-block b out; D(b) pulls it in
   int32_t m_block;
-  bool x_rows = false;  // X(b), the backward across ranks: pulls the kept forward's x rows of m-block b
+  bool x_rows = false;  // X(b), a backward without kept x rows: pulls the kept forward's x rows of m-block b
 };
 
 // Item i (< 2M) of a queue with M m-blocks and R ring blocks.
