@@ -54,6 +54,8 @@ def draw_config(seed):
         steps[1] = 0  # a step without tokens between two with
     if seed % 6 == 0:
         steps[2] = 1
+    if r.random() < 0.3:  # one rank: the x ring shared, the backward copying the x rows again
+        options["keep_x_rows"] = 0
     return dict(P=P, E=E, k=k, H=H, I=I, options=options, steps=steps, seed=seed)
 
 
@@ -149,6 +151,7 @@ MODEL_SHAPES = [
     ("deepseek_v3_rank", 7168, 2048, 32, 8, 1024, None, {"fused_backward": 1}),
     ("kimi_k2_3_ranks", 7168, 2048, 48, 8, 777, 3, {}),
     ("qwen3_30b_4_ranks", 2048, 768, 128, 8, 2048, 4, {"fused_backward": 1}),
+    ("qwen3_30b_rank_x_rows_copied", 2048, 768, 128, 8, 1501, None, {"fused_backward": 1, "keep_x_rows": 0}),
     ("mixtral_2_ranks", 4096, 14336, 8, 2, 513, 2, {"fused_backward": 1}),
 ]
 

@@ -134,6 +134,7 @@ def test_c_errors_arrive_as_pounce_error_with_the_library_message():
         pounce._lib.check(lib.pounce_moe_get_info(ctypes.c_void_p(), None))
     assert pounce._lib.default_options().wait_timeout_ns == 5_000_000_000
     assert pounce._lib.default_options().fused_backward == 0  # on one GPU the chain of kernels by default
+    assert pounce._lib.default_options().keep_x_rows == 1  # a training forward in place keeps its x rows
     with pytest.raises(pounce.Error, match="unknown option 'ring'"):
         pounce.Layer(64, 64, 8, 2, options={"ring": 1})._options()
 
