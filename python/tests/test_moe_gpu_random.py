@@ -54,7 +54,7 @@ def draw_config(seed):
         steps[1] = 0  # a step without tokens between two with
     if seed % 6 == 0:
         steps[2] = 1
-    if r.random() < 0.3:  # one rank: the x ring shared, the backward copying the x rows again
+    if r.random() < 0.3:  # in place at one rank (else no effect): the x ring shared, the backward copying x again
         options["keep_x_rows"] = 0
     return dict(P=P, E=E, k=k, H=H, I=I, options=options, steps=steps, seed=seed)
 

@@ -11,7 +11,7 @@
 //   W(e):  with BackwardRows::weight_grads, expert e's weight gradients, k-grouped over its rows:
 //          dW2[e] = dy_rows^T . wa, then dW13[e] = dgu^T . x_rows; a CTA's first W tile waits for every
 //          S item (they wrote wa and dgu, and zeroed the padding rows of dy and x that the last K slice
-//          sums) and, with more ranks, every X item (the x rows): one wait each, where each tile waiting
+//          sums) and, where the x rows were not kept, every X item (the x rows): one wait each, where each tile waiting
 //          for its expert's m-blocks, one counter after the other, cost the fused backward up to 10 % on
 //          one H200.
 // Step j of the queue holds D1(j), S(j-1), D2(j-2) (moe/work_queues.h); the W tiles follow the last step:
@@ -116,7 +116,7 @@ class FusedBackwardTiles : public RankTiles {
     const int32_t in_expert = int32_t(v - e64 * per_expert);
     const int32_t columns = down ? down_n_blocks_ : gate_up_n_blocks_;
     const int32_t m_block = in_expert / columns, n_block = in_expert % columns;
-    if (!inputs_done_) {  // with more ranks the x rows come by X items
+    if (!inputs_done_) {  // unless kept in place, the x rows come by X items
       const WaitSite site{p_.error, DeviceRole::kGemmProducer, p_.wait_timeout_ns, rs_.rank};
       const uint32_t items = uint32_t(sizes_.m_blocks) * kSwigluPieces * gemm::kConsumerWarpgroups;
       if (!counter_wait_bounded(&rs_.control[kItemsDone], items, site, WaitTarget::kWgradInputs, 0)) return false;

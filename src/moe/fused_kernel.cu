@@ -7,8 +7,8 @@
 //   opening every CTA pulls a share of the first minibatch's rows (moe/comm_role.cuh)
 //   run     communication CTAs: dispatch and combine items (moe/comm_role.cuh), then weighted sums;
 //           compute CTAs: GEMM1 + SwiGLU and GEMM2 tiles (moe/fused_tiles.cuh), then weighted sums.
-//           In place (one rank, ring holding every m-block) communication CTAs only dispatch, then
-//           take GEMM tiles too.
+//           In place (one rank, ring holding every m-block) communication CTAs only dispatch (the
+//           backward: and pull x rows again where they were not kept), then take GEMM tiles too.
 // The fused backward is the same kernel with the directions swapped (p.backward, FusedBackwardTiles):
 // dispatch pulls dy rows, the compute CTAs run the data-gradient GEMMs with the SwiGLU backward between
 // them (moe/fused_backward_tiles.cuh), combine pushes the dx rows back, and the sums add them unweighted;
@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (cta < p.comm_ctas) {
     run_comm_items<kThreads, kFp8>(p, rs, lr, *reinterpret_cast<CommShared*>(smem));
     if (!p.in_place) return sums();
-    // In place the queue held only dispatch items: every row is in, so this CTA joins the GEMM tiles.
+    // In place the queue held only dispatch (and X) items: every row is in, so this CTA joins the GEMM tiles.
     // The row tables were written through the generic proxy; TMA writes this shared memory next.
     ptx::fence_proxy_async_shared();
     __syncthreads();

@@ -873,9 +873,9 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
            pull_x ? fused_rows.x_rows.data() : kept_rows(0).x_rows,
            0,
            weight_grad_epilogue(experts[0].mode)};
-  // With bf16 weight gradients the kernel runs them too, where it has the x rows: kept in place at one
-  // rank, pulled by its X items with more (a bounded forward ring at one rank kept none: the chain
-  // gathers them; E4M3 weight gradients quantize their rows first).
+  // With bf16 weight gradients the kernel runs them too, from the x rows kept in place or pulled by its X
+  // items (with more ranks, a bounded forward ring or keep_x_rows = false); E4M3 weight gradients
+  // quantize their rows first, after the kernel.
   bool fp8_weight_gradients = false;
   for (int lr = 0; lr < L; ++lr) fp8_weight_gradients |= experts[lr].fp8_weight_gradients;
   p.bwd.weight_grads = p.bwd.wgrad_x_rows != nullptr && !fp8_weight_gradients;

@@ -1227,8 +1227,9 @@ TEST(FusedMoe, FusedBackwardWeightGradientsInEveryOutputMatchTheChain) {
 
 // keep_x_rows = false at one rank: the forward's x ring is the shared one (R x H x 2 bytes less of the
 // layer's own memory) and the backward copies the x rows again, fused (X items) or chained (a gather).
-// Every gradient has the kept layer's bits, also when another layer's forward overwrote the shared ring
-// between a forward and its backward, over rounds of changing routing, inputs and zero router weights.
+// Every gradient has the kept layer's bits over rounds of changing routing, inputs and zero router
+// weights (rows not copied again would be the previous round's), with both forwards run before either
+// backward.
 TEST(FusedMoe, BackwardWithoutKeptXRowsHasTheBitsOfTheKeptOne) {
   POUNCE_REQUIRE_HOPPER();
   auto rng = testing::fresh_rng();

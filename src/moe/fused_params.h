@@ -150,9 +150,9 @@ struct BackwardRows {
   // them in its ring (FusedMoeOptions::keep_x_rows).
   const __nv_bfloat16* x_source[kMaxRanks];
   __nv_bfloat16* x_rows;
-  // [ring rows, H]: the x rows the weight gradients read (x_rows with more ranks, the forward's ring in
-  // place; null where they gather them). Their padding rows hold stale rows, which the GEMMs would sum:
-  // the S items zero them.
+  // [ring rows, H]: the x rows the weight gradients read (x_rows where the X items pull them, else the
+  // forward's ring in place). Their padding rows hold stale rows, which the GEMMs would sum: the S items
+  // zero them.
   __nv_bfloat16* wgrad_x_rows;
   // 1 (bf16 weight gradients, x rows kept or pulled): the kernel runs the weight gradients too, as
   // k-grouped tiles queued after the data path's (FusedMaps::wgrad_*): dW2[e] = dy_rows[e]^T . wa[e] and

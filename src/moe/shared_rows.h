@@ -1,10 +1,11 @@
 // Row buffers that the layers of one shape on one GPU share: the forward's rings (per ring size; the x
-// rows too, except in place at one rank) and the backward's route rows (moe/backward/backward_rows.h).
+// rows too, except in place at one rank keeping them) and the backward's route rows
+// (moe/backward/backward_rows.h).
 // None of them carries anything from one call to the next (each forward writes the ring rows it uses
 // before reading them, behind its own counters: rows of all-padding tile halves are loaded stale but enter
 // no output row; each backward likewise its route rows), so a model of n MoE layers holds them once, not
-// n times. What a layer keeps from its forward for its backward (its x ring in place at one rank, the
-// gate/up rows, the schedule) and its counters stay its own.
+// n times. What a layer keeps from its forward for its backward (its x ring in place at one rank with
+// keep_x_rows, the gate/up rows, the schedule) and its counters stay its own.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -37,7 +38,7 @@ class SharedRows {
   };
   const Rings& rings(int64_t ring_blocks);
   // The x rows of that ring, [.., H], for layers whose backward does not read them from the ring (all but
-  // one rank in place: a backward across ranks pulls its x rows again). Zero until written.
+  // one rank in place keeping them: the others' backwards pull their x rows again). Zero until written.
   __nv_bfloat16* x_ring(int64_t ring_blocks);
   BackwardRowBuffers& backward() { return backward_; }
   int64_t bytes() const;  // of every buffer made so far

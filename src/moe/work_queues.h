@@ -33,7 +33,7 @@ POUNCE_HOST_DEVICE inline CommItem comm_item(int64_t i, int32_t m_blocks, int32_
   return {true, int32_t(pairs + (u - 2 * pairs))};
 }
 
-// Item i (< 3M) of the backward's queue across ranks, where every m-block has its own ring slot
+// Item i (< 3M; in place < 2M) of the backward's queue where it pulls x rows, every m-block with its own ring slot
 // (FusedLayer::fused_backward sets ring_blocks to the capacity's m-blocks; with fewer, D(b >= R) would
 // wait for a C item queued behind it) and the weight gradients need each row's x beside its dy: D(0) ... D(M-1), X(0)
 // ... X(M-1), C(0) ... C(M-1). Neither D nor X items wait; the pushes wait for the GEMMs, so the x rows move while the

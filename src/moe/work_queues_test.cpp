@@ -58,8 +58,9 @@ TEST(CommQueue, InPlaceTakesEveryDispatchInOrder) {
     }
 }
 
-// The backward across ranks (every m-block has a ring slot) also pulls each m-block's x rows: every
-// D, X and C item once, the pulls (D, then X) ahead of every push, which alone waits (for the GEMMs).
+// A backward that pulls x rows again (every m-block has a ring slot): every D, X and C item once, the
+// pulls (D, then X) ahead of every push, which alone waits (for the GEMMs). In place (one rank) the
+// queue is its first 2M items: D and X only, nothing pushed.
 TEST(CommQueue, BackwardPullsEveryDyAndXRowOnceBeforeAnyPush) {
   for (int32_t m_blocks : {0, 1, 2, 7, 100}) {
     SCOPED_TRACE("M " + std::to_string(m_blocks));
@@ -78,6 +79,8 @@ TEST(CommQueue, BackwardPullsEveryDyAndXRowOnceBeforeAnyPush) {
       EXPECT_GT(pulled_x[b], *std::max_element(pulled.begin(), pulled.end()));
       EXPECT_GT(pushed[b], *std::max_element(pulled_x.begin(), pulled_x.end()));
     }
+    for (int64_t i = 0; i < 2 * int64_t(m_blocks); ++i)
+      EXPECT_FALSE(backward_comm_item(i, m_blocks).combine) << "item " << i << " of an in-place queue";
     // Without X items the backward's queue (ring of every m-block) is the forward's: D(0..M-1), C(0..M-1).
     for (int64_t i = 0; i < 2 * int64_t(m_blocks); ++i) {
       const CommItem item = comm_item(i, m_blocks, m_blocks);

@@ -30,8 +30,8 @@ struct BackwardRowBuffers {
   DeviceBuffer<uint8_t> dy_fp8, dgu_fp8;  // FP8 data gradients: their A operands, 1 x 128 scales beside
   DeviceBuffer<float> dy_scale, dgu_scale;
   TransposedRows dy_t, wa_t, dgu_t, x_t;  // FP8 weight gradients
-  // The fused backward's (moe/fused_layer.h), [launch ranks x capacity rows, width]; x rows with more
-  // than one rank only.
+  // The fused backward's (moe/fused_layer.h), [launch ranks x capacity rows, width]; x rows once a
+  // backward pulls them (more ranks, a bounded forward ring, FusedMoeOptions::keep_x_rows = false).
   struct Fused {
     DeviceBuffer<__nv_bfloat16> dy_rows, da, dgu, wa, dx_rows, x_rows;
     DeviceBuffer<float> segment_dots, row_weight;
