@@ -202,23 +202,30 @@ TEST(ElementwiseTileQueue, ElementwiseItemsSitAMinibatchAheadOfTheTilesWaitingFo
 // With `pieces` > 0 the GEMM CTAs take the E4M3 forward's queue instead (ElementwiseTileQueue: `pieces`
 // elementwise items per m-block between the two GEMMs, each waiting for GEMM1 of its m-block, GEMM2
 // waiting for all of them).
+// The fused backward adds, with `pull_x`, an X item per m-block to the communication queue
+// (backward_comm_item: D, X, then C items; in place D and X only), and `w_tiles` weight-gradient tiles
+// after the data path's, each waiting for every elementwise item and every X item (kItemsDone,
+// kXRowsDone).
 bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t ring, int comm_ctas, int gemm_ctas,
-              bool in_place = false, int32_t pieces = 0) {
+              bool in_place = false, int32_t pieces = 0, bool pull_x = false, int64_t w_tiles = 0) {
+  constexpr int32_t kWeightTile = kElementwiseItem + 1;  // the simulation's tag for a W tile
   const TileQueue plain = make_queue(m_blocks, bpm, n1, n2);
   const ElementwiseTileQueue with_items{m_blocks, plain.minibatches, bpm, {n1, n2}, pieces};
-  const int64_t tiles = pieces > 0 ? with_items.tiles() : plain.tiles();
+  const int64_t data_tiles = pieces > 0 ? with_items.tiles() : plain.tiles(), tiles = data_tiles + w_tiles;
   std::vector<char> pulled(m_blocks), pushed(m_blocks);
   std::vector<int32_t> gemm1_done(m_blocks), gemm2_done(m_blocks), items_done(m_blocks);
+  int64_t all_items_done = 0, x_done = 0;
   // The opening: every CTA pulls the first minibatch before taking either queue.
   const int32_t opening = opening_blocks(m_blocks, bpm);
   for (int32_t b = 0; b < opening; ++b) pulled[b] = 1;
   int64_t next_item = opening, next_tile = 0, finished = opening;
-  const int64_t items = (in_place ? 1 : 2) * int64_t(m_blocks);
+  const int64_t items = ((in_place ? 1 : 2) + (pull_x ? 1 : 0)) * int64_t(m_blocks);
   const int64_t work = items + tiles;
   std::vector<int64_t> comm_holds(comm_ctas, -1);
   std::vector<char> joined(comm_ctas);  // in place: comm CTAs that became GEMM CTAs
   std::vector<std::deque<GemmTile>> gemm_holds(gemm_ctas);
   auto ready = [&](const GemmTile& t) {
+    if (t.gemm == kWeightTile) return all_items_done == int64_t(m_blocks) * pieces && (!pull_x || x_done == m_blocks);
     if (t.gemm == 0) return pulled[t.m_block] != 0;
     if (t.gemm == kElementwiseItem) return gemm1_done[t.m_block] == n1;
     return gemm1_done[t.m_block] == n1 && items_done[t.m_block] == pieces;
@@ -236,17 +243,22 @@ bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t rin
         continue;
       }
       if (held < 0) continue;
-      const CommItem item = comm_item(held, m_blocks, ring);
+      const CommItem item = pull_x ? backward_comm_item(held, m_blocks) : comm_item(held, m_blocks, ring);
       const int32_t b = item.m_block;
-      const bool can = item.combine ? gemm2_done[b] == n2 : (b < ring || pushed[b - ring] != 0);
+      const bool can = item.combine ? gemm2_done[b] == n2 : item.x_rows || b < ring || pushed[b - ring] != 0;
       if (!can) continue;
-      (item.combine ? pushed : pulled)[b] = 1;
+      if (item.x_rows)
+        ++x_done;
+      else
+        (item.combine ? pushed : pulled)[b] = 1;
       held = -1, ++finished, progress = true;
     }
     for (auto& held : gemm_holds) {
       if (held.size() < 2 && (held.empty() || ready(held.back())) && next_tile < tiles) {
-        GemmTile t;
-        if (pieces > 0)
+        GemmTile t{kWeightTile, 0, 0};
+        if (next_tile >= data_tiles)
+          ++next_tile;
+        else if (pieces > 0)
           with_items.tile(next_tile++, t);
         else
           plain.tile(next_tile++, t);
@@ -256,7 +268,8 @@ bool simulate(int32_t m_blocks, int32_t bpm, int32_t n1, int32_t n2, int32_t rin
       if (!held.empty() && ready(held.front())) {
         const GemmTile t = held.front();
         held.pop_front();
-        ++(t.gemm == 0 ? gemm1_done : t.gemm == 1 ? gemm2_done : items_done)[t.m_block];
+        if (t.gemm == kElementwiseItem) ++all_items_done;
+        if (t.gemm != kWeightTile) ++(t.gemm == 0 ? gemm1_done : t.gemm == 1 ? gemm2_done : items_done)[t.m_block];
         ++finished, progress = true;
       }
     }
@@ -332,6 +345,26 @@ TEST(WorkQueues, NeverDeadlockInPlace) {
         for (int gemm : {1, 2, 5, 40})
           EXPECT_TRUE(simulate(m_blocks, bpm, 4, 3, m_blocks, comm, gemm, /*in_place=*/true))
               << "M " << m_blocks << ", minibatch " << bpm << ", comm " << comm << ", gemm " << gemm;
+}
+
+// The fused backward: D1, S items and D2 tiles, then the weight gradients' W tiles, which wait for
+// every S item and, where the x rows were not kept, every X item of the communication queue (in place:
+// D then X items, whose CTAs then join the GEMM tiles; across ranks: D, X, then C items). Its ring holds
+// every m-block.
+TEST(WorkQueues, TheFusedBackwardWithWeightTilesNeverDeadlocks) {
+  for (int32_t m_blocks : {0, 1, 7, 40})
+    for (int32_t bpm : {1, 4, 64})
+      for (int comm : {1, 3})
+        for (int gemm : {1, 2, 5, 40})
+          for (int64_t w_tiles : {0, 1, 9, 100})
+            for (const bool in_place : {true, false})
+              for (const bool pull_x : {true, false}) {
+                if (!in_place && !pull_x) continue;  // across ranks the backward always pulls them
+                EXPECT_TRUE(
+                    simulate(m_blocks, bpm, 3, 8, m_blocks, comm, gemm, in_place, /*pieces=*/4, pull_x, w_tiles))
+                    << "M " << m_blocks << ", minibatch " << bpm << ", comm " << comm << ", gemm " << gemm << ", W "
+                    << w_tiles << ", in place " << in_place << ", x pulled " << pull_x;
+              }
 }
 
 TEST(WorkQueues, InPlaceNeedsTheRingToHoldEveryMBlock) {
