@@ -529,6 +529,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the backward's data-gradient GEMMs in FP8 (FusedMoeOptions::fp8_data_gradients)")
     p.add_argument("--fp8-weight-gradients", action="store_true",
                    help="the backward's weight-gradient GEMMs in FP8 (FusedMoeOptions::fp8_weight_gradients)")
+    p.add_argument("--no-keep-x-rows", action="store_true",
+                   help="training forwards keep only their gate/up rows; the backward copies the x rows again "
+                        "(FusedMoeOptions::keep_x_rows = false: less memory per layer)")
     p.add_argument("--out", default="results/train", help="folder for train.json and loss.png")
     return p
 
@@ -542,7 +545,7 @@ def backward_kind(args) -> str:
 
 def pounce_options(args) -> dict:
     """pounce.MoE's options for this run: the fused backward kernel (by default), the E4M3 forward, FP8
-    gradients, when asked for."""
+    gradients, x rows not kept, when asked for."""
     options = {}
     if backward_kind(args) == "fused":
         options["fused_backward"] = 1
@@ -552,6 +555,8 @@ def pounce_options(args) -> dict:
         options["fp8_data_gradients"] = 1
     if args.fp8_weight_gradients:
         options["fp8_weight_gradients"] = 1
+    if args.no_keep_x_rows:
+        options["keep_x_rows"] = 0
     return options
 
 

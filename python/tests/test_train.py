@@ -92,6 +92,7 @@ def test_flags_become_pounce_moe_options():
     assert options() == {"fused_backward": 1}  # the persistent kernel by default
     assert options("--backward", "chain") == {}
     assert options("--fp8-weight-gradients") == {"fused_backward": 1, "fp8_weight_gradients": 1}
+    assert options("--no-keep-x-rows") == {"fused_backward": 1, "keep_x_rows": 0}
     # The E4M3 forward and FP8 data gradients run with the chain only: it becomes the default there ...
     assert options("--fp8-forward", "--fp8-data-gradients") == {"fp8_forward": 1, "fp8_data_gradients": 1}
     # ... and asking for both is passed on, for pounce.MoE to refuse by name.
