@@ -27,6 +27,7 @@
 #include <type_traits>
 
 #include "common/cuda_check.h"
+#include "common/gpu.h"
 #include "common/require.h"
 #include "formats/blockwise.h"
 #include "formats/numerics.h"
@@ -391,13 +392,15 @@ void quantize_1x128_transposed_device(const uint16_t* x_bf16, int64_t rows, int6
   const int64_t tiles = (rows / kActivationBlock) * (cols / kActivationBlock);
   POUNCE_REQUIRE(tiles <= INT_MAX, name, ": [", rows, ", ", cols, "] has too many tiles for one launch");
   // As many CTAs as fit on the GPU at once, at most one per tile: with rows_in_use the tiles in use are
-  // known only on the device, and the capacity past them can be several times as many.
-  int device = 0, sms = 0, per_sm = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quantize_1x128_transposed_kernel, kTransposeThreads, 0));
-  const int64_t ctas = std::min<int64_t>(tiles, int64_t(std::max(per_sm, 1)) * sms);
+  // known only on the device, and the capacity past them can be several times as many. (Its residency
+  // is the kernel's alone: asked once.)
+  static const int per_sm = [] {
+    int n = 0;
+    CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, quantize_1x128_transposed_kernel, kTransposeThreads, 0));
+    return std::max(n, 1);
+  }();
+  const int64_t ctas = std::min<int64_t>(tiles, int64_t(per_sm) * gpu_info().multiprocessors);
   quantize_1x128_transposed_kernel<<<unsigned(ctas), kTransposeThreads, 0, stream>>>(x_bf16, rows, cols, out, scales,
                                                                                      rows_in_use);
   CUDA_CHECK_LAUNCH();

@@ -824,8 +824,7 @@ void FusedLayer::fused_backward(std::span<const RankIO> forward_inputs, std::spa
                   "; a smaller max_routes_per_rank or max_tokens_per_rank shrinks them");
     }
     made.dy_rows.fill_bytes(0);
-    made.x_rows = std::move(fused_rows.x_rows);
-    fused_rows = std::move(made);
+    fused_rows = std::move(made);  // no x rows yet: they are made after the first rows
   }
   if (make_x_rows) {
     try {
